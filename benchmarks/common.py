@@ -1,0 +1,99 @@
+"""Shared benchmark plumbing: the results-file format of DESIGN.md section 6.
+
+Every benchmark writes ``benchmarks/results/<bench>-<gpu>-<yyyymmdd>.json`` as
+``{"meta": {...}, "rows": [...]}`` where meta names the hardware, versions,
+date and commit, and every row carries the same-run dense figure.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+__all__ = ["collect_meta", "gpu_slug", "write_results", "bench_ms", "dense_fwd_bwd_ms"]
+
+
+def _git_commit() -> str:
+    env = os.environ.get("DSV_COMMIT")
+    if env:
+        return env
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], stderr=subprocess.DEVNULL, text=True).strip()
+    except Exception:
+        return "unknown"
+
+
+def collect_meta() -> Dict[str, object]:
+    """Hardware, versions, date and commit of this run."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:
+        triton_version = None
+    try:
+        from importlib.metadata import version
+
+        mcore = version("megatron-core")
+    except Exception:
+        mcore = None
+    cuda = torch.cuda.is_available()
+    return {
+        "gpu": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "gpu_count": torch.cuda.device_count() if cuda else 0,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if cuda else None,
+        "megatron_core": mcore,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": _git_commit(),
+    }
+
+
+def gpu_slug(meta: Dict[str, object]) -> str:
+    """'NVIDIA H200' -> 'h200'."""
+    name = str(meta["gpu"]).lower().replace("nvidia", "").strip()
+    return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "cpu"
+
+
+def write_results(bench: str, rows: List[Dict[str, object]], out_dir: Optional[str] = None,
+                  meta: Optional[Dict[str, object]] = None) -> Path:
+    """Write ``<out_dir>/<bench>-<gpu>-<yyyymmdd>.json`` and return its path.
+
+    ``out_dir`` defaults to ``$DSV_RESULTS_DIR`` or ``benchmarks/results``.
+    """
+    meta = meta or collect_meta()
+    out = Path(out_dir or os.environ.get("DSV_RESULTS_DIR") or Path(__file__).parent / "results")
+    out.mkdir(parents=True, exist_ok=True)
+    day = datetime.date.today().strftime("%Y%m%d")
+    path = out / f"{bench}-{gpu_slug(meta)}-{day}.json"
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    return path
+
+
+def bench_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float:
+    """Median milliseconds of ``fn`` (CUDA events via triton.testing.do_bench)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def dense_fwd_bwd_ms(B: int, H: int, S: int, D: int, dtype=torch.bfloat16, rep: int = 50) -> Dict[str, float]:
+    """Same-run dense baseline: cuDNN (through torch SDPA, forced first) fwd and bwd ms."""
+    from megatron_dsv.ops.dense import dense_attention
+
+    dev = torch.device("cuda")
+    q, k, v = (torch.randn(B, H, S, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(3))
+    fwd = bench_ms(lambda: dense_attention(q, k, v), rep=rep)
+    o = dense_attention(q, k, v)
+    do = torch.randn_like(o)
+    bwd = bench_ms(lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True), rep=rep)
+    return {"ms_dense_fwd": fwd, "ms_dense_bwd": bwd, "dense_backend": "cudnn (torch SDPA, priority)"}

@@ -1,0 +1,73 @@
+"""Command-line flags: ``add_dsv_args`` is a Megatron ``extra_args_provider``.
+
+``--use-dsv-attention`` turns DSV on; every ``DSVConfig`` field becomes one
+``--dsv-<field-with-dashes>`` flag whose default and help come from the
+dataclass, so flags and config cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from typing import Optional
+
+from megatron_dsv.config import DSVConfig
+
+__all__ = ["add_dsv_args", "dsv_config_from_args", "flag_name"]
+
+
+def flag_name(field_name: str) -> str:
+    """'predictor_rank' -> '--dsv-predictor-rank'."""
+    return "--dsv-" + field_name.replace("_", "-")
+
+
+def _base_type(tp):
+    """int for int / Optional[int], etc."""
+    if typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0]
+    return tp
+
+
+def _none_or(conv):
+    def parse(text: str):
+        return None if text.lower() in ("none", "null", "") else conv(text)
+
+    parse.__name__ = getattr(conv, "__name__", "value")
+    return parse
+
+
+def add_dsv_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--use-dsv-attention`` and the ``--dsv-*`` flags; returns the parser (Megatron's contract)."""
+    group = parser.add_argument_group(title="DSV sparse attention")
+    group.add_argument("--use-dsv-attention", action="store_true",
+                       help="Replace core attention with DSV dynamic sparse attention.")
+    hints = typing.get_type_hints(DSVConfig)
+    for f in dataclasses.fields(DSVConfig):
+        tp = hints[f.name]
+        help_text = f.metadata.get("help", "") + f" (default: {f.default})"
+        kwargs = dict(dest="dsv_" + f.name, default=f.default, help=help_text)
+        if "choices" in f.metadata:
+            kwargs["choices"] = list(f.metadata["choices"])
+        if typing.get_origin(tp) is tuple:
+            kwargs.update(nargs=len(typing.get_args(tp)), type=int, metavar=("T", "H", "W"))
+        else:
+            base = _base_type(tp)
+            optional = base is not tp
+            kwargs["type"] = _none_or(base) if optional else base
+        group.add_argument(flag_name(f.name), **kwargs)
+    return parser
+
+
+def dsv_config_from_args(args: argparse.Namespace) -> Optional[DSVConfig]:
+    """DSVConfig from parsed args, or None when ``--use-dsv-attention`` is off."""
+    if not getattr(args, "use_dsv_attention", False):
+        return None
+    values = {}
+    for f in dataclasses.fields(DSVConfig):
+        key = "dsv_" + f.name
+        if not hasattr(args, key):
+            raise ValueError(f"args has no {key!r}: was add_dsv_args passed as extra_args_provider?")
+        values[f.name] = getattr(args, key)
+    return DSVConfig(**values)

@@ -1,0 +1,167 @@
+"""DSVConfig: every knob of the DSV method, documented and validated.
+
+Defaults follow DESIGN.md section 1 (the DSV paper and its public artifact).
+``arguments.py`` turns each field into a ``--dsv-<field>`` flag, so the help
+text of a flag is the ``help`` metadata below: one source of truth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+__all__ = ["DSVConfig", "PREDICTOR_INPUTS", "STAGE_SWITCH_RULES", "GRANULARITIES", "KERNEL_BACKENDS",
+           "TOPK_BACKENDS", "CP_MODES", "GROUP_PROXIES", "BLOCK_SCORES"]
+
+PREDICTOR_INPUTS = ("qk", "hidden")
+STAGE_SWITCH_RULES = ("loss", "steps", "loss_or_steps", "loss_and_steps")
+GRANULARITIES = ("token", "block")
+KERNEL_BACKENDS = ("auto", "triton", "flex", "naive")
+TOPK_BACKENDS = ("auto", "cuda", "triton", "naive")
+CP_MODES = ("none", "head", "seq", "hybrid")
+GROUP_PROXIES = ("mean", "middle")
+BLOCK_SCORES = ("max", "lse")
+SUPPORTED_GROUP_SIZES = (16, 32, 64, 128)
+SUPPORTED_KV_BLOCKS = (64, 128)
+
+
+def _knob(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class DSVConfig:
+    """Configuration of DSV sparse attention (one instance shared by every layer)."""
+
+    # ---- low-rank predictor -------------------------------------------------
+    predictor_rank: int = _knob(16, "Rank r per head of the low-rank predictor (q_lr, k_lr have r features).")
+    """Rank r per head of the low-rank predictor."""
+    predictor_input: str = _knob(
+        "qk", "Predictor input: 'qk' = post-RoPE q and k per head (D -> r, sees positions); "
+        "'hidden' = the layer's hidden states (hidden -> 2*H*r, the paper).", choices=PREDICTOR_INPUTS)
+    """What the predictor projects: per-head post-RoPE q/k, or the layer's hidden states."""
+    predictor_loss_cos_weight: float = _knob(0.9, "Weight of (1 - cosine) in the predictor loss.")
+    """Weight of the (1 - cosine similarity) term of the predictor loss."""
+    predictor_loss_mse_weight: float = _knob(0.1, "Weight of the MSE of L2-normalised score rows in the predictor loss.")
+    """Weight of the MSE-of-normalised-rows term of the predictor loss."""
+    predictor_query_stride: int = _knob(64, "Predictor loss and profiler sample 1 query in this many.")
+    """The predictor loss and the profiler use one query in this many."""
+    predictor_lr: float = _knob(1e-3, "Learning rate of the predictors' own Adam optimizer (stage 1).")
+    """Learning rate of the predictors' own optimizer during stage 1."""
+    predictor_lr_stage2_scale: float = _knob(0.1, "Predictor learning-rate multiplier once stage 2 starts.")
+    """Predictors keep learning in stage 2 at this fraction of predictor_lr."""
+
+    # ---- profiler -----------------------------------------------------------
+    theta: float = _knob(0.9, "Softmax mass a query's critical set must reach (0 < theta < 1).")
+    """A query's critical set is the smallest key set holding theta of its softmax mass."""
+    profile_interval: int = _knob(25, "Profile exact per-head sparsity every this many steps during warm-up.")
+    """Profiler period (steps) during warm-up."""
+    profile_interval_after_warmup: int = _knob(100, "Profiler period after warm-up.")
+    """Profiler period (steps) after warm-up."""
+    profile_warmup_steps: int = _knob(1000, "Steps of warm-up that use profile_interval.")
+    """Number of steps profiled at the short period."""
+    sparsity_momentum: float = _knob(0.9, "Momentum of the smoothed per-head sparsity (0 <= m < 1).")
+    """Exponential smoothing of the profiled sparsity: s = m * s + (1 - m) * measured."""
+
+    # ---- two-stage schedule -------------------------------------------------
+    stage_switch_rule: str = _knob(
+        "loss_or_steps", "When stage 2 (sparse) starts: on the loss rule, the step rule, either, or both.",
+        choices=STAGE_SWITCH_RULES)
+    """Which rule moves training from stage 1 (dense) to stage 2 (sparse)."""
+    stage_switch_loss: float = _knob(0.01, "Loss rule: mean predictor loss over layers below this.")
+    """Loss rule threshold on the mean predictor loss over layers."""
+    stage_switch_steps: Optional[int] = _knob(None, "Step rule: switch after this many steps (None: never by steps).")
+    """Step rule: the step at which stage 2 starts (None disables the rule)."""
+
+    # ---- dispatcher ---------------------------------------------------------
+    sparsity_threshold: float = _knob(0.8, "A layer runs sparse when its smoothed sparsity is at least this.")
+    """Minimum smoothed sparsity for a layer to run sparse."""
+    k_min: int = _knob(64, "Smallest per-head KV budget in tokens.")
+    """Floor of the per-head budget K_h (tokens)."""
+    speedup_table: Optional[str] = _knob(
+        None, "Path to a sparse_attention benchmark JSON giving the measured speedup per density and length "
+        "(None: calibrate on the GPU at start-up; on CPU, use the FLOP model).")
+    """Where the dispatcher reads the measured speedup of sparse over dense attention."""
+
+    # ---- query groups and kernels -------------------------------------------
+    query_group_shape: Tuple[int, int, int] = _knob(
+        (2, 4, 4), "Query group cube (t, h, w) in latent tokens; its volume G must be one of 16, 32, 64, 128.")
+    """3D cube of latent tokens that shares one KV list; G = t*h*w consecutive tokens."""
+    granularity: str = _knob("block", "KV list granularity: 'token' (the paper) or 'block' (contiguous KV blocks).",
+                             choices=GRANULARITIES)
+    """Whether KV lists name single key tokens or contiguous key blocks."""
+    kv_block_size: int = _knob(64, "KV block size in tokens for granularity 'block' (64 or 128).")
+    """Tokens per KV block at block granularity."""
+    group_proxy: str = _knob("mean", "Query-group proxy for estimation: 'mean' of the group's q_lr or 'middle' token.",
+                             choices=GROUP_PROXIES)
+    """How one low-rank query stands for its group during estimation."""
+    block_score: str = _knob("max", "Score of a KV block from its tokens' low-rank scores: 'max' or 'lse'.",
+                             choices=BLOCK_SCORES)
+    """How a KV block's estimated score is formed from its tokens' scores."""
+    kernel_backend: str = _knob("auto", "Sparse attention backend: auto, triton, flex, naive.", choices=KERNEL_BACKENDS)
+    """Sparse attention kernel backend (auto: fastest measured on this device)."""
+    topk_backend: str = _knob("auto", "Top-k estimation backend: auto, cuda, triton, naive.", choices=TOPK_BACKENDS)
+    """Estimation backend (auto: compiled CUDA op if loaded, else Triton, else naive)."""
+
+    # ---- context parallelism ------------------------------------------------
+    cp_mode: str = _knob("none", "Context-parallel mode of DSV attention: none, head, seq, hybrid.", choices=CP_MODES)
+    """How DSV attention splits work over the CP group."""
+
+    def __post_init__(self):
+        self.query_group_shape = tuple(int(x) for x in self.query_group_shape)
+        self._check_choices()
+        self._check_ranges()
+
+    # ------------------------------------------------------------------------
+    @property
+    def group_size(self) -> int:
+        """G: tokens per query group (the cube volume)."""
+        return math.prod(self.query_group_shape)
+
+    @property
+    def block_size(self) -> int:
+        """KV block size handed to the ops: 0 at token granularity."""
+        return self.kv_block_size if self.granularity == "block" else 0
+
+    def _check_choices(self):
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices is not None and getattr(self, f.name) not in choices:
+                raise ValueError(f"DSVConfig.{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
+
+    def _check_ranges(self):
+        def need(ok: bool, name: str, allowed: str):
+            if not ok:
+                raise ValueError(f"DSVConfig.{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        need(self.predictor_rank in (8, 16, 32), "predictor_rank", "one of 8, 16, 32")
+        need(self.predictor_loss_cos_weight >= 0, "predictor_loss_cos_weight", ">= 0")
+        need(self.predictor_loss_mse_weight >= 0, "predictor_loss_mse_weight", ">= 0")
+        need(self.predictor_loss_cos_weight + self.predictor_loss_mse_weight > 0, "predictor_loss_cos_weight",
+             "> 0 together with predictor_loss_mse_weight")
+        need(self.predictor_query_stride >= 1, "predictor_query_stride", ">= 1")
+        need(self.predictor_lr > 0, "predictor_lr", "> 0")
+        need(0 <= self.predictor_lr_stage2_scale <= 1, "predictor_lr_stage2_scale", "in [0, 1]")
+        need(0 < self.theta < 1, "theta", "in (0, 1)")
+        need(self.profile_interval >= 1, "profile_interval", ">= 1")
+        need(self.profile_interval_after_warmup >= 1, "profile_interval_after_warmup", ">= 1")
+        need(self.profile_warmup_steps >= 0, "profile_warmup_steps", ">= 0")
+        need(0 <= self.sparsity_momentum < 1, "sparsity_momentum", "in [0, 1)")
+        need(self.stage_switch_loss >= 0, "stage_switch_loss", ">= 0")
+        need(self.stage_switch_steps is None or self.stage_switch_steps >= 0, "stage_switch_steps", "None or >= 0")
+        if self.stage_switch_rule in ("steps", "loss_and_steps"):
+            need(self.stage_switch_steps is not None, "stage_switch_steps",
+                 f"set (an int >= 0) when stage_switch_rule is {self.stage_switch_rule!r}")
+        need(0 <= self.sparsity_threshold <= 1, "sparsity_threshold", "in [0, 1]")
+        need(self.k_min >= 1, "k_min", ">= 1")
+        need(len(self.query_group_shape) == 3 and all(x >= 1 for x in self.query_group_shape),
+             "query_group_shape", "three positive ints (t, h, w)")
+        need(self.group_size in SUPPORTED_GROUP_SIZES, "query_group_shape",
+             f"a cube whose volume is one of {list(SUPPORTED_GROUP_SIZES)}")
+        need(self.kv_block_size in SUPPORTED_KV_BLOCKS, "kv_block_size", f"one of {list(SUPPORTED_KV_BLOCKS)}")
+
+    def to_dict(self) -> dict:
+        """Plain dict (for logs and checkpoints)."""
+        return dataclasses.asdict(self)

@@ -1,0 +1,1 @@
+"""Models and layer specs."""

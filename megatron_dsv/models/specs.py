@@ -1,0 +1,72 @@
+"""Layer specs with DSV core attention: customisation by spec, never by patching Megatron.
+
+``get_dsv_layer_spec(base_spec, dsv_config)`` returns a copy of any Megatron-Core
+transformer-layer spec (the GPT local spec, the TE spec, a DiT spec) whose
+self-attention core is :class:`DSVCoreAttention`; the base spec is untouched.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megatron_dsv.attention.core_attention import DSVCoreAttention
+from megatron_dsv.config import DSVConfig
+
+__all__ = ["get_dsv_layer_spec", "get_gpt_dsv_layer_spec", "have_transformer_engine"]
+
+
+def have_transformer_engine() -> bool:
+    """True when transformer-engine imports (then TE layers are used; never required)."""
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _swap_core_attention(layer_spec: ModuleSpec, dsv_config: DSVConfig) -> ModuleSpec:
+    spec = copy.deepcopy(layer_spec)
+    attn = getattr(getattr(spec, "submodules", None), "self_attention", None)
+    core_holder = getattr(attn, "submodules", None)
+    if core_holder is None or not hasattr(core_holder, "core_attention"):
+        raise ValueError("base_spec has no submodules.self_attention.submodules.core_attention to replace: "
+                         "pass a Megatron-Core transformer-layer spec (e.g. get_gpt_layer_local_spec())")
+    core_holder.core_attention = ModuleSpec(module=DSVCoreAttention, params={"dsv_config": dsv_config})
+    return spec
+
+
+def get_dsv_layer_spec(base_spec, dsv_config: Optional[DSVConfig] = None):
+    """Copy of ``base_spec`` with DSV core attention.
+
+    Args:
+        base_spec: a transformer-layer ``ModuleSpec`` or a ``TransformerBlockSubmodules``
+            (every layer spec in it is converted).
+        dsv_config: the DSV knobs (default: ``DSVConfig()``); ``None`` is not "off":
+            to keep stock attention, do not call this function.
+    """
+    dsv_config = dsv_config if dsv_config is not None else DSVConfig()
+    if hasattr(base_spec, "layer_specs"):
+        block = copy.copy(base_spec)
+        block.layer_specs = [_swap_core_attention(s, dsv_config) for s in base_spec.layer_specs]
+        return block
+    if not isinstance(base_spec, ModuleSpec):
+        raise ValueError(f"base_spec must be a ModuleSpec or TransformerBlockSubmodules, got {type(base_spec).__name__}")
+    return _swap_core_attention(base_spec, dsv_config)
+
+
+def get_gpt_dsv_layer_spec(dsv_config: Optional[DSVConfig], use_te: Optional[bool] = None,
+                           normalization: Optional[str] = None):
+    """GPT layer spec (TE when installed, else local); DSV core attention when ``dsv_config`` is set."""
+    use_te = have_transformer_engine() if use_te is None else use_te
+    if use_te:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        base = get_gpt_layer_with_transformer_engine_spec()
+    else:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        base = get_gpt_layer_local_spec(normalization=normalization)
+    return base if dsv_config is None else get_dsv_layer_spec(base, dsv_config)

@@ -1,0 +1,53 @@
+"""PyTorch reference for sparse attention over per-query-group KV lists.
+
+The spec, the CPU path and the last fallback: fp32 upcast, an explicit dense
+[B, H, S, S] mask built from the lists, ordinary softmax attention. Memory is
+O(B*H*S^2): for tests and small inputs only.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .checks import check_shapes, check_values, num_keys
+
+
+def build_dense_mask(kv_indices: torch.Tensor, kv_counts: torch.Tensor, S: int,
+                     group_size: int, block_size: int) -> torch.Tensor:
+    """Boolean [B, H, S, S] mask, True where query row attends key column."""
+    B, H, NG, kmax = kv_indices.shape
+    nk = num_keys(S, block_size)
+    pos = torch.arange(kmax, device=kv_indices.device)
+    valid = pos < kv_counts[:, :, None, None].long()
+    # padding entries go to a spare column nk, dropped below, so they are never used
+    col = torch.where(valid, kv_indices.long(), nk)
+    sel = torch.zeros(B, H, NG, nk + 1, dtype=torch.bool, device=kv_indices.device)
+    sel.scatter_(3, col, True)
+    sel = sel[..., :nk]
+    if block_size > 0:
+        sel = sel.repeat_interleave(block_size, dim=3)[..., :S]
+    return sel.repeat_interleave(group_size, dim=2)[:, :, :S]
+
+
+def sparse_attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           kv_indices: torch.Tensor, kv_counts: torch.Tensor, group_size: int,
+                           block_size: int = 0, softmax_scale: Optional[float] = None) -> torch.Tensor:
+    """Reference sparse attention; same contract as :func:`sparse_attention`."""
+    check_shapes(q, k, v, kv_indices, kv_counts, group_size, block_size)
+    B, H, S, D = q.shape
+    check_values(kv_indices, kv_counts, S, block_size)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    rep = H // k.shape[1]
+    kf = k.float().repeat_interleave(rep, dim=1)
+    vf = v.float().repeat_interleave(rep, dim=1)
+    mask = build_dense_mask(kv_indices, kv_counts, S, group_size, block_size)
+    scores = torch.matmul(q.float(), kf.transpose(-1, -2)) * scale
+    has_any = mask.any(-1, keepdim=True)
+    # rows with an empty list output zeros; keep their softmax finite so grads stay 0, not NaN
+    scores = torch.where(mask, scores, float("-inf"))
+    scores = torch.where(has_any, scores, 0.0)
+    p = torch.softmax(scores, dim=-1) * has_any
+    return torch.matmul(p, vf).to(q.dtype)
