@@ -28,3 +28,30 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def megatron_cpu():
+    """Megatron-Core model-parallel state on one gloo process (CPU), set up once per session.
+
+    Yields the ``ProcessGroupCollection`` of the default groups (tp, cp, dp, ...).
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{_free_port()}")
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    yield ProcessGroupCollection.use_mpu_process_groups()

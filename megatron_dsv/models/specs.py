@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 from typing import Optional
 
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_dsv.attention.core_attention import DSVCoreAttention
@@ -27,7 +28,7 @@ def have_transformer_engine() -> bool:
     return True
 
 
-def _swap_core_attention(layer_spec: ModuleSpec, dsv_config: DSVConfig) -> ModuleSpec:
+def _swap_core_attention(layer_spec: ModuleSpec, dsv_config: DSVConfig, attn_mask_type) -> ModuleSpec:
     spec = copy.deepcopy(layer_spec)
     attn = getattr(getattr(spec, "submodules", None), "self_attention", None)
     core_holder = getattr(attn, "submodules", None)
@@ -35,11 +36,17 @@ def _swap_core_attention(layer_spec: ModuleSpec, dsv_config: DSVConfig) -> Modul
         raise ValueError("base_spec has no submodules.self_attention.submodules.core_attention to replace: "
                          "pass a Megatron-Core transformer-layer spec (e.g. get_gpt_layer_local_spec())")
     core_holder.core_attention = ModuleSpec(module=DSVCoreAttention, params={"dsv_config": dsv_config})
+    attn.params = {**(attn.params or {}), "attn_mask_type": attn_mask_type}
     return spec
 
 
-def get_dsv_layer_spec(base_spec, dsv_config: Optional[DSVConfig] = None):
+def get_dsv_layer_spec(base_spec, dsv_config: Optional[DSVConfig] = None,
+                       attn_mask_type: AttnMaskType = AttnMaskType.no_mask):
     """Copy of ``base_spec`` with DSV core attention.
+
+    DSV attention is non-causal (video DiTs attend both ways), so the copy's
+    self-attention mask type is set to ``attn_mask_type`` (``no_mask`` or
+    ``padding``); a causal base spec such as GPT's becomes bidirectional.
 
     Args:
         base_spec: a transformer-layer ``ModuleSpec`` or a ``TransformerBlockSubmodules``
@@ -48,13 +55,14 @@ def get_dsv_layer_spec(base_spec, dsv_config: Optional[DSVConfig] = None):
             to keep stock attention, do not call this function.
     """
     dsv_config = dsv_config if dsv_config is not None else DSVConfig()
+    DSVCoreAttention._check_mask_type(attn_mask_type, "attn_mask_type")
     if hasattr(base_spec, "layer_specs"):
         block = copy.copy(base_spec)
-        block.layer_specs = [_swap_core_attention(s, dsv_config) for s in base_spec.layer_specs]
+        block.layer_specs = [_swap_core_attention(s, dsv_config, attn_mask_type) for s in base_spec.layer_specs]
         return block
     if not isinstance(base_spec, ModuleSpec):
         raise ValueError(f"base_spec must be a ModuleSpec or TransformerBlockSubmodules, got {type(base_spec).__name__}")
-    return _swap_core_attention(base_spec, dsv_config)
+    return _swap_core_attention(base_spec, dsv_config, attn_mask_type)
 
 
 def get_gpt_dsv_layer_spec(dsv_config: Optional[DSVConfig], use_te: Optional[bool] = None,
