@@ -1,0 +1,54 @@
+"""FlexAttention on identical block lists: the peer we must beat, and the
+dispatch target where it measured faster (block-level only).
+
+The BlockMask is built straight from the lists (every listed block marked
+*full*), so flex evaluates no mask function per token; the partial last key
+block is bounded by flex's own sequence-length masking.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import torch
+
+
+def flex_supported(S: int, group_size: int, block_size: int) -> bool:
+    """Flex tiles queries in blocks of at least 64 rows: smaller groups can't map onto a BlockMask."""
+    return block_size > 0 and group_size in (64, 128)
+
+
+def build_block_mask(kv_indices: torch.Tensor, kv_counts: torch.Tensor, S: int,
+                     group_size: int, block_size: int):
+    from torch.nn.attention.flex_attention import BlockMask
+
+    B, H, NG, KM = kv_indices.shape
+    nkb = math.ceil(S / block_size)
+    valid = torch.arange(KM, device=kv_indices.device, dtype=torch.int32) < kv_counts[:, :, None, None]
+    # BlockMask wants one index row as wide as the number of key blocks; padding -> 0, never read
+    full_idx = torch.zeros(B, H, NG, nkb, device=kv_indices.device, dtype=torch.int32)
+    width = min(KM, nkb)
+    full_idx[..., :width] = torch.where(valid, kv_indices, 0)[..., :width]
+    full_num = kv_counts[:, :, None].expand(B, H, NG).contiguous()
+    zero_num = torch.zeros_like(full_num)
+    return BlockMask.from_kv_blocks(zero_num, torch.zeros_like(full_idx), full_num, full_idx,
+                                    BLOCK_SIZE=(group_size, block_size), seq_lengths=(S, S))
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def sparse_attention_flex(q, k, v, kv_indices, kv_counts, group_size: int, block_size: int,
+                          softmax_scale: Optional[float] = None, block_mask=None) -> torch.Tensor:
+    """Same contract as sparse_attention, block-level lists only; differentiable."""
+    S = q.shape[2]
+    if block_mask is None:
+        block_mask = build_block_mask(kv_indices, kv_counts, S, group_size, block_size)
+    # always compiled: eager flex ignores the BlockMask's sparsity and attends densely
+    return _compiled_flex()(q, k, v, block_mask=block_mask, scale=softmax_scale, enable_gqa=k.shape[1] != q.shape[1])

@@ -1,0 +1,127 @@
+"""Host side of the Triton kernels: tile configs, the inverse map, launches.
+
+Configs are picked per (head dim, group size, block size, pass) in
+``pick_config``; the H200 sweep in benchmarks/bench_sparse_attention.py
+(``--tune``) measured the defaults (see benchmarks/NOTES_sparse_attention.md).
+``cfg`` arguments override a pass's config for that sweep.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional, Tuple
+
+import torch
+import triton
+
+from .triton_bwd import bwd_kv_kernel, bwd_preprocess_kernel, bwd_q_kernel
+from .triton_fwd import LOG2E, sparse_attn_fwd_kernel
+
+Config = Dict[str, int]
+
+
+def pick_config(kind: str, D: int, G: int, BS: int) -> Config:
+    """Tile sizes and launch shape for one pass: kind in {fwd, bwd_q, bwd_kv}."""
+    big = D > 128  # 256 needs half-size tiles to fit registers and shared memory
+    if kind == "fwd":
+        bn = 64 if (BS == 0 or big) else BS
+        cfg = dict(BM=min(G, 64 if big else 128), BN=bn, num_warps=8, num_stages=2 if big else 3)
+    elif kind == "bwd_q":
+        # token lists keep one program per group: every extra tile repeats the atomics
+        cfg = dict(BM=min(G, 64 if big else 128), BN=64 if (BS == 0 or big) else min(BS, 64),
+                   num_warps=8, num_stages=1 if big else 2)
+    elif kind == "bwd_kv":
+        cfg = dict(BM=min(G, 32 if big else 64), BN=min(BS, 64 if big else 128),
+                   num_warps=8, num_stages=1 if big else 2)
+    else:
+        raise ValueError(f"unknown pass {kind!r}")
+    return cfg
+
+
+def _launch_opts(cfg: Config) -> Dict[str, int]:
+    return dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def _bd(D: int) -> int:
+    return triton.next_power_of_2(D)
+
+
+def sparse_fwd(q, k, v, kv_indices, kv_counts, G: int, BS: int, scale: float,
+               cfg: Optional[Config] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """o [B, H, T, D] in q's dtype and lse [B, H, T] fp32 (log2 units)."""
+    B, H, T, D = q.shape
+    NG = kv_indices.shape[2]
+    cfg = cfg or pick_config("fwd", D, G, BS)
+    o = torch.empty_like(q)
+    lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
+    grid = (NG * (G // cfg["BM"]), B * H)
+    sparse_attn_fwd_kernel[grid](
+        q, k, v, o, lse, kv_indices, kv_counts, T, NG, kv_indices.shape[3], scale * LOG2E,
+        H=H, HR=H // k.shape[1], K=D, BD=_bd(D), G=G, BM=cfg["BM"], BN=cfg["BN"], BS=BS,
+        EVEN_T=(BS == 0 or T % BS == 0), **_launch_opts(cfg))
+    return o, lse
+
+
+def build_inverse_map(kv_indices: torch.Tensor, kv_counts: torch.Tensor, nkb: int):
+    """CSR map key block -> query groups, per (batch, head), groups ascending.
+
+    inv_ptr [B*H*nkb + 1] int32, inv_grp [B*H*NG*Kmax] int32 (tail unused).
+    One stable sort of the flat entries; no host sync, so it can run inside a
+    captured graph. Padding entries sort last and are never pointed at.
+    """
+    B, H, NG, KM = kv_indices.shape
+    dev = kv_indices.device
+    valid = torch.arange(KM, device=dev, dtype=torch.int32) < kv_counts[:, :, None, None]
+    bh = torch.arange(B * H, device=dev, dtype=torch.int64).view(B, H, 1, 1)
+    key = torch.where(valid, bh * nkb + kv_indices.long(), B * H * nkb).reshape(-1)
+    # flat order is (b, h, g, j): a stable sort keeps each key block's groups ascending
+    key_sorted, order = torch.sort(key, stable=True)
+    inv_grp = ((order // KM) % NG).to(torch.int32)
+    bounds = torch.arange(B * H * nkb + 1, device=dev, dtype=torch.int64)
+    inv_ptr = torch.searchsorted(key_sorted, bounds).to(torch.int32)
+    return inv_ptr, inv_grp
+
+
+def _delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
+    B, H, T, D = o.shape
+    delta = torch.empty(B, H, T, device=o.device, dtype=torch.float32)
+    BR = 64
+    bwd_preprocess_kernel[(triton.cdiv(B * H * T, BR),)](o, do, delta, B * H * T, K=D, BD=_bd(D), BR=BR)
+    return delta
+
+
+def sparse_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scale: float,
+               atomic_kv: Optional[bool] = None, cfg_q: Optional[Config] = None,
+               cfg_kv: Optional[Config] = None):
+    """dq, dk, dv. Token lists (or atomic_kv=True) scatter dk/dv with fp32 atomics;
+    block lists default to the atomic-free inverse-map kernel."""
+    B, H, T, D = q.shape
+    hkv = k.shape[1]
+    NG = kv_indices.shape[2]
+    do = do.contiguous()
+    delta = _delta(o, do)
+    atomic_kv = (BS == 0) if atomic_kv is None else atomic_kv
+    cfg_q = cfg_q or pick_config("bwd_q", D, G, BS)
+    dq = torch.empty_like(q)
+    if atomic_kv:
+        dk32 = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
+        dv32 = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
+    else:
+        dk32 = dv32 = dq  # unused by the kernel when ATOMIC_KV is off
+    common = dict(H=H, HR=H // hkv, K=D, BD=_bd(D), G=G, BS=BS)
+    bwd_q_kernel[(NG * (G // cfg_q["BM"]), B * H)](
+        q, k, v, do, lse, delta, dq, dk32, dv32, kv_indices, kv_counts,
+        T, NG, kv_indices.shape[3], scale * LOG2E, scale,
+        BM=cfg_q["BM"], BN=cfg_q["BN"], EVEN_T=(BS == 0 or T % BS == 0), ATOMIC_KV=atomic_kv,
+        **common, **_launch_opts(cfg_q))
+    if atomic_kv:
+        return dq, dk32.to(k.dtype), dv32.to(v.dtype)
+    nkb = math.ceil(T / BS)
+    inv_ptr, inv_grp = build_inverse_map(kv_indices, kv_counts, nkb)
+    cfg_kv = cfg_kv or pick_config("bwd_kv", D, G, BS)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    bwd_kv_kernel[(nkb * (BS // cfg_kv["BN"]), B * hkv)](
+        q, k, v, do, lse, delta, dk, dv, inv_ptr, inv_grp, T, nkb, scale * LOG2E, scale,
+        BM=cfg_kv["BM"], BN=cfg_kv["BN"], **common, **_launch_opts(cfg_kv))
+    return dq, dk, dv

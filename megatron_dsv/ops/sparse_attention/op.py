@@ -1,0 +1,138 @@
+"""Public entry point: validation, backend choice, torch.library op, autograd.
+
+Layers, as in flash-attention: ``sparse_attn_fwd``/``sparse_attn_bwd`` raw
+custom ops (with fake impls, so torch.compile traces through them), autograd
+registered on the forward op, and the public ``sparse_attention``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional, Tuple
+
+import torch
+
+from .checks import check_shapes, check_values
+from .flex import flex_supported, sparse_attention_flex
+from .naive import sparse_attention_naive
+
+BACKENDS = ("auto", "triton", "flex", "naive")
+
+# Block-level (group_size, block_size) where FlexAttention measured faster than our
+# kernels on the H200 (fwd + bwd, S = 16K..128K, D = 128): auto dispatches these to flex.
+# Filled from benchmarks/results/sparse_attention-h200-*.json; see NOTES_sparse_attention.md.
+FLEX_FASTER: Tuple[Tuple[int, int], ...] = ()
+
+
+def choose_backend(q: torch.Tensor, group_size: int, block_size: int) -> str:
+    """The one place a backend is chosen: ``DSV_SPARSE_ATTN_BACKEND`` in
+    {auto, triton, flex, naive}, default auto."""
+    name = os.environ.get("DSV_SPARSE_ATTN_BACKEND", "auto").strip().lower() or "auto"
+    if name not in BACKENDS:
+        raise ValueError(f"DSV_SPARSE_ATTN_BACKEND must be one of {BACKENDS}; got {name!r}")
+    if name != "auto":
+        if name == "flex" and not flex_supported(q.shape[2], group_size, block_size):
+            raise ValueError("DSV_SPARSE_ATTN_BACKEND=flex needs block-level lists (block_size 64/128) "
+                             f"and group_size 64/128; got group_size={group_size}, block_size={block_size}")
+        return name
+    if q.is_cuda:
+        if (group_size, block_size) in FLEX_FASTER and flex_supported(q.shape[2], group_size, block_size):
+            return "flex"
+        return "triton"
+    # CPU: Triton only runs here under its interpreter (tests); otherwise the reference
+    return "triton" if os.environ.get("TRITON_INTERPRET", "0") == "1" else "naive"
+
+
+@torch.library.custom_op("megatron_dsv::sparse_attn_fwd", mutates_args=())
+def sparse_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_indices: torch.Tensor,
+                    kv_counts: torch.Tensor, group_size: int, block_size: int,
+                    softmax_scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    from .launch import sparse_fwd
+
+    # value checks live inside the op: they need real data, which torch.compile never traces
+    check_values(kv_indices, kv_counts, q.shape[2], block_size)
+    return sparse_fwd(q, k, v, kv_indices, kv_counts, group_size, block_size, softmax_scale)
+
+
+@sparse_attn_fwd.register_fake
+def _(q, k, v, kv_indices, kv_counts, group_size, block_size, softmax_scale):
+    B, H, S, _ = q.shape
+    return torch.empty_like(q), q.new_empty(B, H, S, dtype=torch.float32)
+
+
+@torch.library.custom_op("megatron_dsv::sparse_attn_bwd", mutates_args=())
+def sparse_attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    o: torch.Tensor, lse: torch.Tensor, kv_indices: torch.Tensor,
+                    kv_counts: torch.Tensor, group_size: int, block_size: int,
+                    softmax_scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .launch import sparse_bwd
+
+    return sparse_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, group_size, block_size, softmax_scale)
+
+
+@sparse_attn_bwd.register_fake
+def _(do, q, k, v, o, lse, kv_indices, kv_counts, group_size, block_size, softmax_scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, kv_indices, kv_counts, group_size, block_size, softmax_scale = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, kv_indices, kv_counts)
+    ctx.cfg = (group_size, block_size, softmax_scale)
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, o, lse, kv_indices, kv_counts = ctx.saved_tensors
+    dq, dk, dv = sparse_attn_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, *ctx.cfg)
+    return dq, dk, dv, None, None, None, None, None
+
+
+sparse_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_indices: torch.Tensor,
+                     kv_counts: torch.Tensor, group_size: int, block_size: int = 0,
+                     softmax_scale: Optional[float] = None) -> torch.Tensor:
+    """Non-causal attention where each query group attends only its listed keys.
+
+    Args:
+        q: ``[B, H, S, D]``, float16 / bfloat16 (float32 accepted).
+        k, v: ``[B, Hkv, S, D]``, same dtype and device as q, ``H % Hkv == 0``
+            (GQA: kv head j serves query heads ``j*H/Hkv .. (j+1)*H/Hkv - 1``).
+        kv_indices: int32 ``[B, H, NG, Kmax]``, ``NG = ceil(S / group_size)``.
+            Query group g is tokens ``[g*G, min((g+1)*G, S))``. For each (b, h, g)
+            the first ``kv_counts[b, h]`` entries are sorted ascending and unique;
+            later entries are padding and are never read (any value, e.g. -1).
+            ``block_size == 0``: entries are key token positions in ``[0, S)``.
+            ``block_size in {64, 128}``: entries are key-block ids in
+            ``[0, ceil(S / block_size))``; the last block may be partial.
+        kv_counts: int32 ``[B, H]``, each in ``[0, min(Kmax, #keys or #blocks)]``.
+            A count of 0 gives zero output and zero gradients for that head.
+        group_size: G in {16, 32, 64, 128}.
+        block_size: 0 (token-level lists) or 64 / 128 (block-level lists).
+        softmax_scale: defaults to ``1 / sqrt(D)``.
+    Head dims D: 64, 96 (padded to 128 inside the kernel), 128, 256.
+    Returns:
+        o ``[B, H, S, D]`` in q's dtype; differentiable w.r.t. q, k, v.
+    Raises:
+        ValueError naming the argument for a bad shape, dtype, device, head dim,
+        group/block size, count, or index (the value checks cost one reduction
+        and one host sync; ``DSV_SKIP_CHECKS=1`` skips them).
+    Backend: ``DSV_SPARSE_ATTN_BACKEND`` in {auto, triton, flex, naive}; auto is
+    Triton on CUDA (FlexAttention for block-level shapes where it measured
+    faster) and the fp32 reference on CPU unless ``TRITON_INTERPRET=1``.
+    """
+    check_shapes(q, k, v, kv_indices, kv_counts, group_size, block_size)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    backend = choose_backend(q, group_size, block_size)
+    if backend == "naive":
+        return sparse_attention_naive(q, k, v, kv_indices, kv_counts, group_size, block_size, scale)
+    if backend == "flex":
+        check_values(kv_indices, kv_counts, q.shape[2], block_size)
+        return sparse_attention_flex(q, k, v, kv_indices, kv_counts, group_size, block_size, scale)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    o, _ = sparse_attn_fwd(q, k, v, kv_indices.contiguous(), kv_counts.contiguous(),
+                           int(group_size), int(block_size), scale)
+    return o

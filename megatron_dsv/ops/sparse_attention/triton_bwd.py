@@ -1,0 +1,143 @@
+"""Triton backward kernels.
+
+- ``bwd_preprocess_kernel``: delta = rowsum(o * do) per query row, fp32.
+- ``bwd_q_kernel``: one program per query tile (the forward's grid); walks the
+  group's list again and accumulates dq in registers. With ATOMIC_KV it also
+  scatters dk/dv into fp32 buffers with atomics: the token-level path, where a
+  key's query groups are scattered and an inverse-map kernel would waste work.
+- ``bwd_kv_kernel``: block-level dk/dv without atomics: one program per key
+  tile and kv head, walking the inverse map (key block -> query groups, CSR)
+  of every query head that shares this kv head, so GQA sums in registers.
+
+Shape letters as in triton_fwd.py; lse is log2-domain, scores are multiplied
+by qk_scale = softmax_scale * log2(e).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .triton_fwd import _load_kv_tile
+
+
+@triton.jit
+def bwd_preprocess_kernel(o, do, delta, N, K: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+    i_r = tl.program_id(0)
+    o_r = i_r * BR + tl.arange(0, BR)
+    o_d = tl.arange(0, BD)
+    m = (o_r[:, None] < N) & (o_d[None, :] < K)
+    p = o_r.to(tl.int64)[:, None] * K + o_d[None, :]
+    # [BR, BD]
+    b_o = tl.load(o + p, mask=m, other=0.).to(tl.float32)
+    b_do = tl.load(do + p, mask=m, other=0.).to(tl.float32)
+    tl.store(delta + o_r, tl.sum(b_o * b_do, 1), mask=o_r < N)
+
+
+@triton.jit
+def bwd_q_kernel(
+    q, k, v, do, lse, delta, dq, dk32, dv32, idx, cnt_ptr,
+    T, NG, KMAX, qk_scale, sm_scale,
+    H: tl.constexpr, HR: tl.constexpr, K: tl.constexpr, BD: tl.constexpr,
+    G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr,
+    EVEN_T: tl.constexpr, ATOMIC_KV: tl.constexpr,
+):
+    i_m, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_g = i_m // (G // BM)
+    p_kv_base = (i_b * (H // HR) + i_h // HR).to(tl.int64) * T * K
+    p_q_base = i_bh.to(tl.int64) * T * K
+
+    o_m = i_g * G + (i_m % (G // BM)) * BM + tl.arange(0, BM)
+    o_d = tl.arange(0, BD)
+    m_m = o_m < T
+    m_q = m_m[:, None] & (o_d[None, :] < K)
+    p_qrows = p_q_base + o_m[:, None] * K + o_d[None, :]
+    # [BM, BD]
+    b_q = tl.load(q + p_qrows, mask=m_q, other=0.)
+    b_do = tl.load(do + p_qrows, mask=m_q, other=0.)
+    # [BM]; padded rows get lse=+inf so their p is exactly 0
+    b_lse = tl.load(lse + i_bh.to(tl.int64) * T + o_m, mask=m_m, other=float("inf"))
+    b_delta = tl.load(delta + i_bh.to(tl.int64) * T + o_m, mask=m_m, other=0.)
+
+    cnt = tl.load(cnt_ptr + i_bh)
+    p_idx = idx + (i_bh.to(tl.int64) * NG + i_g) * KMAX
+    if BS == 0:
+        n_it = tl.cdiv(cnt, BN)
+    else:
+        n_it = cnt * (BS // BN)
+
+    b_dq = tl.zeros([BM, BD], tl.float32)
+    for i_it in range(n_it):
+        o_n, m_n, m_ld = _load_kv_tile(i_it, cnt, p_idx, T, K, BD, BN, BS, EVEN_T)
+        p_rows = p_kv_base + o_n[:, None] * K + o_d[None, :]
+        # [BN, BD]
+        b_k = tl.load(k + p_rows, mask=m_ld, other=0.)
+        b_v = tl.load(v + p_rows, mask=m_ld, other=0.)
+        # [BM, BN]
+        b_s = tl.dot(b_q, tl.trans(b_k)) * qk_scale
+        b_p = tl.exp2(b_s - b_lse[:, None])
+        if BS == 0 or not EVEN_T:
+            b_p = tl.where(m_n[None, :], b_p, 0.)
+        b_dp = tl.dot(b_do, tl.trans(b_v))
+        b_ds = b_p * (b_dp - b_delta[:, None])
+        b_dq += tl.dot(b_ds.to(b_k.dtype), b_k)
+        if ATOMIC_KV:
+            # [BN, BD]; fp32 scatter-add: several groups and GQA heads hit one key row
+            b_dv = tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do)
+            b_dk = tl.dot(tl.trans(b_ds.to(b_q.dtype)), b_q)
+            tl.atomic_add(dv32 + p_rows, b_dv, mask=m_ld, sem="relaxed")
+            tl.atomic_add(dk32 + p_rows, b_dk * sm_scale, mask=m_ld, sem="relaxed")
+    tl.store(dq + p_qrows, (b_dq * sm_scale).to(dq.dtype.element_ty), mask=m_q)
+
+
+@triton.jit
+def bwd_kv_kernel(
+    q, k, v, do, lse, delta, dk, dv, inv_ptr, inv_grp,
+    T, NKB, qk_scale, sm_scale,
+    H: tl.constexpr, HR: tl.constexpr, K: tl.constexpr, BD: tl.constexpr,
+    G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr,
+):
+    i_n, i_bhkv = tl.program_id(0), tl.program_id(1)
+    HKV: tl.constexpr = H // HR
+    i_b, i_hkv = i_bhkv // HKV, i_bhkv % HKV
+    i_kb = i_n // (BS // BN)
+    p_kv_base = i_bhkv.to(tl.int64) * T * K
+
+    o_n = i_kb * BS + (i_n % (BS // BN)) * BN + tl.arange(0, BN)
+    o_d = tl.arange(0, BD)
+    m_n = o_n < T
+    m_kv = m_n[:, None] & (o_d[None, :] < K)
+    p_rows = p_kv_base + o_n[:, None] * K + o_d[None, :]
+    # [BN, BD]
+    b_k = tl.load(k + p_rows, mask=m_kv, other=0.)
+    b_v = tl.load(v + p_rows, mask=m_kv, other=0.)
+    b_dk = tl.zeros([BN, BD], tl.float32)
+    b_dv = tl.zeros([BN, BD], tl.float32)
+    for i_hr in range(HR):
+        i_bh = i_b * H + i_hkv * HR + i_hr
+        p_q_base = i_bh.to(tl.int64) * T * K
+        p_inv = inv_ptr + i_bh.to(tl.int64) * NKB + i_kb
+        e_lo = tl.load(p_inv)
+        e_hi = tl.load(p_inv + 1)
+        # flat loop over (query group in the inverse list, query tile in the group)
+        for i_e in range(e_lo * (G // BM), e_hi * (G // BM)):
+            i_g = tl.load(inv_grp + i_e // (G // BM))
+            o_m = i_g * G + (i_e % (G // BM)) * BM + tl.arange(0, BM)
+            m_m = o_m < T
+            m_q = m_m[:, None] & (o_d[None, :] < K)
+            p_qrows = p_q_base + o_m[:, None] * K + o_d[None, :]
+            # [BM, BD]
+            b_q = tl.load(q + p_qrows, mask=m_q, other=0.)
+            b_do = tl.load(do + p_qrows, mask=m_q, other=0.)
+            b_lse = tl.load(lse + i_bh.to(tl.int64) * T + o_m, mask=m_m, other=float("inf"))
+            b_delta = tl.load(delta + i_bh.to(tl.int64) * T + o_m, mask=m_m, other=0.)
+            # [BN, BM]: transposed scores, so dk/dv accumulate without transposing them
+            b_st = tl.dot(b_k, tl.trans(b_q)) * qk_scale
+            b_pt = tl.exp2(b_st - b_lse[None, :])
+            b_dv += tl.dot(b_pt.to(b_do.dtype), b_do)
+            b_dpt = tl.dot(b_v, tl.trans(b_do))
+            b_dst = b_pt * (b_dpt - b_delta[None, :])
+            b_dk += tl.dot(b_dst.to(b_q.dtype), b_q)
+    tl.store(dk + p_rows, (b_dk * sm_scale).to(dk.dtype.element_ty), mask=m_kv)
+    tl.store(dv + p_rows, b_dv.to(dv.dtype.element_ty), mask=m_kv)

@@ -1,0 +1,101 @@
+"""Triton forward: one program per (query tile of a group, batch*head).
+
+Shapes: B batch, H query heads, HR = H // Hkv query heads per kv head (GQA by
+index arithmetic), T sequence length, G group size, BM query rows per program
+(divides G), BN keys per inner step, BS key-block size (0 = token lists), K/BD
+head dim (BD = K rounded up to a power of two; 96 runs padded to 128 with a
+mask). q, k, v, o are contiguous [B, H(kv), T, K]; lse is [B, H, T] fp32 in
+log2 units of the scaled scores, kept for backward.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _load_kv_tile(i_it, cnt, p_idx, T, K: tl.constexpr, BD: tl.constexpr,
+                  BN: tl.constexpr, BS: tl.constexpr, EVEN_T: tl.constexpr):
+    """Key rows of inner step i_it and their validity.
+
+    Token lists gather BN rows by index; block lists read BN consecutive rows
+    of block idx[i_it // (BS // BN)], so a block is split into BS // BN steps.
+    """
+    o_d = tl.arange(0, BD)
+    if BS == 0:
+        o_j = i_it * BN + tl.arange(0, BN)
+        m_n = o_j < cnt
+        o_n = tl.load(p_idx + o_j, mask=m_n, other=0)
+    else:
+        i_blk = tl.load(p_idx + i_it // (BS // BN))
+        o_n = i_blk * BS + (i_it % (BS // BN)) * BN + tl.arange(0, BN)
+        if EVEN_T:
+            m_n = tl.full([BN], 1, tl.int1)
+        else:
+            m_n = o_n < T
+    m_ld = m_n[:, None]
+    if BD != K:
+        m_ld = m_ld & (o_d[None, :] < K)
+    return o_n, m_n, m_ld
+
+
+@triton.jit
+def sparse_attn_fwd_kernel(
+    q, k, v, o, lse, idx, cnt_ptr,
+    T, NG, KMAX, qk_scale,
+    H: tl.constexpr, HR: tl.constexpr, K: tl.constexpr, BD: tl.constexpr,
+    G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr,
+    EVEN_T: tl.constexpr,
+):
+    i_m, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_g = i_m // (G // BM)
+    # int64 bases: B*H*T*K overflows int32 past ~2^31 elements
+    i_bhkv = (i_b * (H // HR) + i_h // HR).to(tl.int64)
+    p_kv_base = i_bhkv * T * K
+    p_q_base = i_bh.to(tl.int64) * T * K
+
+    o_m = i_g * G + (i_m % (G // BM)) * BM + tl.arange(0, BM)
+    o_d = tl.arange(0, BD)
+    m_m = o_m < T
+    m_q = m_m[:, None] & (o_d[None, :] < K)
+    # [BM, BD]
+    b_q = tl.load(q + p_q_base + o_m[:, None] * K + o_d[None, :], mask=m_q, other=0.)
+
+    cnt = tl.load(cnt_ptr + i_bh)
+    p_idx = idx + (i_bh.to(tl.int64) * NG + i_g) * KMAX
+    if BS == 0:
+        n_it = tl.cdiv(cnt, BN)
+    else:
+        n_it = cnt * (BS // BN)
+
+    b_m = tl.full([BM], float("-inf"), tl.float32)
+    b_l = tl.zeros([BM], tl.float32)
+    b_acc = tl.zeros([BM, BD], tl.float32)
+    for i_it in range(n_it):
+        o_n, m_n, m_ld = _load_kv_tile(i_it, cnt, p_idx, T, K, BD, BN, BS, EVEN_T)
+        p_rows = p_kv_base + o_n[:, None] * K + o_d[None, :]
+        # [BN, BD]
+        b_k = tl.load(k + p_rows, mask=m_ld, other=0.)
+        b_v = tl.load(v + p_rows, mask=m_ld, other=0.)
+        # [BM, BN] scores in log2 units: exp2 is the native instruction
+        b_s = tl.dot(b_q, tl.trans(b_k)) * qk_scale
+        if BS == 0 or not EVEN_T:
+            b_s = tl.where(m_n[None, :], b_s, float("-inf"))
+        # every step has >= 1 valid key, so b_m_new is finite and no NaN appears
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        b_alpha = tl.exp2(b_m - b_m_new)
+        b_p = tl.exp2(b_s - b_m_new[:, None])
+        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
+        b_m = b_m_new
+
+    # an empty list leaves l == 0: output zeros, lse unused by backward
+    b_has = b_l > 0
+    b_o = b_acc / tl.where(b_has, b_l, 1.)[:, None]
+    b_lse = tl.where(b_has, b_m + tl.log2(tl.where(b_has, b_l, 1.)), 0.)
+    tl.store(o + p_q_base + o_m[:, None] * K + o_d[None, :], b_o.to(o.dtype.element_ty), mask=m_q)
+    tl.store(lse + i_bh.to(tl.int64) * T + o_m, b_lse, mask=m_m)
