@@ -51,7 +51,8 @@ def megatron_cpu():
         dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{_free_port()}")
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    if HAS_CUDA:  # the tracker stores CUDA RNG states: it cannot exist on a CPU-only torch
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     yield ProcessGroupCollection.use_mpu_process_groups()
