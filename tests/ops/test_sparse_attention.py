@@ -1,0 +1,239 @@
+"""CPU tests for megatron_dsv.ops.sparse_attention (Triton under TRITON_INTERPRET=1).
+
+Odd sizes catch masking bugs: S = 63, 200, 1000, groups not dividing S, per-head
+budgets, empty and full lists, both granularities, GQA, head dim 96 (padded).
+"""
+
+import math
+import os
+
+import pytest
+import torch
+
+from megatron_dsv.ops.dense import dense_attention
+from megatron_dsv.ops.sparse_attention import sparse_attention, sparse_attention_naive
+from megatron_dsv.ops.sparse_attention.launch import build_inverse_map, sparse_bwd, sparse_fwd
+
+
+def make_lists(B, H, S, G, BS, density, seed=0, pad_value=-1, empty_head=None, full_head=None):
+    """Random sorted lists, a different budget per head (density + 3% * h)."""
+    gen = torch.Generator().manual_seed(seed)
+    NG = math.ceil(S / G)
+    nk = S if BS == 0 else math.ceil(S / BS)
+    counts = torch.zeros(B, H, dtype=torch.int32)
+    for h in range(H):
+        counts[:, h] = min(nk, max(1, round((density + 0.03 * h) * nk)))
+    if empty_head is not None:
+        counts[:, empty_head] = 0
+    if full_head is not None:
+        counts[:, full_head] = nk
+    kmax = int(counts.max()) + 3  # spare padding columns that must never be read
+    idx = torch.full((B, H, NG, kmax), pad_value, dtype=torch.int32)
+    for b in range(B):
+        for h in range(H):
+            c = int(counts[b, h])
+            for g in range(NG):
+                idx[b, h, g, :c] = torch.randperm(nk, generator=gen)[:c].sort().values
+    return idx, counts
+
+
+def rel_rmse(x, ref):
+    return ((x.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
+
+
+def run_both(B, H, Hkv, S, D, G, BS, dtype, density=0.3, seed=0, **kw):
+    torch.manual_seed(seed)
+    q = torch.randn(B, H, S, D, dtype=dtype)
+    k = torch.randn(B, Hkv, S, D, dtype=dtype)
+    v = torch.randn(B, Hkv, S, D, dtype=dtype)
+    idx, cnt = make_lists(B, H, S, G, BS, density, seed=seed, **kw)
+    do = torch.randn(B, H, S, D, dtype=dtype)
+    outs = []
+    for fn in (sparse_attention, sparse_attention_naive):
+        qi, ki, vi = (t.clone().requires_grad_() for t in (q, k, v))
+        o = fn(qi, ki, vi, idx, cnt, G, BS)
+        o.backward(do)
+        outs.append((o, qi.grad, ki.grad, vi.grad))
+    return outs, cnt
+
+
+CASES = [
+    # B, H, Hkv, S, D, G, BS, dtype
+    (1, 4, 4, 63, 96, 16, 0, torch.float32),
+    (1, 4, 2, 63, 64, 32, 64, torch.float16),
+    (2, 2, 1, 200, 128, 64, 0, torch.float16),
+    (1, 4, 2, 200, 96, 16, 128, torch.float32),
+    (1, 2, 2, 200, 64, 128, 64, torch.float32),
+    (1, 2, 2, 200, 128, 32, 128, torch.float16),
+    (1, 2, 1, 1000, 64, 128, 128, torch.float16),
+    (1, 2, 2, 1000, 128, 64, 0, torch.float32),
+]
+
+
+def case_id(c):
+    B, H, Hkv, S, D, G, BS, dt = c
+    gran = "tok" if BS == 0 else f"blk{BS}"
+    gqa = f"-Hkv{Hkv}" if Hkv != H else ""
+    return f"B{B}-T{S}-H{H}{gqa}-D{D}-G{G}-{gran}-{str(dt)[6:]}"
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=case_id(c)) for c in CASES])
+def test_fwd_bwd_matches_naive(case):
+    B, H, Hkv, S, D, G, BS, dt = case
+    tol = 1e-4 if dt == torch.float32 else 5e-3
+    (ours, ref), cnt = run_both(B, H, Hkv, S, D, G, BS, dt, empty_head=0, full_head=H - 1)
+    for name, x, r in zip(("o", "dq", "dk", "dv"), ours, ref):
+        assert not torch.isnan(x).any(), name
+        assert x.dtype == r.dtype and x.shape == r.shape, name
+        assert rel_rmse(x, r) < tol, (name, rel_rmse(x, r))
+    # head 0 has an empty list: zero output, zero dq
+    assert ours[0][:, 0].abs().max() == 0 and ours[1][:, 0].abs().max() == 0
+
+
+@pytest.mark.parametrize("BS", [pytest.param(0, id="tok"), pytest.param(64, id="blk64")])
+def test_full_lists_equal_dense(BS):
+    B, H, S, D, G = 1, 2, 200, 64, 32
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(B, H, S, D) for _ in range(3))
+    nk = S if BS == 0 else math.ceil(S / BS)
+    idx = torch.arange(nk, dtype=torch.int32).expand(B, H, math.ceil(S / G), nk).contiguous()
+    cnt = torch.full((B, H), nk, dtype=torch.int32)
+    assert rel_rmse(sparse_attention(q, k, v, idx, cnt, G, BS), dense_attention(q, k, v)) < 1e-5
+
+
+def test_padding_never_read():
+    """Padding holding garbage (huge, negative) changes nothing."""
+    B, H, S, D, G = 1, 2, 130, 64, 64
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(B, H, S, D) for _ in range(3))
+    a_idx, cnt = make_lists(B, H, S, G, 64, 0.4, pad_value=-1)
+    b_idx, _ = make_lists(B, H, S, G, 64, 0.4, pad_value=2**30)
+    assert torch.equal(sparse_attention(q, k, v, a_idx, cnt, G, 64), sparse_attention(q, k, v, b_idx, cnt, G, 64))
+
+
+def test_block_atomic_bwd_matches_inverse_map():
+    B, H, Hkv, S, D, G, BS = 1, 4, 2, 200, 64, 32, 64
+    torch.manual_seed(3)
+    q = torch.randn(B, H, S, D)
+    k, v = (torch.randn(B, Hkv, S, D) for _ in range(2))
+    idx, cnt = make_lists(B, H, S, G, BS, 0.5)
+    o, lse = sparse_fwd(q, k, v, idx, cnt, G, BS, 0.125)
+    do = torch.randn_like(o)
+    inv = sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, BS, 0.125, atomic_kv=False)
+    atom = sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, BS, 0.125, atomic_kv=True)
+    for a, b in zip(inv, atom):
+        assert rel_rmse(a, b) < 1e-5
+
+
+def test_inverse_map_exact():
+    idx = torch.tensor([[[[0, 2, -1], [1, 2, 5]], [[2, -1, -1], [0, -1, -1]]]], dtype=torch.int32)
+    cnt = torch.tensor([[2, 1]], dtype=torch.int32)  # head 0 reads 2 entries, head 1 reads 1
+    ptr, grp = build_inverse_map(idx, cnt, nkb=3)
+    lists = [grp[ptr[i]:ptr[i + 1]].tolist() for i in range(6)]
+    assert lists == [[0], [1], [0, 1], [1], [], [0]]
+
+
+def test_torch_compile_traces_op():
+    B, H, S, D, G = 1, 2, 64, 64, 32
+    q, k, v = (torch.randn(B, H, S, D) for _ in range(3))
+    idx, cnt = make_lists(B, H, S, G, 64, 1.0)
+    eager = sparse_attention(q, k, v, idx, cnt, G, 64)
+    compiled = torch.compile(sparse_attention)(q, k, v, idx, cnt, G, 64)
+    assert rel_rmse(compiled, eager) < 1e-6
+
+
+def test_backend_env(monkeypatch):
+    B, H, S, D, G = 1, 2, 64, 64, 16
+    q, k, v = (torch.randn(B, H, S, D) for _ in range(3))
+    idx, cnt = make_lists(B, H, S, G, 0, 0.3)
+    monkeypatch.setenv("DSV_SPARSE_ATTN_BACKEND", "naive")
+    naive = sparse_attention(q, k, v, idx, cnt, G)
+    monkeypatch.setenv("DSV_SPARSE_ATTN_BACKEND", "triton")
+    assert rel_rmse(sparse_attention(q, k, v, idx, cnt, G), naive) < 1e-5
+    monkeypatch.setenv("DSV_SPARSE_ATTN_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="DSV_SPARSE_ATTN_BACKEND must be one of"):
+        sparse_attention(q, k, v, idx, cnt, G)
+    monkeypatch.setenv("DSV_SPARSE_ATTN_BACKEND", "flex")
+    with pytest.raises(ValueError, match="needs block-level lists"):
+        sparse_attention(q, k, v, idx, cnt, G)
+
+
+# ---- bad input: every case raises ValueError naming the argument ----
+
+def _good(S=64, D=64, G=16, BS=0, H=2, Hkv=2, dtype=torch.float16):
+    q = torch.randn(1, H, S, D, dtype=dtype)
+    k = torch.randn(1, Hkv, S, D, dtype=dtype)
+    v = torch.randn(1, Hkv, S, D, dtype=dtype)
+    idx, cnt = make_lists(1, H, S, G, BS, 0.25)
+    return dict(q=q, k=k, v=v, kv_indices=idx, kv_counts=cnt, group_size=G, block_size=BS)
+
+
+def _swap01(idx):
+    idx = idx.clone()
+    idx[..., [0, 1]] = idx[..., [1, 0]]
+    return idx
+
+
+def _dup01(idx):
+    idx = idx.clone()
+    idx[..., 1] = idx[..., 0]
+    return idx
+
+
+def _bad(**changes):
+    a = _good()
+    for key, fn in changes.items():
+        a[key] = fn(a)
+    return a
+
+
+BAD = [
+    ("q-3d", dict(q=lambda a: a["q"][0]), "q must be a 4-D tensor"),
+    ("q-int", dict(q=lambda a: a["q"].int()), r"q.dtype must be one of"),
+    ("kv-dtype", dict(k=lambda a: a["k"].float(), v=lambda a: a["v"].float()), "share one dtype"),
+    ("v-shape", dict(v=lambda a: a["v"][:, :, :32]), "k and v must have the same shape"),
+    ("k-seqlen", dict(k=lambda a: a["k"][:, :, :32], v=lambda a: a["v"][:, :, :32]), r"k/v must be \[B=1"),
+    ("gqa", dict(q=lambda a: torch.randn(1, 3, 64, 64, dtype=torch.float16)), "multiple of k/v heads"),
+    ("head-dim", dict(q=lambda a: a["q"][..., :48], k=lambda a: a["k"][..., :48], v=lambda a: a["v"][..., :48]),
+     "head dim D=48 is not supported"),
+    ("group", dict(group_size=lambda a: 8), "group_size must be one of"),
+    ("block", dict(block_size=lambda a: 32), "block_size must be one of"),
+    ("idx-dtype", dict(kv_indices=lambda a: a["kv_indices"].long()), "kv_indices must be an int32"),
+    ("idx-groups", dict(kv_indices=lambda a: a["kv_indices"][:, :, :2]), r"NG=ceil\(S/group_size\)=4"),
+    ("cnt-shape", dict(kv_counts=lambda a: a["kv_counts"][:, :1]), "kv_counts must be an int32"),
+    ("cnt-over-kmax", dict(kv_counts=lambda a: a["kv_counts"] + a["kv_indices"].shape[-1]), "kv_counts must lie in"),
+    ("cnt-negative", dict(kv_counts=lambda a: a["kv_counts"] - 100), "kv_counts must lie in"),
+    ("idx-high", dict(kv_indices=lambda a: a["kv_indices"] + 64), r"must lie in \[0, 64\)"),
+    ("idx-negative", dict(kv_indices=lambda a: a["kv_indices"] - 1), r"must lie in \[0, 64\)"),
+    ("idx-unsorted", dict(kv_indices=lambda a: _swap01(a["kv_indices"])), "sorted ascending"),
+    ("idx-duplicate", dict(kv_indices=lambda a: _dup01(a["kv_indices"])), "sorted ascending and unique"),
+    ("idx-device", dict(kv_indices=lambda a: a["kv_indices"].to("meta")), "kv_indices is on meta"),
+]
+
+
+@pytest.mark.parametrize("fn", [pytest.param(sparse_attention, id="fast"),
+                                pytest.param(sparse_attention_naive, id="naive")])
+@pytest.mark.parametrize("changes,msg", [pytest.param(c, m, id=i) for i, c, m in BAD])
+def test_bad_input(fn, changes, msg):
+    with pytest.raises(ValueError, match=msg):
+        fn(**_bad(**changes))
+
+
+def test_block_index_range_and_count_bound():
+    a = _good(S=200, G=32, BS=64)  # 4 key blocks
+    a["kv_indices"][0, 0, 0, 0] = 4
+    a["kv_indices"][0, 0, 0, 1:] = 5  # keep it sorted so the range check is what fires
+    a["kv_counts"][:] = 2
+    with pytest.raises(ValueError, match=r"key-block ids\) must lie in \[0, 4\)"):
+        sparse_attention(**a)
+    b = _good(S=200, G=32, BS=64)
+    b["kv_indices"] = torch.zeros(1, 2, 7, 6, dtype=torch.int32)
+    b["kv_counts"][:] = 5  # Kmax is 6 but only 4 blocks exist
+    with pytest.raises(ValueError, match="number of key-block ids=4"):
+        sparse_attention(**b)
+
+
+def test_skip_checks_env(monkeypatch):
+    a = _bad(kv_indices=lambda a: _swap01(a["kv_indices"]))
+    monkeypatch.setenv("DSV_SKIP_CHECKS", "1")
+    sparse_attention(**a)  # unsorted lists are not detected, by request
