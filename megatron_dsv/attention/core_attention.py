@@ -8,9 +8,26 @@ packed_seq_params)`` with q ``[sq, b, np, hn]``, k/v ``[sk, b, ng, hn]``
 (GQA: ng divides np), RoPE already applied; returns ``[sq, b, np * hn]``.
 
 The spec passes ``dsv_config`` (a DSVConfig) through ``ModuleSpec.params``.
-This module computes dense attention through :func:`megatron_dsv.ops.dense.dense_attention`
-(cuDNN first on GPU); the DSV method (predictor, profiler, dispatcher, sparse
-kernels) plugs in behind :meth:`DSVCoreAttention._attend`.
+
+What one forward does (q, k, v as ``[B, H, S, D]``):
+
+* training with grad enabled: the predictor loss on sampled queries (1 in
+  ``predictor_query_stride``) adds to the predictor's private gradient (see
+  ``predictor.py`` for why the predictor trains outside the main optimizer);
+  on profiler steps the exact per-head sparsity and the recall of the lists the
+  dispatcher would use are measured on the same sampled queries;
+* stage 1, or a layer the dispatcher keeps dense: dense attention
+  (:func:`megatron_dsv.ops.dense.dense_attention`, cuDNN first on GPU);
+* stage 2 and a sparse layer: low-rank estimation (``estimate_topk``) then the sparse kernel;
+* a padding mask: dense attention, and no predictor or profiler work on that batch
+  (the sparse kernels take no masks; video DiTs do not pad).
+
+Nothing changes state during a forward except gradient/statistics accumulators, so
+activation recomputation reproduces the first pass exactly. Counters, the profiler's
+smoothing, the stage switch and the predictor's Adam step happen in
+:func:`megatron_dsv.attention.hooks.dsv_on_step_end`, with collectives that keep
+every rank's state identical. All DSV state is in buffers (``state_dict`` and
+``sharded_state_dict``, per-head tensors TP-sharded along heads).
 """
 
 from __future__ import annotations
@@ -23,10 +40,17 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_dsv.attention import _ops
+from megatron_dsv.attention.dispatcher import SpeedupTable, choose_sparse, head_budgets
+from megatron_dsv.attention.predictor import LowRankPredictor
+from megatron_dsv.attention.schedule import is_profile_step, sampled_queries, smooth
 from megatron_dsv.config import DSVConfig
 from megatron_dsv.ops.dense import dense_attention
 
-__all__ = ["DSVCoreAttention", "SUPPORTED_MASK_TYPES"]
+__all__ = ["DSVCoreAttention", "SUPPORTED_MASK_TYPES", "PER_HEAD_STATE"]
+
+# Buffers with one entry per local head: TP-sharded along dim 0 in sharded_state_dict.
+PER_HEAD_STATE = ("sparsity", "recall")
 
 SUPPORTED_MASK_TYPES = (AttnMaskType.no_mask, AttnMaskType.padding)
 
@@ -86,6 +110,63 @@ class DSVCoreAttention(MegatronModule):
                              f"('head', 'seq', 'hybrid'), which this release does not provide yet; use cp=1")
         # apply_query_key_layer_scaling only rescales inside fp16 softmax and cancels out: not needed here.
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        self._init_dsv_state(config, tp)
+
+    def _init_dsv_state(self, config: TransformerConfig, tp: int):
+        cfg = self.dsv_config
+        if cfg.predictor_input == "hidden" and getattr(config, "sequence_parallel", False) and tp > 1:
+            raise ValueError("DSVConfig.predictor_input='hidden' does not support sequence_parallel=True "
+                             "(hidden states are sequence-sharded); use predictor_input='qk'")
+        if (cfg.predictor_input == "hidden" and config.recompute_granularity == "selective"
+                and "core_attn" in (config.recompute_modules or [])):
+            raise ValueError("DSVConfig.predictor_input='hidden' cannot be combined with selective recomputation "
+                             "of 'core_attn' (the recompute has no hidden states); use predictor_input='qk' or "
+                             "drop 'core_attn' from recompute_modules")
+        tp_rank = self.tp_group.rank() if self.tp_group is not None and tp > 1 else 0
+        self.predictor = LowRankPredictor(cfg, self.num_heads, self.head_dim, config.hidden_size,
+                                          self.layer_number, head_offset=tp_rank * self.num_heads,
+                                          total_heads=config.num_attention_heads)
+        self.speedup_table = SpeedupTable.from_config(cfg, self.head_dim)
+        # Kernels cover a fixed set of head dims; other models still train predictors and profile,
+        # but the dispatcher keeps them dense (reported as kernel_ok=0 in the metrics).
+        self.kernel_ok = self.head_dim in _ops.SUPPORTED_HEAD_DIMS
+        H = self.num_heads
+        persistent = {  # the checkpointed state: a resumed run behaves exactly like an uninterrupted one
+            "stage": torch.ones(1, dtype=torch.int64),
+            "step": torch.zeros(1, dtype=torch.int64),
+            "profiles": torch.zeros(1, dtype=torch.int64),
+            "sparsity": torch.zeros(H, dtype=torch.float32),
+            "recall": torch.zeros(H, dtype=torch.float32),
+            "predictor_loss": torch.full((1,), float("nan"), dtype=torch.float32),
+        }
+        for name, t in persistent.items():
+            self.register_buffer(name, t)
+        # per-step accumulators: [loss sum, loss n, sparsity n, recall n, sparsity sum (H), recall sum (H)]
+        self.register_buffer("pending", torch.zeros(4 + 2 * H, dtype=torch.float32), persistent=False)
+        self.register_buffer("last_k", torch.zeros(H, dtype=torch.float32), persistent=False)
+        self.last_sparse = False
+        self._hidden = None  # set by DSVSelfAttention for predictor_input='hidden', only during its forward
+        self._decisions = {}
+        self._sync_host()
+        self.register_load_state_dict_post_hook(lambda module, keys: module._sync_host())
+
+    def _sync_host(self):
+        """Host copies of the state the forward branches on (no device sync per forward)."""
+        self.stage_host = int(self.stage[0])
+        self.step_host = int(self.step[0])
+        self.profiled_host = int(self.profiles[0]) > 0
+        self._sparsity_cpu = self.sparsity.detach().float().cpu()
+        self._decisions = {}
+
+    def _apply(self, fn, recurse=True):
+        """Device moves apply to DSV state; dtype casts (Float16Module) leave fp32 state in fp32."""
+        def keep_fp32(t):
+            out = fn(t)
+            if t.dtype == torch.float32 and out.dtype != torch.float32:
+                return t.to(device=out.device)
+            return out
+
+        return super()._apply(keep_fp32, recurse)
 
     @staticmethod
     def _check_mask_type(mask_type, name: str):
@@ -119,7 +200,125 @@ class DSVCoreAttention(MegatronModule):
 
     def _attend(self, q, k, v, keep: Optional[torch.Tensor]) -> torch.Tensor:
         """Attention on ``[b, heads, s, hn]`` tensors; ``keep`` is a bool mask (True = attend) or None."""
-        return dense_attention(q, k, v, softmax_scale=self.softmax_scale, attn_mask=keep)
+        hidden, self._hidden = self._hidden, None
+        if keep is not None:
+            self.last_sparse = False
+            return dense_attention(q, k, v, softmax_scale=self.softmax_scale, attn_mask=keep)
+        S = k.shape[2]
+        # grad mode on = the pass whose backward runs: reentrant recompute trains once, eval never
+        learn = self.training and torch.is_grad_enabled()
+        qidx = sampled_queries(S, self.dsv_config.predictor_query_stride, self.step_host, q.device)
+        if learn:
+            loss = self.predictor.accumulate_grad(q, k, hidden, qidx, self.softmax_scale)
+            self.pending[0] += loss
+            self.pending[1] += 1
+        sparse, budgets, tokens = self.decide(S)
+        profile = learn and is_profile_step(self.step_host, self.dsv_config)
+        lists = None
+        if profile:
+            lists = self._profile(q, k, hidden, qidx, budgets if sparse else None)
+        elif sparse:
+            lists = self._estimate(q, k, hidden, budgets)
+        self.last_sparse = sparse
+        self.last_k.copy_(tokens)
+        if not sparse:
+            return dense_attention(q, k, v, softmax_scale=self.softmax_scale)
+        idx, counts = lists
+        cfg = self.dsv_config
+        kernel = _ops.sparse_attention_naive if cfg.kernel_backend == "naive" else _ops.sparse_attention
+        return kernel(q, k, v, idx, counts, cfg.group_size, cfg.block_size, self.softmax_scale)
+
+    def decide(self, S: int):
+        """``(sparse, budgets, tokens)`` for sequence length S (cached until the state changes)."""
+        key = (S, self.training)
+        if key not in self._decisions:
+            cfg = self.dsv_config
+            budgets, tokens = head_budgets(self._sparsity_cpu, S, cfg)
+            sparse = (self.stage_host == 2 and self.profiled_host and self.kernel_ok
+                      and S >= cfg.group_size
+                      and choose_sparse(self._sparsity_cpu, S, cfg, self.speedup_table, self.training))
+            if not sparse:
+                tokens = torch.full_like(tokens, S)
+            self._decisions[key] = (sparse, budgets, tokens.float())
+        return self._decisions[key]
+
+    @torch.no_grad()
+    def _estimate(self, q, k, hidden, budgets):
+        cfg = self.dsv_config
+        q_lr, k_lr = self.predictor.project(q, k, hidden, dtype=q.dtype)
+        estimate = _ops.estimate_topk_naive if cfg.topk_backend == "naive" else _ops.estimate_topk
+        return estimate(q_lr, k_lr, budgets.to(q.device), cfg.group_size, cfg.block_size,
+                        proxy=cfg.group_proxy, block_score=cfg.block_score)
+
+    @torch.no_grad()
+    def _profile(self, q, k, hidden, qidx, budgets):
+        """Exact per-head sparsity and the recall of the predicted lists on the sampled queries.
+
+        ``budgets`` are the dispatcher's (a sparse layer); otherwise the lists are built from the
+        smoothed sparsity (or this measurement, before the first smoothing) to show what stage 2 would get.
+        """
+        cfg, H = self.dsv_config, self.num_heads
+        k_full = k.repeat_interleave(H // k.shape[1], dim=1)
+        measured = _ops.head_sparsity(q, k_full, cfg.theta, self.softmax_scale, qidx).float().mean(0)
+        if budgets is None:
+            basis = self._sparsity_cpu if self.profiled_host else measured.cpu()
+            budgets = head_budgets(basis, k.shape[2], cfg)[0]
+        lists = self._estimate(q, k, hidden, budgets)
+        recall = _ops.critical_mass_recall(q, k_full, lists[0], lists[1], cfg.group_size, cfg.block_size,
+                                           cfg.theta, self.softmax_scale, qidx).float().mean(0)
+        self.pending[2] += 1
+        self.pending[3] += 1
+        self.pending[4:4 + H] += measured.to(self.pending.device)
+        self.pending[4 + H:] += recall.to(self.pending.device)
+        return lists
+
+    # ---- step-end logic (called by hooks.dsv_on_step_end, after the collectives) --------------
+    def finish_step(self, pending: torch.Tensor, step: int, stage: int) -> None:
+        """Apply one step's DP-summed accumulators; set the step and (already agreed) stage."""
+        H = self.num_heads
+        loss_sum, loss_n, sp_n, rec_n = (float(x) for x in pending[:4])
+        if loss_n > 0:
+            self.predictor_loss.fill_(loss_sum / loss_n)
+        if sp_n > 0:
+            measured = pending[4:4 + H] / sp_n
+            self.sparsity.copy_(smooth(self.sparsity, measured.to(self.sparsity.device),
+                                       self.dsv_config.sparsity_momentum, first=int(self.profiles[0]) == 0))
+            self.profiles += 1
+        if rec_n > 0:
+            self.recall.copy_(pending[4 + H:] / rec_n)
+        self.step.fill_(step)
+        self.stage.fill_(stage)
+        self.pending.zero_()
+        self._sync_host()
+
+    def predictor_lr(self) -> float:
+        cfg = self.dsv_config
+        return cfg.predictor_lr * (cfg.predictor_lr_stage2_scale if self.stage_host == 2 else 1.0)
+
+    def metrics(self) -> dict:
+        """Flat per-layer and per-head scalars (host floats) under ``dsv/layer{n}/``."""
+        p = f"dsv/layer{self.layer_number}/"
+        out = {p + "sparsity": float(self.sparsity.mean()), p + "sparse": float(self.last_sparse),
+               p + "recall": float(self.recall.mean()), p + "k_mean": float(self.last_k.mean()),
+               p + "predictor_loss": float(self.predictor_loss[0]), p + "kernel_ok": float(self.kernel_ok)}
+        for h in range(self.num_heads):
+            out[f"{p}head{h}/sparsity"] = float(self.sparsity[h])
+            out[f"{p}head{h}/recall"] = float(self.recall[h])
+            out[f"{p}head{h}/k"] = float(self.last_k[h])
+        return out
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """DSV state for dist_checkpointing: per-head tensors TP-sharded on dim 0, scalars replicated."""
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+
+        state = {}
+        self._save_to_state_dict(state, "", keep_vars=True)
+        state.update(self.predictor.state_dict(prefix="predictor.", keep_vars=True))
+        axis = {name: 0 for name in state if name in PER_HEAD_STATE or name.startswith("predictor.")}
+        axis.pop("predictor.adam_steps", None)
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return make_sharded_tensors_for_checkpoint(state, prefix, axis, sharded_offsets, tp_group=self.tp_group,
+                                                   dp_cp_group=metadata["dp_cp_group"])
 
     def _check_shapes(self, query, key, value):
         if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:

@@ -11,12 +11,55 @@ import copy
 from typing import Optional
 
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_dsv.attention.core_attention import DSVCoreAttention
 from megatron_dsv.config import DSVConfig
 
-__all__ = ["get_dsv_layer_spec", "get_gpt_dsv_layer_spec", "have_transformer_engine"]
+__all__ = ["get_dsv_layer_spec", "get_gpt_dsv_layer_spec", "have_transformer_engine", "DSVSelfAttention",
+           "HandsHiddenStatesToCore"]
+
+
+class HandsHiddenStatesToCore:
+    """Mixin for a Megatron ``SelfAttention`` (sub)class: hands the layer's input hidden states
+    ``[s, b, hidden]`` to a :class:`DSVCoreAttention` for ``DSVConfig.predictor_input='hidden'``.
+
+    Megatron's attention calls its core attention with q, k, v only; rather than copying
+    its long forward, the hidden states ride on the core attention for the duration of
+    this forward (the core attention takes them and clears the slot). Full-layer
+    recomputation re-runs this forward, so it sees them again; selective recomputation of
+    ``core_attn`` alone cannot, and DSVCoreAttention rejects that combination.
+    """
+
+    def forward(self, hidden_states, *args, **kwargs):
+        core = getattr(self, "core_attention", None)
+        if not isinstance(core, DSVCoreAttention):
+            return super().forward(hidden_states, *args, **kwargs)
+        core._hidden = hidden_states
+        try:
+            return super().forward(hidden_states, *args, **kwargs)
+        finally:
+            core._hidden = None
+
+
+class DSVSelfAttention(HandsHiddenStatesToCore, SelfAttention):
+    """Megatron-Core ``SelfAttention`` that hands hidden states to DSV core attention."""
+
+
+_HIDDEN_CLASSES = {SelfAttention: DSVSelfAttention}
+
+
+def _with_hidden_states(module):
+    """The self-attention class of a spec, extended with :class:`HandsHiddenStatesToCore`."""
+    if not (isinstance(module, type) and issubclass(module, SelfAttention)):
+        raise ValueError("DSVConfig.predictor_input='hidden' needs the spec's self_attention module to be "
+                         f"megatron.core SelfAttention or a subclass, got {module!r}; use predictor_input='qk'")
+    if issubclass(module, HandsHiddenStatesToCore):
+        return module
+    if module not in _HIDDEN_CLASSES:
+        _HIDDEN_CLASSES[module] = type(f"DSV{module.__name__}", (HandsHiddenStatesToCore, module), {})
+    return _HIDDEN_CLASSES[module]
 
 
 def have_transformer_engine() -> bool:
@@ -36,6 +79,8 @@ def _swap_core_attention(layer_spec: ModuleSpec, dsv_config: DSVConfig, attn_mas
         raise ValueError("base_spec has no submodules.self_attention.submodules.core_attention to replace: "
                          "pass a Megatron-Core transformer-layer spec (e.g. get_gpt_layer_local_spec())")
     core_holder.core_attention = ModuleSpec(module=DSVCoreAttention, params={"dsv_config": dsv_config})
+    if dsv_config.predictor_input == "hidden":
+        attn.module = _with_hidden_states(attn.module)
     attn.params = {**(attn.params or {}), "attn_mask_type": attn_mask_type}
     return spec
 

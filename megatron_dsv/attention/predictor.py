@@ -1,0 +1,185 @@
+"""Low-rank attention-score predictor of one DSV layer, with its own Adam.
+
+Two inputs (``DSVConfig.predictor_input``):
+
+* ``'qk'``: per head, ``q_lr = q @ Wq[h]`` and ``k_lr = k @ Wk[h]`` (``D -> r``) on the
+  post-RoPE q and k, so the predictor sees positions. Cost per token: ``4*H*D*r`` FLOPs.
+* ``'hidden'`` (the paper): ``[q_lr, k_lr] = x @ W[h]`` (``hidden -> 2r`` per head) on the
+  layer's input hidden states. Cost per token: ``4*H*hidden*r`` FLOPs, i.e. ``hidden/D`` (= H)
+  times the ``'qk'`` cost, and it has to learn RoPE's effect from scratch.
+
+How the predictor trains (the design choice, stated once):
+its loss depends only on *detached* inputs and its own weights, so its gradient is
+computed right where the loss is, inside the attention forward, with a local
+``torch.autograd.grad`` (chunked over sampled queries so memory stays bounded), and
+accumulated into a private buffer. The weights are ``requires_grad=False``
+parameters: Megatron's DDP and the main optimizer skip them (both ignore parameters
+that do not require grad), yet they live in ``state_dict``/``sharded_state_dict``.
+``dsv_on_step_end`` all-reduces the accumulated gradient over the data-parallel group
+and steps this module's own Adam (state in buffers, so checkpoints resume it exactly),
+at ``predictor_lr``, times ``predictor_lr_stage2_scale`` in stage 2. Why not the main
+optimizer: Adam is invariant to gradient scale, so a lower stage-2 rate could not be
+expressed as a gradient scale, and Megatron's Float16Module would cast the weights to
+bf16 (this module keeps them fp32 through ``_apply``).
+Training work runs only when grad mode is on, so Megatron's reentrant activation
+recomputation (first pass under ``no_grad``, recompute with grad) trains once per micro-batch.
+
+Loss on sampled query rows: ``cos_w * (1 - cos) + mse_w * MSE`` of the L2-normalised
+rows of low-rank vs. true pre-softmax scores over all keys. (On unit rows
+``MSE = 2 * (1 - cos) / S``, so the second term is a small reweighting of the first;
+kept for fidelity to the paper.)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+
+from megatron_dsv.config import DSVConfig
+
+__all__ = ["LowRankPredictor", "predictor_loss", "predictor_flops_per_token"]
+
+_CHUNK_ELEMS = 1 << 22  # score elements per chunk of the predictor loss (16 MB fp32)
+_ADAM_BETAS = (0.9, 0.999)
+_ADAM_EPS = 1e-8
+
+
+def predictor_flops_per_token(mode: str, heads: int, head_dim: int, hidden: int, rank: int) -> int:
+    """Projection FLOPs per token (q_lr and k_lr) for one layer."""
+    width = head_dim if mode == "qk" else hidden
+    return 2 * 2 * heads * width * rank
+
+
+def predictor_loss(lr_scores: torch.Tensor, true_scores: torch.Tensor, cos_weight: float,
+                   mse_weight: float) -> torch.Tensor:
+    """Per-row loss ``[..., rows]`` between low-rank and true score rows ``[..., rows, S]``."""
+    a = torch.nn.functional.normalize(lr_scores, dim=-1, eps=1e-12)
+    b = torch.nn.functional.normalize(true_scores, dim=-1, eps=1e-12)
+    cos = (a * b).sum(-1)
+    mse = (a - b).pow(2).mean(-1)
+    return cos_weight * (1.0 - cos) + mse_weight * mse
+
+
+class LowRankPredictor(nn.Module):
+    """fp32 low-rank predictor for ``heads`` local query heads (TP-sharded along dim 0)."""
+
+    def __init__(self, cfg: DSVConfig, heads: int, head_dim: int, hidden: int, layer_number: int,
+                 head_offset: int = 0, total_heads: Optional[int] = None):
+        super().__init__()
+        self.cfg = cfg
+        self.mode = cfg.predictor_input
+        self.heads, self.head_dim, self.hidden, self.rank = heads, head_dim, hidden, cfg.predictor_rank
+        total_heads = heads if total_heads is None else total_heads
+        # A private generator seeded by the layer makes init identical on every DP rank and
+        # independent of the model's RNG stream; TP ranks slice their heads from the full draw.
+        gen = torch.Generator().manual_seed(9_973 * layer_number + 17)
+        r = self.rank
+        if self.mode == "qk":
+            # Wq = Wk = a Gaussian projection: q_lr k_lr^T starts as a Johnson-Lindenstrauss
+            # sketch of q k^T (positive cosine from step 0) instead of noise.
+            w = torch.randn(total_heads, head_dim, r, generator=gen) / math.sqrt(r)
+            w = w[head_offset:head_offset + heads]
+            self.wq = nn.Parameter(w.clone(), requires_grad=False)
+            self.wk = nn.Parameter(w.clone(), requires_grad=False)
+        else:
+            w = torch.randn(total_heads, hidden, 2 * r, generator=gen) / math.sqrt(hidden)
+            self.w = nn.Parameter(w[head_offset:head_offset + heads].clone(), requires_grad=False)
+        for name, p in self._weights():
+            self.register_buffer(f"{name}_exp_avg", torch.zeros_like(p))
+            self.register_buffer(f"{name}_exp_avg_sq", torch.zeros_like(p))
+            self.register_buffer(f"{name}_grad", torch.zeros_like(p), persistent=False)
+        self.register_buffer("adam_steps", torch.zeros(1, dtype=torch.float32))
+        self.register_buffer("grad_count", torch.zeros(1, dtype=torch.float32), persistent=False)
+
+    def _weights(self):
+        return [(n, p) for n, p in self.named_parameters(recurse=False)]
+
+    def _apply(self, fn, recurse=True):
+        """Device moves apply; dtype casts (Float16Module's ``.bfloat16()``) do not: weights stay fp32."""
+        def keep_fp32(t):
+            out = fn(t)
+            if t.is_floating_point() and t.dtype == torch.float32 and out.dtype != torch.float32:
+                return t.to(device=out.device)
+            return out
+
+        return super()._apply(keep_fp32, recurse)
+
+    # ---- projections ---------------------------------------------------------
+    def project(self, q: torch.Tensor, k: torch.Tensor, hidden: Optional[torch.Tensor],
+                weights: Optional[dict] = None, dtype: Optional[torch.dtype] = None
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(q_lr, k_lr)``, each ``[B, H, S, r]``, from q ``[B,H,S,D]``, k ``[B,Hkv,S,D]``
+        or hidden ``[S, B, hidden]``. ``weights`` overrides the parameters (for the local grad)."""
+        w = dict(self._weights()) if weights is None else weights
+        dtype = torch.float32 if dtype is None else dtype
+        if self.mode == "qk":
+            B, hkv, S, D = k.shape
+            q_lr = torch.einsum("bhsd,hdr->bhsr", q.to(dtype), w["wq"].to(dtype))
+            wk = w["wk"].to(dtype).view(hkv, self.heads // hkv, D, self.rank)
+            k_lr = torch.einsum("bgsd,gjdr->bgjsr", k.to(dtype), wk).reshape(B, self.heads, S, self.rank)
+            return q_lr, k_lr
+        if hidden is None:
+            raise ValueError("predictor_input='hidden' needs the layer's hidden states: build the layer with "
+                             "megatron_dsv.models.specs.get_dsv_layer_spec (it installs DSVSelfAttention)")
+        both = torch.einsum("sbk,hkr->bhsr", hidden.to(dtype), w["w"].to(dtype))
+        return both[..., :self.rank], both[..., self.rank:]
+
+    # ---- training --------------------------------------------------------------
+    def accumulate_grad(self, q, k, hidden, query_index: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+        """Predictor loss on the sampled queries; adds its gradient to the private buffers.
+
+        Inputs are detached here, so the main model's gradients never see the predictor.
+        Returns the mean loss as a 0-dim tensor (no host sync).
+        """
+        q, k = q.detach(), k.detach()
+        hidden = hidden.detach() if hidden is not None else None
+        B, H, S, _ = q.shape
+        rows = query_index.numel()
+        chunk = max(1, _CHUNK_ELEMS // max(1, B * H * S))
+        k_full = k.float().repeat_interleave(H // k.shape[1], dim=1)
+        total = torch.zeros((), device=q.device)
+        with torch.enable_grad():
+            leaves = {n: p.detach().requires_grad_(True) for n, p in self._weights()}
+            for start in range(0, rows, chunk):
+                idx = query_index[start:start + chunk]
+                q_rows = q.index_select(2, idx).float()
+                true = torch.matmul(q_rows, k_full.transpose(-1, -2)) * softmax_scale
+                if self.mode == "qk":
+                    q_lr, k_lr = self.project(q_rows, k, None, leaves)
+                else:
+                    q_lr = self.project(q, k, hidden.index_select(0, idx), leaves)[0]
+                    k_lr = self.project(q, k, hidden, leaves)[1]
+                lr = torch.matmul(q_lr, k_lr.transpose(-1, -2))
+                loss = predictor_loss(lr, true, self.cfg.predictor_loss_cos_weight,
+                                      self.cfg.predictor_loss_mse_weight).sum() / (B * H * rows)
+                grads = torch.autograd.grad(loss, list(leaves.values()))
+                for (name, _), g in zip(self._weights(), grads):
+                    getattr(self, f"{name}_grad").add_(g)
+                total = total + loss.detach()
+        self.grad_count += 1
+        return total
+
+    def grad_buffers(self):
+        return [getattr(self, f"{n}_grad") for n, _ in self._weights()]
+
+    @torch.no_grad()
+    def adam_step(self, lr: float) -> None:
+        """One Adam step on the accumulated (already DP-averaged) gradient, then clear it."""
+        if float(self.grad_count[0]) == 0:
+            return
+        scale = 1.0 / float(self.grad_count[0])  # mean over micro-batches
+        self.adam_steps += 1
+        t = float(self.adam_steps[0])
+        b1, b2 = _ADAM_BETAS
+        for name, p in self._weights():
+            g = getattr(self, f"{name}_grad") * scale
+            m, v = getattr(self, f"{name}_exp_avg"), getattr(self, f"{name}_exp_avg_sq")
+            m.mul_(b1).add_(g, alpha=1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            denom = (v / (1 - b2 ** t)).sqrt_().add_(_ADAM_EPS)
+            p.addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
+            getattr(self, f"{name}_grad").zero_()
+        self.grad_count.zero_()
