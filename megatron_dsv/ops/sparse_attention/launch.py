@@ -14,7 +14,7 @@ from typing import Dict, Optional, Tuple
 import torch
 import triton
 
-from .triton_bwd import bwd_kv_kernel, bwd_preprocess_kernel, bwd_q_kernel
+from .triton_bwd import bwd_kv_kernel, bwd_q_kernel
 from .triton_fwd import LOG2E, sparse_attn_fwd_kernel
 
 Config = Dict[str, int]
@@ -28,16 +28,21 @@ def pick_config(kind: str, D: int, G: int, BS: int) -> Config:
     if (kind, D, G, BS) in CONFIG_OVERRIDES:
         return dict(CONFIG_OVERRIDES[(kind, D, G, BS)])
     big = D > 128  # 256 needs half-size tiles to fit registers and shared memory
+    # D <= 128 values: winners of the H200 sweep at S=64K, G=128, 90% sparsity (NOTES_sparse_attention.md)
     if kind == "fwd":
-        bn = 64 if (BS == 0 or big) else BS
-        cfg = dict(BM=min(G, 64 if big else 128), BN=bn, num_warps=8, num_stages=2 if big else 3)
+        if BS == 0:  # gathered rows: no cp.async pipelining benefit past 2 stages, 4 warps won
+            cfg = dict(BM=min(G, 64 if big else 128), BN=64, num_warps=4 if not big else 8, num_stages=2)
+        else:
+            cfg = dict(BM=min(G, 64 if big else 128), BN=64 if big else BS, num_warps=8,
+                       num_stages=2 if big else 3)
     elif kind == "bwd_q":
-        # token lists keep one program per group: every extra tile repeats the atomics
-        cfg = dict(BM=min(G, 64 if big else 128), BN=64 if (BS == 0 or big) else min(BS, 64),
-                   num_warps=8, num_stages=1 if big else 2)
+        if BS == 0:  # one program per group: every extra tile of a group repeats the atomics
+            cfg = dict(BM=min(G, 64 if big else 128), BN=64, num_warps=8, num_stages=1 if big else 2)
+        else:
+            cfg = dict(BM=min(G, 64), BN=64, num_warps=4 if not big else 8, num_stages=1 if big else 3)
     elif kind == "bwd_kv":
-        cfg = dict(BM=min(G, 32 if big else 64), BN=min(BS, 64 if big else 128),
-                   num_warps=8, num_stages=1 if big else 2)
+        cfg = dict(BM=min(G, 32 if big else 64), BN=64, num_warps=4 if not big else 8,
+                   num_stages=1 if big else 2)
     else:
         raise ValueError(f"unknown pass {kind!r}")
     return cfg
@@ -87,24 +92,16 @@ def build_inverse_map(kv_indices: torch.Tensor, kv_counts: torch.Tensor, nkb: in
     return inv_ptr, inv_grp
 
 
-def _delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
-    B, H, T, D = o.shape
-    delta = torch.empty(B, H, T, device=o.device, dtype=torch.float32)
-    BR = 64
-    bwd_preprocess_kernel[(triton.cdiv(B * H * T, BR),)](o, do, delta, B * H * T, K=D, BD=_bd(D), BR=BR)
-    return delta
-
-
 def sparse_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scale: float,
                atomic_kv: Optional[bool] = None, cfg_q: Optional[Config] = None,
-               cfg_kv: Optional[Config] = None):
+               cfg_kv: Optional[Config] = None, _only_dq: bool = False):
     """dq, dk, dv. Token lists (or atomic_kv=True) scatter dk/dv with fp32 atomics;
     block lists default to the atomic-free inverse-map kernel."""
     B, H, T, D = q.shape
     hkv = k.shape[1]
     NG = kv_indices.shape[2]
     do = do.contiguous()
-    delta = _delta(o, do)
+    delta = torch.empty(B, H, T, device=q.device, dtype=torch.float32)  # written by bwd_q_kernel
     atomic_kv = (BS == 0) if atomic_kv is None else atomic_kv
     cfg_q = cfg_q or pick_config("bwd_q", D, G, BS)
     dq = torch.empty_like(q)
@@ -115,12 +112,14 @@ def sparse_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scal
         dk32 = dv32 = dq  # unused by the kernel when ATOMIC_KV is off
     common = dict(H=H, HR=H // hkv, K=D, BD=_bd(D), G=G, BS=BS)
     bwd_q_kernel[(NG * (G // cfg_q["BM"]), B * H)](
-        q, k, v, do, lse, delta, dq, dk32, dv32, kv_indices, kv_counts,
+        q, k, v, o, do, lse, delta, dq, dk32, dv32, kv_indices, kv_counts,
         T, NG, kv_indices.shape[3], scale * LOG2E, scale,
         BM=cfg_q["BM"], BN=cfg_q["BN"], EVEN_T=(BS == 0 or T % BS == 0), ATOMIC_KV=atomic_kv,
         **common, **_launch_opts(cfg_q))
     if atomic_kv:
         return dq, dk32.to(k.dtype), dv32.to(v.dtype)
+    if _only_dq:  # timing aid for the tuning sweep
+        return dq, None, None
     nkb = math.ceil(T / BS)
     inv_ptr, inv_grp = build_inverse_map(kv_indices, kv_counts, nkb)
     cfg_kv = cfg_kv or pick_config("bwd_kv", D, G, BS)

@@ -1,7 +1,7 @@
 """Triton backward kernels.
 
-- ``bwd_preprocess_kernel``: delta = rowsum(o * do) per query row, fp32.
-- ``bwd_q_kernel``: one program per query tile (the forward's grid); walks the
+- ``bwd_q_kernel``: one program per query tile (the forward's grid); computes
+  and stores delta = rowsum(o * do) for its rows, then walks the
   group's list again and accumulates dq in registers. With ATOMIC_KV it also
   scatters dk/dv into fp32 buffers with atomics: the token-level path, where a
   key's query groups are scattered and an inverse-map kernel would waste work.
@@ -22,21 +22,8 @@ from .triton_fwd import _load_kv_tile
 
 
 @triton.jit
-def bwd_preprocess_kernel(o, do, delta, N, K: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
-    i_r = tl.program_id(0)
-    o_r = i_r * BR + tl.arange(0, BR)
-    o_d = tl.arange(0, BD)
-    m = (o_r[:, None] < N) & (o_d[None, :] < K)
-    p = o_r.to(tl.int64)[:, None] * K + o_d[None, :]
-    # [BR, BD]
-    b_o = tl.load(o + p, mask=m, other=0.).to(tl.float32)
-    b_do = tl.load(do + p, mask=m, other=0.).to(tl.float32)
-    tl.store(delta + o_r, tl.sum(b_o * b_do, 1), mask=o_r < N)
-
-
-@triton.jit
 def bwd_q_kernel(
-    q, k, v, do, lse, delta, dq, dk32, dv32, idx, cnt_ptr,
+    q, k, v, o, do, lse, delta, dq, dk32, dv32, idx, cnt_ptr,
     T, NG, KMAX, qk_scale, sm_scale,
     H: tl.constexpr, HR: tl.constexpr, K: tl.constexpr, BD: tl.constexpr,
     G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr,
@@ -58,7 +45,10 @@ def bwd_q_kernel(
     b_do = tl.load(do + p_qrows, mask=m_q, other=0.)
     # [BM]; padded rows get lse=+inf so their p is exactly 0
     b_lse = tl.load(lse + i_bh.to(tl.int64) * T + o_m, mask=m_m, other=float("inf"))
-    b_delta = tl.load(delta + i_bh.to(tl.int64) * T + o_m, mask=m_m, other=0.)
+    # delta = rowsum(o * do), computed here and stored for the dk/dv kernel launched after us
+    b_o = tl.load(o + p_qrows, mask=m_q, other=0.).to(tl.float32)
+    b_delta = tl.sum(b_o * b_do.to(tl.float32), 1)
+    tl.store(delta + i_bh.to(tl.int64) * T + o_m, b_delta, mask=m_m)
 
     cnt = tl.load(cnt_ptr + i_bh)
     p_idx = idx + (i_bh.to(tl.int64) * NG + i_g) * KMAX

@@ -81,16 +81,16 @@ def sparse_attn_fwd_kernel(
         # [BN, BD]
         b_k = tl.load(k + p_rows, mask=m_ld, other=0.)
         b_v = tl.load(v + p_rows, mask=m_ld, other=0.)
-        # [BM, BN] scores in log2 units: exp2 is the native instruction
-        b_s = tl.dot(b_q, tl.trans(b_k)) * qk_scale
+        # [BM, BN] raw scores; scaled into log2 units inside one FMA below (exp2 is native)
+        b_s = tl.dot(b_q, tl.trans(b_k))
         if BS == 0 or not EVEN_T:
             b_s = tl.where(m_n[None, :], b_s, float("-inf"))
         # every step has >= 1 valid key, so b_m_new is finite and no NaN appears
-        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1) * qk_scale)
         b_alpha = tl.exp2(b_m - b_m_new)
-        b_p = tl.exp2(b_s - b_m_new[:, None])
+        b_p = tl.exp2(b_s * qk_scale - b_m_new[:, None])
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
-        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
+        b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc * b_alpha[:, None])
         b_m = b_m_new
 
     # an empty list leaves l == 0: output zeros, lse unused by backward
