@@ -157,7 +157,7 @@ def main():
     if args.tune:
         t0 = time.time()
         trows = tune(65536, G)
-        write_results("sparse_attention_tune", trows, args.out, meta)
+        write_results("sparse_attention-tune", trows, args.out, meta)
         print(f"tuning took {time.time() - t0:.0f} s; configs: {json.dumps({str(k): v for k, v in launch.CONFIG_OVERRIDES.items()})}")
     rows = []
     for S in seqs:
