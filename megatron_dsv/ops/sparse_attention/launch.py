@@ -39,7 +39,8 @@ def pick_config(kind: str, D: int, G: int, BS: int) -> Config:
         if BS == 0:  # one program per group: every extra tile of a group repeats the atomics
             cfg = dict(BM=min(G, 64 if big else 128), BN=64, num_warps=8, num_stages=1 if big else 2)
         else:
-            cfg = dict(BM=min(G, 64), BN=64, num_warps=4 if not big else 8, num_stages=1 if big else 3)
+            cfg = dict(BM=min(G, 64 if big else 128), BN=64 if big else BS, num_warps=8,
+                       num_stages=1 if big else 2)
     elif kind == "bwd_kv":
         cfg = dict(BM=min(G, 32 if big else 64), BN=64, num_warps=4 if not big else 8,
                    num_stages=1 if big else 2)
