@@ -1,0 +1,55 @@
+"""Fused low-rank QK^T + per-group top-k estimation, and the exact critical-set oracle.
+
+``estimate_topk(q_lr, k_lr, budgets, group_size, block_size=0, proxy="mean", block_score="max")``
+  q_lr, k_lr: (batch, heads, seqlen, r), r in {8, 16, 32}, float32/float16/bfloat16.
+  budgets: int, or int tensor (heads,) or (batch, heads): items per query group (tokens when
+    block_size == 0, key blocks of block_size in {64, 128} otherwise), clipped to what exists.
+  Returns idx int32 (batch, heads, ceil(seqlen / group_size), Kmax): for each query group, the
+    counts[b, h] best items by proxy . key (ties: lower index), ascending, then -1 padding;
+    and counts int32 (batch, heads).
+
+Backend: ``DSV_TOPK_BACKEND`` in {auto, cuda, triton, naive}; auto = the CUDA extension when
+``megatron_dsv._C`` is built and the tensors are on CUDA, else Triton on CUDA, else naive (CPU).
+Every backend selects the same lists (see ``common.py`` for the exact score definition).
+"""
+
+from __future__ import annotations
+
+import os
+
+from .naive import estimate_topk_naive
+from .oracle import critical_counts, critical_mass_recall, head_sparsity
+
+__all__ = ["estimate_topk", "estimate_topk_naive", "critical_counts", "head_sparsity",
+           "critical_mass_recall", "topk_backend"]
+
+BACKENDS = ("auto", "cuda", "triton", "naive")
+
+
+def topk_backend(device) -> str:
+    """The backend estimate_topk uses for tensors on ``device`` (the one place this is decided)."""
+    want = os.environ.get("DSV_TOPK_BACKEND", "auto").strip().lower() or "auto"
+    if want not in BACKENDS:
+        raise ValueError(f"DSV_TOPK_BACKEND must be one of {BACKENDS}, got {want!r}")
+    if want != "auto":
+        return want
+    if getattr(device, "type", str(device)) != "cuda":
+        return "naive"
+    from .cuda_impl import cuda_extension
+
+    return "cuda" if cuda_extension() is not None else "triton"
+
+
+def estimate_topk(q_lr, k_lr, budgets, group_size, block_size=0, proxy="mean", block_score="max"):
+    """Per query group, the top-k keys (or key blocks) by low-rank score; see the module docstring."""
+    backend = topk_backend(getattr(q_lr, "device", "cpu"))
+    match backend:
+        case "cuda":
+            from .cuda_impl import estimate_topk_cuda as fn
+        case "triton":
+            from .triton_impl import estimate_topk_triton as fn
+        case "naive":
+            fn = estimate_topk_naive
+        case _:  # pragma: no cover - topk_backend validates
+            raise ValueError(f"unknown topk backend {backend!r}")
+    return fn(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score)

@@ -1,0 +1,106 @@
+"""Argument checking and the score definition shared by every backend.
+
+The score of item j for query group g is defined bit for bit, so that every
+backend can be compared exactly with ``naive.py``:
+
+- proxy ("mean"): the group's ``q_lr`` rows summed in float32 in token order,
+  divided by the group's token count, rounded to the input dtype;
+  proxy ("middle"): the row of token ``start + n // 2`` (``n`` = tokens in the group).
+- token score: ``sum_d proxy[d] * k[j, d]`` accumulated in float32 (products of
+  bf16/fp16 operands are exact in float32); ``-0.0`` is read as ``+0.0``.
+  The naive path and the CUDA fp32 path add in order d = 0..r-1; the CUDA
+  bf16/fp16 path uses tensor cores, whose float32 accumulation may round the
+  last bit differently, so only exact ties at that level can break differently.
+- block score: max (default) or log-sum-exp of the block's token scores.
+- order: higher score first, equal scores broken by the lower index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+PROXIES = ("mean", "middle")
+BLOCK_SCORES = ("max", "lse")
+BLOCK_SIZES = (0, 64, 128)
+RANKS = (8, 16, 32)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class TopkProblem:
+    """Validated sizes of one estimation call."""
+
+    B: int
+    H: int
+    S: int
+    r: int
+    group_size: int
+    block_size: int
+    num_groups: int  # NG = ceil(S / G)
+    num_items: int  # keys (token granularity) or key blocks
+    counts: torch.Tensor  # int32 [B, H] on the inputs' device, clipped budgets
+    kmax: int
+    proxy: str
+    block_score: str
+
+
+def _fail(name: str, msg: str):
+    raise ValueError(f"estimate_topk: `{name}` {msg}")
+
+
+def check_problem(q_lr, k_lr, budgets: Union[int, torch.Tensor], group_size, block_size=0,
+                  proxy="mean", block_score="max") -> TopkProblem:
+    """Validate every argument; return sizes and the clipped per-(batch, head) counts."""
+    for name, t in (("q_lr", q_lr), ("k_lr", k_lr)):
+        if not isinstance(t, torch.Tensor):
+            _fail(name, f"must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            _fail(name, f"must be [B, H, S, r], got shape {tuple(t.shape)}")
+        if t.dtype not in DTYPES:
+            _fail(name, f"dtype must be one of float32/float16/bfloat16, got {t.dtype}")
+    if q_lr.shape != k_lr.shape:
+        _fail("k_lr", f"shape {tuple(k_lr.shape)} must equal q_lr's {tuple(q_lr.shape)} (no GQA here)")
+    if q_lr.dtype != k_lr.dtype:
+        _fail("k_lr", f"dtype {k_lr.dtype} must equal q_lr's {q_lr.dtype}")
+    if q_lr.device != k_lr.device:
+        _fail("k_lr", f"device {k_lr.device} must equal q_lr's {q_lr.device}")
+    B, H, S, r = q_lr.shape
+    if B < 1 or H < 1 or S < 1:
+        _fail("q_lr", f"needs B, H, S >= 1, got {tuple(q_lr.shape)}")
+    if r not in RANKS:
+        _fail("q_lr", f"rank r (last dim) must be one of {RANKS}, got {r}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        _fail("group_size", f"must be an int >= 1, got {group_size!r}")
+    if isinstance(block_size, bool) or block_size not in BLOCK_SIZES:
+        _fail("block_size", f"must be one of {BLOCK_SIZES} (0 = token granularity), got {block_size!r}")
+    if proxy not in PROXIES:
+        _fail("proxy", f"must be one of {PROXIES}, got {proxy!r}")
+    if block_score not in BLOCK_SCORES:
+        _fail("block_score", f"must be one of {BLOCK_SCORES}, got {block_score!r}")
+    num_items = S if block_size == 0 else -(-S // block_size)
+    counts = _budget_counts(budgets, B, H, num_items, q_lr.device)
+    kmax = int(counts.max().item())
+    return TopkProblem(B, H, S, r, group_size, block_size, -(-S // group_size), num_items,
+                       counts.to(q_lr.device), kmax, proxy, block_score)
+
+
+def _budget_counts(budgets, B, H, num_items, device) -> torch.Tensor:
+    if isinstance(budgets, bool):
+        _fail("budgets", "must be an int or an integer tensor [H] or [B, H], got a bool")
+    if isinstance(budgets, int):
+        budgets = torch.full((B, H), budgets, dtype=torch.int64)
+    if not isinstance(budgets, torch.Tensor):
+        _fail("budgets", f"must be an int or an integer tensor [H] or [B, H], got {type(budgets).__name__}")
+    if budgets.dtype.is_floating_point or budgets.dtype == torch.bool or budgets.is_complex():
+        _fail("budgets", f"must have an integer dtype, got {budgets.dtype}")
+    if budgets.dim() == 1 and budgets.shape[0] == H:
+        budgets = budgets.unsqueeze(0).expand(B, H)
+    elif not (budgets.dim() == 2 and tuple(budgets.shape) == (B, H)):
+        _fail("budgets", f"must have shape [H]={[H]} or [B, H]={[B, H]}, got {tuple(budgets.shape)}")
+    b = budgets.detach().to("cpu", torch.int64)
+    if bool((b < 0).any()):
+        _fail("budgets", f"entries must be >= 0, got min {int(b.min())}")
+    return b.clamp(max=num_items).to(torch.int32).contiguous()

@@ -1,0 +1,94 @@
+"""Reference top-k estimation: chunked scores + exact tie-aware selection (the spec; the CPU path).
+
+Scores follow the bit-exact definition in ``common.py``. Memory: one chunk of
+groups x items scores at a time (``chunk_elems`` elements), never all heads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import check_problem
+
+__all__ = ["estimate_topk_naive", "group_proxies", "item_scores"]
+
+
+def group_proxies(q: torch.Tensor, group_size: int, proxy: str) -> torch.Tensor:
+    """[..., S, r] -> [..., NG, r] proxies in q's dtype (sum in token order, float32)."""
+    S = q.shape[-2]
+    NG = -(-S // group_size)
+    if proxy == "middle":
+        start = torch.arange(NG, device=q.device) * group_size
+        n = torch.clamp(S - start, max=group_size)
+        return q[..., start + n // 2, :]
+    pad = NG * group_size - S
+    qf = q.float()
+    if pad:
+        qf = torch.cat([qf, qf.new_zeros(*qf.shape[:-2], pad, qf.shape[-1])], dim=-2)
+    qf = qf.reshape(*qf.shape[:-2], NG, group_size, qf.shape[-1])
+    acc = qf[..., 0, :].clone()
+    for i in range(1, group_size):  # fixed order: every backend adds tokens in this order
+        acc = acc + qf[..., i, :]
+    n = torch.full((NG,), group_size, dtype=torch.float32, device=q.device)
+    n[-1] = S - (NG - 1) * group_size
+    return (acc / n[:, None]).to(q.dtype)
+
+
+def token_scores(p: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """p [..., n, r], k [..., S, r] -> float32 [..., n, S], summed in order d = 0..r-1."""
+    pf, kf = p.float(), k.float()
+    s = pf[..., :, None, 0] * kf[..., None, :, 0]
+    for d in range(1, p.shape[-1]):
+        s = s + pf[..., :, None, d] * kf[..., None, :, d]
+    return s + 0.0  # -0.0 -> +0.0
+
+
+def item_scores(p, k, block_size: int, block_score: str) -> torch.Tensor:
+    """Scores of tokens (block_size 0) or key blocks: float32 [..., n, num_items]."""
+    s = token_scores(p, k)
+    if block_size == 0:
+        return s
+    S = s.shape[-1]
+    nb = -(-S // block_size)
+    pad = nb * block_size - S
+    if pad:
+        s = torch.cat([s, s.new_full((*s.shape[:-1], pad), float("-inf"))], dim=-1)
+    s = s.reshape(*s.shape[:-1], nb, block_size)
+    out = s.amax(-1) if block_score == "max" else torch.logsumexp(s, dim=-1)
+    return out + 0.0
+
+
+def select_topk_sorted(s: torch.Tensor, K: int) -> torch.Tensor:
+    """Indices of the K best items per row (higher score, then lower index), ascending. int32 [..., K]."""
+    n = s.shape[-1]
+    if K == 0:
+        return torch.empty(*s.shape[:-1], 0, dtype=torch.int32, device=s.device)
+    t = torch.topk(s, K, dim=-1, sorted=False).values.amin(-1, keepdim=True)
+    gt = s > t
+    eq = s == t
+    need = K - gt.sum(-1, keepdim=True)
+    sel = gt | (eq & (torch.cumsum(eq.to(torch.int32), -1) <= need))
+    pos = torch.arange(n, device=s.device, dtype=torch.int64).expand_as(s)
+    key = torch.where(sel, pos, torch.full_like(pos, n))
+    return torch.sort(key, dim=-1).values[..., :K].to(torch.int32)
+
+
+def estimate_topk_naive(q_lr, k_lr, budgets, group_size, block_size=0, proxy="mean",
+                        block_score="max", chunk_elems: int = 1 << 24):
+    """Same contract as :func:`estimate_topk`; chunked over groups, one (b, h) at a time."""
+    P = check_problem(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score)
+    idx = torch.full((P.B, P.H, P.num_groups, P.kmax), -1, dtype=torch.int32, device=q_lr.device)
+    counts = P.counts
+    counts_cpu = counts.cpu()
+    proxies = group_proxies(q_lr, group_size, proxy)  # [B, H, NG, r]
+    chunk = max(1, chunk_elems // max(1, P.S))
+    for b in range(P.B):
+        for h in range(P.H):
+            K = int(counts_cpu[b, h])
+            if K == 0:
+                continue
+            for g0 in range(0, P.num_groups, chunk):
+                g1 = min(P.num_groups, g0 + chunk)
+                s = item_scores(proxies[b, h, g0:g1], k_lr[b, h], block_size, block_score)
+                idx[b, h, g0:g1, :K] = select_topk_sorted(s, K)
+    return idx, counts

@@ -1,0 +1,112 @@
+"""Exact critical-set oracle (used by the profiler and the tests), chunked over queries.
+
+A query's theta-critical set is the smallest set of keys whose softmax mass reaches
+theta: its highest-probability keys. Only ``chunk_elems`` query x key probabilities
+(per call, all heads together) are resident at once, never S x S.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator, Optional, Tuple
+
+import torch
+
+__all__ = ["critical_counts", "head_sparsity", "critical_mass_recall"]
+
+
+def _check(q, k, theta, query_index):
+    for name, t in (("q", q), ("k", k)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"critical set oracle: `{name}` must be a [B, H, S, D] tensor")
+    B, H, S, D = q.shape
+    if k.shape[0] != B or k.shape[2] != S or k.shape[3] != D:
+        raise ValueError(f"critical set oracle: `k` must be [B, Hkv, S, D] matching q {tuple(q.shape)}, got {tuple(k.shape)}")
+    if k.shape[1] < 1 or H % k.shape[1]:
+        raise ValueError(f"critical set oracle: `k` heads ({k.shape[1]}) must divide q heads ({H})")
+    if q.device != k.device:
+        raise ValueError(f"critical set oracle: `k` device {k.device} must equal q's {q.device}")
+    if not (0.0 < float(theta) <= 1.0):
+        raise ValueError(f"critical set oracle: `theta` must be in (0, 1], got {theta}")
+    if query_index is None:
+        return torch.arange(S, device=q.device)
+    qi = torch.as_tensor(query_index, device=q.device)
+    if qi.dim() != 1 or qi.dtype not in (torch.int32, torch.int64):
+        raise ValueError("critical set oracle: `query_index` must be a 1-D integer tensor")
+    if qi.numel() and (int(qi.min()) < 0 or int(qi.max()) >= S):
+        raise ValueError(f"critical set oracle: `query_index` entries must be in [0, {S})")
+    return qi.long()
+
+
+def _prob_chunks(q, k, theta, softmax_scale, qi, chunk_elems) -> Iterator[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Yield (query positions, probs fp32 [B, H, n, S], critical mask [B, H, n, S]) per chunk."""
+    B, H, S, D = q.shape
+    rep = H // k.shape[1]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    kf = k.float().repeat_interleave(rep, dim=1) if rep > 1 else k.float()
+    n = max(1, chunk_elems // (B * H * S))
+    for c0 in range(0, qi.numel(), n):
+        pos = qi[c0:c0 + n]
+        logits = torch.matmul(q[:, :, pos].float(), kf.transpose(-1, -2)) * scale
+        probs = torch.softmax(logits, dim=-1)
+        sp, order = torch.sort(probs, dim=-1, descending=True)
+        before = torch.cumsum(sp, dim=-1) - sp  # mass strictly before each sorted key
+        crit_sorted = before < theta  # the key is needed to reach theta
+        crit = torch.zeros_like(crit_sorted).scatter_(-1, order, crit_sorted)
+        yield pos, probs, crit
+
+
+def critical_counts(q, k, theta: float = 0.9, softmax_scale: Optional[float] = None,
+                    query_index: Optional[torch.Tensor] = None, chunk_elems: int = 1 << 24) -> torch.Tensor:
+    """int32 [B, H, Nq]: per (sampled) query, the fewest keys whose softmax mass reaches theta.
+
+    q [B, H, S, D], k [B, Hkv, S, D] (GQA: Hkv divides H); query_index: positions to
+    evaluate (default all S)."""
+    qi = _check(q, k, theta, query_index)
+    parts = [crit.sum(-1).to(torch.int32) for _, _, crit in _prob_chunks(q, k, theta, softmax_scale, qi, chunk_elems)]
+    if not parts:
+        return torch.zeros(q.shape[0], q.shape[1], 0, dtype=torch.int32, device=q.device)
+    return torch.cat(parts, dim=-1)
+
+
+def head_sparsity(q, k, theta: float = 0.9, softmax_scale: Optional[float] = None,
+                  query_index: Optional[torch.Tensor] = None, chunk_elems: int = 1 << 24) -> torch.Tensor:
+    """float32 [B, H]: 1 - mean(critical_counts) / S."""
+    c = critical_counts(q, k, theta, softmax_scale, query_index, chunk_elems)
+    return (1.0 - c.float().mean(-1) / q.shape[2]).float()
+
+
+def critical_mass_recall(q, k, kv_indices, kv_counts, group_size: int, block_size: int = 0, theta: float = 0.9,
+                         softmax_scale: Optional[float] = None, query_index: Optional[torch.Tensor] = None,
+                         chunk_elems: int = 1 << 24) -> torch.Tensor:
+    """float32 [B, H]: mean over (sampled) queries of mass(critical keys inside the query's
+    group list) / mass(critical keys). Lists: int32 [B, H, ceil(S/G), Kmax] token ids
+    (block_size 0) or key-block ids (block_size > 0), first kv_counts[b, h] entries valid."""
+    qi = _check(q, k, theta, query_index)
+    B, H, S, _ = q.shape
+    if block_size < 0:
+        raise ValueError(f"critical_mass_recall: `block_size` must be >= 0, got {block_size}")
+    if group_size < 1:
+        raise ValueError(f"critical_mass_recall: `group_size` must be >= 1, got {group_size}")
+    NG = -(-S // group_size)
+    if kv_indices.dim() != 4 or tuple(kv_indices.shape[:3]) != (B, H, NG):
+        raise ValueError(f"critical_mass_recall: `kv_indices` must be [B, H, {NG}, Kmax], got {tuple(kv_indices.shape)}")
+    counts = torch.as_tensor(kv_counts, device=q.device)
+    if counts.dim() == 1:
+        counts = counts.unsqueeze(0).expand(B, H)
+    n_items = S if block_size == 0 else -(-S // block_size)
+    kmax = kv_indices.shape[-1]
+    valid = torch.arange(kmax, device=q.device) < counts[..., None, None]  # [B, H, 1, Kmax]
+    total = torch.zeros(B, H, dtype=torch.float64, device=q.device)
+    for pos, probs, crit in _prob_chunks(q, k, theta, softmax_scale, qi, chunk_elems):
+        lists = kv_indices[:, :, pos // group_size].long()  # [B, H, n, Kmax]
+        ok = valid & (lists >= 0)
+        sel = torch.zeros(*lists.shape[:3], n_items + 1, dtype=torch.bool, device=q.device)
+        sel.scatter_(-1, torch.where(ok, lists, n_items), True)
+        sel = sel[..., :n_items]
+        if block_size:
+            sel = sel.repeat_interleave(block_size, dim=-1)[..., :S]
+        cmass = (probs * crit).sum(-1)
+        hit = (probs * (crit & sel)).sum(-1)
+        total += (hit / cmass.clamp_min(1e-30)).double().sum(-1)
+    return (total / max(1, qi.numel())).float()
