@@ -237,3 +237,18 @@ def test_skip_checks_env(monkeypatch):
     a = _bad(kv_indices=lambda a: _swap01(a["kv_indices"]))
     monkeypatch.setenv("DSV_SKIP_CHECKS", "1")
     sparse_attention(**a)  # unsorted lists are not detected, by request
+
+
+def test_flex_dispatch_rule():
+    """auto sends only measured-slower block shapes to flex, and only when training."""
+    from megatron_dsv.ops.sparse_attention.op import flex_is_faster
+
+    def case(S, kmax, G=128, BS=128, grad=True):
+        q = torch.empty(1, 1, S, 64, requires_grad=grad)
+        return flex_is_faster(q, torch.empty(1, 1, math.ceil(S / G), kmax, dtype=torch.int32), G, BS)
+
+    assert case(16384, 26)                # 16K at 80%: flex measured faster
+    assert not case(65536, 52)            # 64K at 90%: ours
+    assert case(65536, 10)                # 98%: flex
+    assert not case(16384, 26, grad=False)  # inference: our forward is faster
+    assert not case(16384, 26, G=64, BS=64)  # not measured: ours

@@ -30,14 +30,15 @@ def pick_config(kind: str, D: int, G: int, BS: int) -> Config:
     big = D > 128  # 256 needs half-size tiles to fit registers and shared memory
     # D <= 128 values: winners of the H200 sweep at S=64K, G=128, 90% sparsity (NOTES_sparse_attention.md)
     if kind == "fwd":
-        if BS == 0:  # gathered rows: no cp.async pipelining benefit past 2 stages, 4 warps won
-            cfg = dict(BM=min(G, 64 if big else 128), BN=64, num_warps=4 if not big else 8, num_stages=2)
+        if BS == 0:  # gathered rows: 4 warps won over 8
+            cfg = dict(BM=min(G, 64 if big else 128), BN=64, num_warps=4 if not big else 8,
+                       num_stages=2 if big else 3)
         else:
             cfg = dict(BM=min(G, 64 if big else 128), BN=64 if big else BS, num_warps=8,
                        num_stages=2 if big else 3)
     elif kind == "bwd_q":
         if BS == 0:  # one program per group: every extra tile of a group repeats the atomics
-            cfg = dict(BM=min(G, 64 if big else 128), BN=64, num_warps=8, num_stages=1 if big else 2)
+            cfg = dict(BM=min(G, 64 if big else 128), BN=64, num_warps=8, num_stages=1 if big else 3)
         else:
             cfg = dict(BM=min(G, 64 if big else 128), BN=64 if big else BS, num_warps=8,
                        num_stages=1 if big else 2)
