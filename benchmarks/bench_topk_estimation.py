@@ -1,0 +1,121 @@
+"""Top-k estimation benchmark: CUDA kernel vs Triton vs materialise + torch.topk (the artifact path).
+
+H=16, r=16, G=32, 90% sparsity (K = 10% of S rounded up to 128: 6656 at 64K), bf16, B=1.
+Per S and backend: ms_select, peak extra memory (max_memory_allocated delta, output
+included) against the output lists' size, and the same-run cuDNN dense fwd/bwd of the
+layer (H=16, D=128). Also block-level (block 64) selection. Writes
+benchmarks/results/topk_estimation-<gpu>-<date>.json (DESIGN.md section 6).
+
+    python benchmarks/bench_topk_estimation.py [--quick] [--out DIR] [--sizes 16384,65536]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks.common import bench_ms, collect_meta, dense_fwd_bwd_ms, write_results  # noqa: E402
+from megatron_dsv.ops.topk_estimation.cuda_impl import cuda_extension, estimate_topk_cuda  # noqa: E402
+from megatron_dsv.ops.topk_estimation.naive import group_proxies  # noqa: E402
+from megatron_dsv.ops.topk_estimation.triton_impl import estimate_topk_triton  # noqa: E402
+
+H, R, G, D, SPARSITY = 16, 16, 32, 128, 0.9
+
+
+def artifact_topk(q_lr, k_lr, K, G):
+    """The public artifact's way: dense proxy x key scores, torch.topk, sort the indices."""
+    p = group_proxies(q_lr, G, "mean")
+    s = torch.matmul(p, k_lr.transpose(-1, -2))  # [B, H, NG, S]
+    idx = torch.topk(s, K, dim=-1, sorted=False).indices
+    return torch.sort(idx, dim=-1).values.to(torch.int32)
+
+
+def measure(fn, rep=100):
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    ms = bench_ms(fn, warmup=10, rep=rep)
+    return ms, peak
+
+
+def run(sizes, triton_max_s, out_dir):
+    rows = []
+    meta = collect_meta()
+    for S in sizes:
+        K = int(math.ceil((1 - SPARSITY) * S / 128) * 128)
+        Kb = int(math.ceil((1 - SPARSITY) * S / 64))
+        NG = -(-S // G)
+        q = torch.randn(1, H, S, R, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(1, H, S, R, device="cuda", dtype=torch.bfloat16)
+        dense = dense_fwd_bwd_ms(1, H, S, D)
+        torch.cuda.empty_cache()
+        base = dict(S=S, H=H, B=1, D=D, r=R, G=G, sparsity=SPARSITY, dtype="bf16", **dense)
+        dense_total = dense["ms_dense_fwd"] + dense["ms_dense_bwd"]
+        cases = [("cuda", "token", K, lambda: estimate_topk_cuda(q, k, K, G)),
+                 ("cuda", "block", Kb, lambda: estimate_topk_cuda(q, k, Kb, G, 64)),
+                 ("triton", "token", K, lambda: estimate_topk_triton(q, k, K, G)),
+                 ("triton", "block", Kb, lambda: estimate_topk_triton(q, k, Kb, G, 64)),
+                 ("torch_topk", "token", K, lambda: artifact_topk(q, k, K, G))]
+        for backend, gran, kk, fn in cases:
+            if backend == "cuda" and cuda_extension() is None:
+                continue
+            row = dict(base, backend=backend, granularity=gran, block_size=64 if gran == "block" else 0, K=kk,
+                       out_bytes=NG * H * kk * 4)
+            if backend == "triton" and S > triton_max_s:
+                row["skipped"] = f"S > {triton_max_s} (too slow for the lease)"
+                rows.append(row)
+                continue
+            try:
+                t0 = time.time()
+                ms, peak = measure(fn, rep=50 if S >= 65536 else 100)
+                row.update(ms_select=ms, peak_extra_bytes=peak, peak_over_out=peak / row["out_bytes"],
+                           select_frac_of_dense=ms / dense_total, wall_s=time.time() - t0)
+            except torch.cuda.OutOfMemoryError as err:
+                row["skipped"] = f"OOM: {str(err)[:120]}"
+            torch.cuda.empty_cache()
+            rows.append(row)
+            print(_fmt(row), flush=True)
+        del q, k
+        torch.cuda.empty_cache()
+        write_results("topk_estimation", rows, out_dir, meta)  # partial results survive a timeout
+    path = write_results("topk_estimation", rows, out_dir, meta)
+    print(f"\nwrote {path}")
+    print(f"{'S':>7} {'gran':>5} {'backend':>10} {'K':>6} {'ms_select':>10} {'peak/out':>8} {'%dense':>7}")
+    for r in rows:
+        print(_fmt(r))
+    return rows
+
+
+def _fmt(r):
+    if "ms_select" not in r:
+        return f"{r['S']:>7} {r['granularity']:>5} {r['backend']:>10} {r['K']:>6} {'-':>10} {r.get('skipped', '')}"
+    return (f"{r['S']:>7} {r['granularity']:>5} {r['backend']:>10} {r['K']:>6} {r['ms_select']:>10.3f} "
+            f"{r['peak_over_out']:>8.2f} {100 * r['select_frac_of_dense']:>6.2f}%")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="S in {16K, 64K} only")
+    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    ap.add_argument("--sizes", default=None, help="comma-separated sequence lengths")
+    ap.add_argument("--triton-max-s", type=int, default=65536, help="skip Triton above this S")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else (
+        [16384, 65536] if args.quick else [16384, 32768, 65536, 131072])
+    run(sizes, args.triton_max_s, args.out)
+
+
+if __name__ == "__main__":
+    main()
