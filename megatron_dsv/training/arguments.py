@@ -1,0 +1,200 @@
+"""Megatron-style command-line flags of the megatron-core trainer (``python -m megatron_dsv.train``).
+
+Flag names follow Megatron-LM (``--micro-batch-size``, ``--train-iters``, ``--lr``, ``--save``...)
+so a launch script reads the same under either entry point. With no flags at all, the embedded
+default runs: tiny preset, DSV on, synthetic videos, a stage switch by the step rule mid-run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import List, Optional
+
+from megatron_dsv.arguments import add_dsv_args
+
+__all__ = ["build_parser", "parse_args", "add_video_dit_args", "validate_args", "model_overrides_from_args"]
+
+# The embedded default switches to stage 2 at this step so a short run shows both stages.
+DEFAULT_STAGE_SWITCH_STEPS = 100
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {text!r}")
+    return value
+
+
+def _key_value(text: str):
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    key, value = text.split("=", 1)
+    return key.strip().replace("-", "_"), value.strip()
+
+
+def add_video_dit_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Model and data flags shared by this trainer and the Megatron-LM example entry point."""
+    g = parser.add_argument_group(title="video DiT model and data")
+    g.add_argument("--preset", default="tiny", help="VideoDiT preset (tiny, 0.8b, 2.7b, 30b).")
+    g.add_argument("--model-override", action="append", default=[], type=_key_value, metavar="KEY=VALUE",
+                   help="Override one VideoDiTConfig field (repeatable), e.g. --model-override num_frames=8.")
+    g.add_argument("--data-path", default=None,
+                   help="Folder of latent shards (.safetensors/.npy); default: synthetic videos.")
+    g.add_argument("--synthetic-samples", type=_positive_int, default=4096,
+                   help="Number of synthetic videos in the embedded dataset.")
+    g.add_argument("--data-seed", type=int, default=None, help="Seed of the synthetic videos (default: --seed).")
+    g.add_argument("--num-workers", type=_non_negative_int, default=0, help="DataLoader worker processes.")
+    return parser
+
+
+def _add_model_shape_args(parser):
+    g = parser.add_argument_group(title="model shape (override the preset)")
+    g.add_argument("--num-layers", type=_positive_int, default=None)
+    g.add_argument("--hidden-size", type=_positive_int, default=None)
+    g.add_argument("--num-attention-heads", type=_positive_int, default=None)
+
+
+def _add_training_args(parser):
+    g = parser.add_argument_group(title="training")
+    g.add_argument("--micro-batch-size", type=_positive_int, default=4)
+    g.add_argument("--global-batch-size", type=_positive_int, default=None,
+                   help="Samples per optimizer step over all DP ranks (default: micro batch x DP).")
+    g.add_argument("--train-iters", type=_positive_int, default=200)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--min-lr", type=float, default=1e-5)
+    g.add_argument("--lr-warmup-iters", type=_non_negative_int, default=None,
+                   help="Linear warmup iterations (default: 10%% of --lr-decay-iters, at most 20).")
+    g.add_argument("--lr-decay-iters", type=_positive_int, default=None, help="Default: --train-iters.")
+    g.add_argument("--lr-decay-style", default="cosine", choices=["constant", "linear", "cosine", "inverse-square-root"])
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="Gradient-norm clip (0: off).")
+    prec = g.add_mutually_exclusive_group()
+    prec.add_argument("--bf16", dest="precision", action="store_const", const="bf16",
+                      help="bf16 parameters with fp32 main weights (default on GPU).")
+    prec.add_argument("--fp32", dest="precision", action="store_const", const="fp32",
+                      help="fp32 everywhere (default on CPU).")
+    g.set_defaults(precision=None)
+    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"],
+                   help="Activation recomputation (TransformerConfig.recompute_granularity).")
+    g.add_argument("--recompute-method", default="uniform", choices=["uniform", "block"])
+    g.add_argument("--recompute-num-layers", type=_positive_int, default=1)
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+
+
+def _add_parallel_args(parser):
+    g = parser.add_argument_group(title="parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=_positive_int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=_positive_int, default=1,
+                   help="Only 1: the video DiT trainer has no pipeline schedule.")
+    g.add_argument("--context-parallel-size", type=_positive_int, default=1)
+    g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
+                   help="Default: nccl on GPU, gloo on CPU.")
+
+
+def _add_logging_checkpoint_args(parser):
+    g = parser.add_argument_group(title="logging, checkpoints, samples")
+    g.add_argument("--output-dir", default="outputs/default",
+                   help="Run folder: checkpoints (unless --save), samples, TensorBoard (unless set).")
+    g.add_argument("--log-interval", type=_positive_int, default=10)
+    g.add_argument("--tensorboard-dir", default=None, help="TensorBoard event folder (needs tensorboard).")
+    g.add_argument("--save", default=None, help="Checkpoint folder (default: <output-dir>/checkpoints).")
+    g.add_argument("--no-save", action="store_true", help="Write no checkpoint.")
+    g.add_argument("--save-interval", type=_positive_int, default=None,
+                   help="Save every N iterations (the last iteration is always saved).")
+    g.add_argument("--load", default=None, help="Resume from this checkpoint folder (latest iteration).")
+    g.add_argument("--no-load-optim", action="store_true", help="Load model weights only, not the optimizer.")
+    g.add_argument("--no-load-rng", action="store_true", help="Do not restore RNG states.")
+    g.add_argument("--exit-interval", type=_positive_int, default=None,
+                   help="Stop (after saving) once the iteration count is a multiple of this.")
+    g.add_argument("--no-sample", dest="sample", action="store_false", help="Skip the sample GIF at the end.")
+    g.add_argument("--num-sample-videos", type=_positive_int, default=4)
+    g.add_argument("--sample-steps", type=_positive_int, default=20)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_dsv.train",
+        description="Train a video DiT with DSV sparse attention on megatron-core (no Megatron-LM needed). "
+                    "With no flags: tiny preset, DSV on, synthetic videos, a few minutes on a CPU.")
+    add_video_dit_args(parser)
+    _add_model_shape_args(parser)
+    _add_training_args(parser)
+    _add_parallel_args(parser)
+    _add_logging_checkpoint_args(parser)
+    add_dsv_args(parser)
+    # The embedded default trains with DSV; --no-dsv gives the dense baseline.
+    parser.add_argument("--no-dsv", dest="use_dsv_attention", action="store_false",
+                        help="Dense attention (DSV is on by default in this trainer).")
+    parser.set_defaults(use_dsv_attention=True, dsv_stage_switch_steps=DEFAULT_STAGE_SWITCH_STEPS)
+    return parser
+
+
+def validate_args(args: argparse.Namespace, parser: Optional[argparse.ArgumentParser] = None) -> argparse.Namespace:
+    """Cross-flag checks; errors name the flag (through ``parser.error`` when a parser is given)."""
+    def fail(message):
+        if parser is not None:
+            parser.error(message)
+        raise ValueError(message)
+
+    if args.pipeline_model_parallel_size != 1:
+        fail(f"--pipeline-model-parallel-size must be 1 (no pipeline schedule), got {args.pipeline_model_parallel_size}")
+    if args.lr <= 0 or args.min_lr < 0 or args.min_lr > args.lr:
+        fail(f"--lr must be > 0 and --min-lr in [0, --lr], got --lr {args.lr} --min-lr {args.min_lr}")
+    if args.clip_grad < 0:
+        fail(f"--clip-grad must be >= 0, got {args.clip_grad}")
+    if args.data_path is not None and not os.path.isdir(args.data_path):
+        fail(f"--data-path must be an existing folder of latent shards, got {args.data_path!r}")
+    if args.load is not None and not os.path.isdir(args.load):
+        fail(f"--load must be an existing checkpoint folder, got {args.load!r}")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_iters is None:
+        args.lr_warmup_iters = min(20, args.lr_decay_iters // 10)
+    if args.lr_warmup_iters >= args.lr_decay_iters:
+        fail(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be < --lr-decay-iters ({args.lr_decay_iters})")
+    if args.data_seed is None:
+        args.data_seed = args.seed
+    if args.save is None and not args.no_save:
+        args.save = os.path.join(args.output_dir, "checkpoints")
+    if args.no_save:
+        args.save = None
+    if args.save_interval is None:
+        args.save_interval = args.train_iters
+    return args
+
+
+def model_overrides_from_args(args: argparse.Namespace) -> dict:
+    """VideoDiTConfig overrides from --num-layers/--hidden-size/--num-attention-heads/--model-override.
+
+    Values of --model-override are parsed as Python literals when possible (ints, floats, tuples)."""
+    import ast
+
+    overrides = {}
+    for flag, name in (("num_layers", "layers"), ("hidden_size", "hidden"), ("num_attention_heads", "heads")):
+        if getattr(args, flag, None) is not None:
+            overrides[name] = getattr(args, flag)
+    for key, text in getattr(args, "model_override", []) or []:
+        try:
+            overrides[key] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            overrides[key] = text
+    return overrides
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """Parse and validate; a bad flag exits with argparse's usage error naming the flag."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return validate_args(args, parser)

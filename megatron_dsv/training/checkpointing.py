@@ -1,0 +1,355 @@
+"""Checkpoint save / resume with ``megatron.core.dist_checkpointing``.
+
+Layout of ``--save DIR``::
+
+    DIR/latest_checkpointed_iteration.txt      the newest complete iteration ("150")
+    DIR/iter_0000150/                           dist_checkpointing files (model incl. DSV state,
+                                                optimizer), plus
+        train_state.json                        iteration, consumed samples, args, model/DSV config,
+                                                LR-scheduler state, and size + sha256 of every file
+        rng/rank_00000.json                     per-rank RNG states (torch, cuda, python, numpy,
+                                                Megatron's tensor-parallel tracker)
+
+A checkpoint is written into ``.tmp_iter_*`` and renamed once complete, and the tracker is
+replaced atomically, so a crash never leaves a half-written "latest". Non-tensor metadata is JSON;
+the only torch.load in the loading path is weights_only=True. Loading checks every file against
+the manifest first and raises ``CheckpointError`` naming the file; nothing on disk is modified.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import shutil
+import time
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_dsv.training.distributed import barrier, is_rank0
+from megatron_dsv.training.optim import unwrap
+
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "resolve_checkpoint_dir",
+           "verify_checkpoint", "read_train_state", "load_model_for_inference", "TRACKER_FILE", "STATE_FILE"]
+
+FORMAT = "megatron_dsv.checkpoint/1"
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+STATE_FILE = "train_state.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the offending file."""
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def _jsonable(value):
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _jsonable(dataclasses.asdict(value))
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, torch.dtype):
+        return str(value)
+    return repr(value)
+
+
+# ---------------------------------------------------------------- RNG states as JSON
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode("ascii")
+
+
+def _unb64(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
+
+
+def get_rng_state() -> dict:
+    from megatron.core import tensor_parallel
+
+    py = random.getstate()
+    np_state = np.random.get_state()
+    state = {"python": [py[0], list(py[1]), py[2]],
+             "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+             "torch": _b64(torch.get_rng_state()),
+             "cuda": _b64(torch.cuda.get_rng_state()) if torch.cuda.is_available() else None}
+    tracker = tensor_parallel.get_cuda_rng_tracker().get_states() if torch.cuda.is_available() else {}
+    state["tracker"] = {name: _b64(s) for name, s in tracker.items() if isinstance(s, torch.Tensor)}
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(_unb64(state["torch"]))
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(_unb64(state["cuda"]))
+    if state.get("tracker") and torch.cuda.is_available():
+        tensor_parallel.get_cuda_rng_tracker().set_states({n: _unb64(s) for n, s in state["tracker"].items()})
+
+
+# ---------------------------------------------------------------- manifest
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _manifest(directory: str) -> dict:
+    files = {}
+    for base, _, names in os.walk(directory):
+        for name in sorted(names):
+            path = os.path.join(base, name)
+            rel = os.path.relpath(path, directory)
+            if rel != STATE_FILE:
+                files[rel] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
+    return files
+
+
+def _write_json_atomic(path: str, payload) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- save
+def _sharded_state(model, optimizer, is_loading: bool) -> dict:
+    state = {"model": unwrap(model).sharded_state_dict()}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=is_loading)
+    return state
+
+
+def _have_psutil() -> bool:
+    try:
+        import psutil  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _save_strategy():
+    """Megatron-Core's torch_dist save strategy on GPU; the same format written synchronously through
+    torch.distributed.checkpoint's FileSystemWriter where the stock writer cannot run (a CPU-only torch:
+    its staging calls torch.cuda.synchronize; no psutil: it measures memory with it)."""
+    if torch.cuda.is_available() and _have_psutil():
+        return None
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import save as dcp_save
+
+    from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
+
+    class HostSaveStrategy(mcore_torch.TorchDistSaveShardedStrategy):
+        def save(self, sharded_state_dict, checkpoint_dir):
+            state, _, _ = mcore_torch._replace_state_dict_keys_with_sharded_keys(
+                sharded_state_dict, self.keep_only_main_replica)
+            planner = mcore_torch.MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
+                                                   flatten_state_dict=False)
+            dcp_save(mcore_torch.mcore_to_pyt_state_dict(state, False), storage_writer=FileSystemWriter(checkpoint_dir),
+                     planner=planner)
+
+    return HostSaveStrategy("torch_dist", 1)
+
+
+def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, train_state: dict) -> str:
+    """Write ``root/iter_<iteration>`` atomically and point the tracker at it; returns its path.
+
+    ``train_state`` holds JSON-able run metadata (consumed_samples, args, model_config, ...)."""
+    from megatron.core import dist_checkpointing
+
+    final, tmp = iteration_dir(root, iteration), os.path.join(root, f".tmp_iter_{iteration:07d}")
+    if is_rank0():
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
+        os.makedirs(tmp)  # empty: dist_checkpointing treats a non-empty target as a stale checkpoint
+    barrier()
+    dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), tmp, sharded_strategy=_save_strategy())
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
+    _write_json_atomic(os.path.join(tmp, "rng", f"rank_{rank:05d}.json"), get_rng_state())
+    barrier()
+    if is_rank0():
+        payload = {"format": FORMAT, "iteration": iteration, "saved_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+                   "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                   "scheduler": _jsonable(scheduler.state_dict()) if scheduler is not None else None,
+                   "has_optimizer": optimizer is not None, **_jsonable(train_state)}
+        payload["files"] = _manifest(tmp)
+        _write_json_atomic(os.path.join(tmp, STATE_FILE), payload)
+        if os.path.exists(final):
+            old = final + ".old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        tracker = os.path.join(root, TRACKER_FILE)
+        with open(tracker + ".tmp", "w") as f:
+            f.write(f"{iteration}\n")
+        os.replace(tracker + ".tmp", tracker)
+    barrier()
+    return final
+
+
+# ---------------------------------------------------------------- load
+def resolve_checkpoint_dir(path: str) -> str:
+    """``path`` is a --save root (uses its tracker) or one ``iter_*`` folder."""
+    if os.path.isfile(os.path.join(path, STATE_FILE)):
+        return path
+    tracker = os.path.join(path, TRACKER_FILE)
+    if not os.path.isfile(tracker):
+        raise CheckpointError(f"no checkpoint at {path!r}: neither {STATE_FILE} nor {tracker} exists")
+    text = open(tracker).read().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{tracker} must hold an iteration number, got {text[:40]!r}")
+    directory = iteration_dir(path, int(text))
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{tracker} names iteration {text} but {directory} does not exist")
+    return directory
+
+
+def read_train_state(directory: str) -> dict:
+    path = os.path.join(directory, STATE_FILE)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"missing {path}: not a complete megatron_dsv checkpoint")
+    try:
+        with open(path) as f:
+            state = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} is not valid JSON ({err}): the checkpoint is corrupt") from err
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"{path} has format {state.get('format') if isinstance(state, dict) else None!r}, "
+                              f"expected {FORMAT!r}")
+    return state
+
+
+def verify_checkpoint(directory: str) -> dict:
+    """Check every file against the manifest (size, sha256); returns the train state."""
+    state = read_train_state(directory)
+    for rel, meta in sorted(state.get("files", {}).items()):
+        path = os.path.join(directory, rel)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"checkpoint file missing: {path} (listed in {STATE_FILE})")
+        if os.path.getsize(path) != meta["size"] or _sha256(path) != meta["sha256"]:
+            raise CheckpointError(f"checkpoint file corrupt: {path} (size or sha256 differs from {STATE_FILE})")
+    common = os.path.join(directory, "common.pt")
+    if os.path.isfile(common):
+        try:  # dist_checkpointing's common state: plain values only, never arbitrary pickles
+            torch.load(common, map_location="cpu", weights_only=True)
+        except Exception as err:
+            raise CheckpointError(f"{common} does not load with weights_only=True: {err}") from err
+    return state
+
+
+def check_model_config(state: dict, model_config, directory: str) -> None:
+    saved, current = state.get("model_config"), _jsonable(model_config)
+    if saved is None:
+        return
+    diff = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+    if diff:
+        detail = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs run {current.get(k)!r}" for k in diff[:8])
+        raise CheckpointError(f"model in {os.path.join(directory, STATE_FILE)} does not match this run ({detail})")
+
+
+def load_checkpoint(path: str, model, optimizer, scheduler, model_config=None, load_optim: bool = True,
+                    load_rng: bool = True) -> dict:
+    """Restore model (incl. DSV state), optimizer, scheduler and RNG; returns the train state."""
+    from megatron.core import dist_checkpointing
+
+    directory = resolve_checkpoint_dir(path)
+    state = verify_checkpoint(directory)
+    if model_config is not None:
+        check_model_config(state, model_config, directory)
+    load_optim = load_optim and optimizer is not None and state.get("has_optimizer", False)
+    sharded = _sharded_state(model, optimizer if load_optim else None, is_loading=True)
+    try:
+        loaded = dist_checkpointing.load(sharded, directory)
+        unwrap(model).load_state_dict(loaded["model"], strict=True)
+        if load_optim:
+            optimizer.load_state_dict(loaded["optimizer"])
+    except Exception as err:
+        raise CheckpointError(f"cannot load checkpoint {directory}: {type(err).__name__}: {err}") from err
+    if load_optim and scheduler is not None and state.get("scheduler"):
+        scheduler.load_state_dict(state["scheduler"])
+    if load_rng:
+        _restore_rng(directory, state)
+    return state
+
+
+def _restore_rng(directory: str, state: dict) -> None:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if state.get("world_size") != world:
+        if is_rank0():
+            print(f" > checkpoint saved with {state.get('world_size')} ranks, running {world}: RNG states not "
+                  "restored", flush=True)
+        return
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    rng_path = os.path.join(directory, "rng", f"rank_{rank:05d}.json")
+    try:
+        with open(rng_path) as f:
+            set_rng_state(json.load(f))
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"cannot restore RNG state from {rng_path}: {err}") from err
+
+
+def load_model_for_inference(ckpt_dir: str, device="cpu", dtype: Optional[torch.dtype] = None):
+    """Build the checkpoint's VideoDiT (with its DSV config and state) and load its weights.
+
+    Sets up a single-process gloo group and Megatron's model-parallel state when none exists.
+    Returns ``(model, cfg)`` with the model in eval mode on ``device``."""
+    from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+
+    from megatron_dsv.config import DSVConfig
+    from megatron_dsv.models.video_dit import VideoDiTConfig, build_video_dit
+    from megatron_dsv.training.distributed import _init_default_group
+
+    directory = resolve_checkpoint_dir(ckpt_dir)
+    state = verify_checkpoint(directory)
+    device = torch.device(device)
+    if not dist.is_initialized():
+        _init_default_group("nccl" if device.type == "cuda" else "gloo", device)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
+        if torch.cuda.is_available():
+            tensor_parallel.model_parallel_cuda_manual_seed(int(state.get("args", {}).get("seed", 1234)))
+    cfg = config_from_dict(VideoDiTConfig, state["model_config"])
+    dsv = DSVConfig(**state["dsv_config"]) if state.get("dsv_config") else None
+    model = build_video_dit(cfg, dsv_config=dsv, dtype=dtype or torch.float32).to(device)
+    try:
+        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, directory)
+        model.load_state_dict(loaded["model"], strict=True)
+    except Exception as err:
+        raise CheckpointError(f"cannot load model from {directory}: {type(err).__name__}: {err}") from err
+    return model.eval(), cfg
+
+
+def config_from_dict(cls, values: dict):
+    """Dataclass from its JSON dict: lists go back to tuples where the field default is a tuple."""
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise CheckpointError(f"checkpoint model_config has fields {unknown} unknown to {cls.__name__}")
+    kwargs = {}
+    for key, value in values.items():
+        default = names[key].default
+        kwargs[key] = tuple(value) if isinstance(value, list) and isinstance(default, tuple) else value
+    return cls(**kwargs)

@@ -1,0 +1,114 @@
+"""Distributed, resumable batches: a sampler keyed by the global sample position.
+
+Sample ``j`` of the run (``j = consumed_samples + offset``) is ``perm(epoch)[j % N]`` with
+``epoch = j // N`` and ``perm(epoch)`` a permutation seeded by ``(seed, epoch)``. A global batch is
+``global_batch_size`` consecutive positions; DP rank ``r`` takes its contiguous slice of it, cut into
+micro batches. The batch sequence is therefore a pure function of (seed, consumed samples): a run
+resumed from a checkpoint that stored ``consumed_samples`` reads exactly the next batch, and the
+global batch does not depend on how many DP ranks share it.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterator, List
+
+import torch
+
+__all__ = ["GlobalBatchSampler", "collate", "build_dataset"]
+
+
+class GlobalBatchSampler:
+    """Yields, per optimizer step, this DP rank's list of micro batches (lists of dataset indices)."""
+
+    def __init__(self, num_samples: int, micro_batch_size: int, global_batch_size: int, dp_rank: int,
+                 dp_size: int, seed: int, consumed_samples: int = 0, shuffle: bool = True):
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        if dp_size < 1 or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank must be in [0, dp_size={dp_size}), got {dp_rank}")
+        if global_batch_size % (micro_batch_size * dp_size) != 0:
+            raise ValueError(f"global_batch_size ({global_batch_size}) must be a multiple of micro_batch_size "
+                             f"({micro_batch_size}) x data-parallel size ({dp_size})")
+        if consumed_samples < 0:
+            raise ValueError(f"consumed_samples must be >= 0, got {consumed_samples}")
+        self.num_samples, self.mbs, self.gbs = num_samples, micro_batch_size, global_batch_size
+        self.dp_rank, self.dp_size, self.seed, self.shuffle = dp_rank, dp_size, seed, shuffle
+        self.consumed_samples = consumed_samples
+        self._perm_epoch, self._perm = None, None
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.gbs // (self.mbs * self.dp_size)
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if self._perm_epoch != epoch:
+            if self.shuffle:
+                g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+                self._perm = torch.randperm(self.num_samples, generator=g)
+            else:
+                self._perm = torch.arange(self.num_samples)
+            self._perm_epoch = epoch
+        return self._perm
+
+    def index(self, position: int) -> int:
+        """Dataset index of the run's sample number ``position``."""
+        epoch, offset = divmod(position, self.num_samples)
+        return int(self._permutation(epoch)[offset])
+
+    def global_batch(self, consumed_samples: int) -> List[int]:
+        return [self.index(consumed_samples + j) for j in range(self.gbs)]
+
+    def local_micro_batches(self, consumed_samples: int) -> List[List[int]]:
+        per_rank = self.gbs // self.dp_size
+        start = consumed_samples + self.dp_rank * per_rank
+        idx = [self.index(start + j) for j in range(per_rank)]
+        return [idx[i:i + self.mbs] for i in range(0, per_rank, self.mbs)]
+
+    def __iter__(self) -> Iterator[List[List[int]]]:
+        while True:
+            yield self.local_micro_batches(self.consumed_samples)
+            self.consumed_samples += self.gbs
+
+
+def collate(items: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+    out = {"latents": torch.stack([it["latents"] for it in items]),
+           "label": torch.stack([torch.as_tensor(it["label"], dtype=torch.int64) for it in items])}
+    if "text" in items[0]:
+        out["text"] = torch.stack([it["text"] for it in items])
+    return out
+
+
+def _constructor_kwargs(cls, wanted: dict) -> dict:
+    """Keep the keyword arguments the dataset class accepts (its signature is owned by data/)."""
+    import inspect
+
+    params = inspect.signature(cls).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return wanted
+    return {k: v for k, v in wanted.items() if k in params}
+
+
+def build_dataset(args, model_cfg):
+    """Latent shards when --data-path is set, else synthetic videos shaped for ``model_cfg``."""
+    if args.data_path is not None:
+        from megatron_dsv.data import LatentShardDataset
+
+        return LatentShardDataset(args.data_path)
+    from megatron_dsv.data import SyntheticVideoDataset
+
+    shape = latent_shape(model_cfg)
+    wanted = dict(num_samples=args.synthetic_samples, channels=shape[0], frames=shape[1], height=shape[2],
+                  width=shape[3], num_classes=max(1, int(getattr(model_cfg, "num_classes", 1) or 1)),
+                  seed=args.data_seed)
+    return SyntheticVideoDataset(**_constructor_kwargs(SyntheticVideoDataset, wanted))
+
+
+def latent_shape(model_cfg) -> tuple:
+    """(C, T, H, W) of the latents the model expects."""
+    for names in (("in_channels", "latent_frames", "latent_height", "latent_width"),):
+        if all(hasattr(model_cfg, n) for n in names):
+            return tuple(int(getattr(model_cfg, n)) for n in names)
+    if hasattr(model_cfg, "latent_shape"):
+        return tuple(int(x) for x in model_cfg.latent_shape)
+    raise ValueError(f"cannot tell the latent shape from {type(model_cfg).__name__}: expected in_channels, "
+                     "latent_frames, latent_height, latent_width")

@@ -1,0 +1,34 @@
+"""Sample videos at the end of training (GIF + PNG grid) through megatron_dsv.models.sampling."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+__all__ = ["write_samples"]
+
+
+def write_samples(model: torch.nn.Module, cfg, args, device: torch.device) -> Optional[str]:
+    """Euler-sample ``--num-sample-videos`` videos and write them under ``<output-dir>/samples``.
+
+    Returns the output folder, or None when the sampling module is not available in this build."""
+    try:
+        from megatron_dsv.models.sampling import sample_videos, write_gif_and_grid
+    except ImportError as err:
+        print(f" > no sample GIF: megatron_dsv.models.sampling is not available ({err})", flush=True)
+        return None
+    out_dir = os.path.join(args.output_dir, "samples")
+    os.makedirs(out_dir, exist_ok=True)
+    num_classes = max(1, int(getattr(cfg, "num_classes", 1) or 1))
+    labels = torch.arange(args.num_sample_videos, device=device) % num_classes
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        videos = sample_videos(model, labels=labels, num_steps=args.sample_steps, generator=generator)
+    model.train(was_training)
+    write_gif_and_grid(videos, out_dir)
+    print(f" > wrote {args.num_sample_videos} sample videos to {out_dir}", flush=True)
+    return out_dir

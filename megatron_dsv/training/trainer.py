@@ -1,0 +1,235 @@
+"""The megatron-core training loop behind ``python -m megatron_dsv.train``.
+
+One optimizer step = ``num_micro_batches`` forward/backward passes of the flow-matching loss on
+this rank's slice of the global batch, a DP gradient all-reduce, one Adam step with clipping, one
+LR-scheduler step, then DSV's end-of-step hook (profiler, stage switch). The flow-matching noise of
+each micro batch comes from a generator seeded by (seed, global sample position), so the loss
+sequence depends only on the seed and the data position: a resumed run reproduces it exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_dsv.arguments import dsv_config_from_args
+from megatron_dsv.training import dsv_hooks
+from megatron_dsv.training.arguments import model_overrides_from_args
+from megatron_dsv.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron_dsv.training.data import GlobalBatchSampler, build_dataset, collate, latent_shape
+from megatron_dsv.training.distributed import DistEnv, initialize_distributed, is_rank0
+from megatron_dsv.training.logging_utils import TensorBoardWriter, format_iteration_line, format_layer_lines
+from megatron_dsv.training.optim import build_optimizer, build_scheduler, unwrap, wrap_model
+
+__all__ = ["TrainResult", "train", "build_model", "print_rank0"]
+
+
+@dataclass
+class TrainResult:
+    """What a run did: the global-mean loss of every iteration it ran, and where it ended."""
+
+    losses: List[float] = field(default_factory=list)
+    start_iteration: int = 0
+    iteration: int = 0
+    consumed_samples: int = 0
+    checkpoint: Optional[str] = None
+    samples: Optional[str] = None
+    dsv_stages: List[int] = field(default_factory=list)
+
+
+def print_rank0(message: str) -> None:
+    if is_rank0():
+        print(message, flush=True)
+
+
+def _precision(args, env: DistEnv) -> torch.dtype:
+    if args.precision is None:
+        args.precision = "bf16" if env.device.type == "cuda" else "fp32"
+    if args.precision == "bf16" and env.device.type != "cuda":
+        raise ValueError("--bf16 needs a GPU (on CPU use --fp32, the default there)")
+    return torch.bfloat16 if args.precision == "bf16" else torch.float32
+
+
+def _transformer_overrides(args) -> dict:
+    """--recompute-* and --tensor-model-parallel-size / --context-parallel-size as TransformerConfig fields."""
+    overrides = {"tensor_model_parallel_size": args.tensor_model_parallel_size,
+                 "context_parallel_size": args.context_parallel_size}
+    if args.recompute_granularity == "full":
+        overrides.update(recompute_granularity="full", recompute_method=args.recompute_method,
+                         recompute_num_layers=args.recompute_num_layers)
+    elif args.recompute_granularity == "selective":
+        overrides.update(recompute_granularity="selective")
+    return overrides
+
+
+def build_model(args, env: DistEnv):
+    """VideoDiT from --preset and overrides, DSV attention when on; returns (model, cfg, dsv_config)."""
+    from megatron_dsv.models.video_dit import VideoDiTConfig, build_video_dit
+
+    cfg = VideoDiTConfig.from_preset(args.preset, **model_overrides_from_args(args))
+    dsv_config = dsv_config_from_args(args)
+    dtype = _precision(args, env)
+    model = build_video_dit(cfg, dsv_config=dsv_config, use_te=None, pg_collection=env.pg_collection, dtype=dtype,
+                            **_transformer_overrides(args))
+    return model.to(env.device), cfg, dsv_config
+
+
+def _noise_generator(seed: int, position: int, device: torch.device) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + 7919 * position + 17)
+
+
+def train_step(loss_model, ddp_model, optimizer, sampler, dataset, consumed: int, args, env: DistEnv):
+    """Forward/backward over this rank's micro batches, DP grad sync, optimizer step.
+
+    Returns (global mean loss, grad norm, update successful)."""
+    from megatron_dsv.models.video_dit import flow_matching_loss
+
+    ddp_model.zero_grad_buffer()
+    optimizer.zero_grad()
+    micro_batches = sampler.local_micro_batches(consumed)
+    rank_start = consumed + env.dp_rank * (sampler.gbs // env.dp_size)
+    total = torch.zeros((), dtype=torch.float32, device=env.device)
+    for k, indices in enumerate(micro_batches):
+        batch = collate([dataset[i] for i in indices])
+        latents = batch["latents"].to(env.device, non_blocking=True)
+        labels = batch["label"].to(env.device, non_blocking=True)
+        text = batch["text"].to(env.device) if "text" in batch else None
+        gen = _noise_generator(args.seed, rank_start + k * args.micro_batch_size, env.device)
+        loss = flow_matching_loss(loss_model, latents, labels, generator=gen, text=text)
+        (loss / len(micro_batches)).backward()
+        total += loss.detach().float()
+    ddp_model.finish_grad_sync()
+    ok, grad_norm, _ = optimizer.step()
+    mean = total / len(micro_batches)
+    if env.dp_size > 1:
+        dist.all_reduce(mean, group=env.pg_collection.dp)
+        mean /= env.dp_size
+    return float(mean), float(grad_norm) if grad_norm is not None else float("nan"), bool(ok)
+
+
+def _train_state(args, cfg, dsv_config, iteration: int, consumed: int) -> dict:
+    return {"consumed_samples": consumed, "args": vars(args), "model_config": dataclasses.asdict(cfg),
+            "dsv_config": dsv_config.to_dict() if dsv_config is not None else None, "iteration": iteration}
+
+
+def _log(iteration, args, window, bare_model, tokens_per_sample, consumed, lr, tb, dsv_on):
+    n = len(window["loss"])
+    ms = 1000.0 * window["time"] / n
+    stats = {"consumed_samples": consumed, "ms_per_iter": ms, "lr": lr, "loss": sum(window["loss"]) / n,
+             "grad_norm": sum(window["grad_norm"]) / n, "skipped_iters": window["skipped"],
+             "tokens_per_s": args.global_batch_size * tokens_per_sample / max(ms / 1000.0, 1e-9)}
+    values = dsv_hooks.metrics(bare_model) if dsv_on else {}
+    stats["dsv_stage"] = values.get("dsv/stage", dsv_hooks.stage(bare_model) if dsv_on else 1)
+    stats["dsv_sparsity"] = values.get("dsv/sparsity_mean", 0.0)
+    print_rank0(format_iteration_line(iteration, args.train_iters, stats))
+    for line in format_layer_lines(values):
+        print_rank0(line)
+    tb.scalars({"train/loss": stats["loss"], "train/grad_norm": stats["grad_norm"], "train/lr": lr,
+                "train/ms_per_iter": ms, "train/tokens_per_s": stats["tokens_per_s"], **values}, iteration)
+
+
+def _setup(args):
+    env = initialize_distributed(args)
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * env.dp_size
+    model, cfg, dsv_config = build_model(args, env)
+    ddp_model = wrap_model(model, env, args)
+    optimizer = build_optimizer(ddp_model, env, args)
+    scheduler = build_scheduler(optimizer, args)
+    return env, model, cfg, dsv_config, ddp_model, optimizer, scheduler
+
+
+def train(args) -> TrainResult:
+    """Run the configured training; returns the per-iteration losses and the final position."""
+    env, model, cfg, dsv_config, ddp_model, optimizer, scheduler = _setup(args)
+    result = TrainResult()
+    if args.load is not None:
+        state = load_checkpoint(args.load, ddp_model, optimizer, scheduler, model_config=cfg,
+                                load_optim=not args.no_load_optim, load_rng=not args.no_load_rng)
+        result.iteration, result.consumed_samples = int(state["iteration"]), int(state["consumed_samples"])
+        print_rank0(f" > resumed from {args.load} at iteration {result.iteration} "
+                    f"(consumed samples {result.consumed_samples})")
+    result.start_iteration = result.iteration
+    dataset = build_dataset(args, cfg)
+    sampler = GlobalBatchSampler(len(dataset), args.micro_batch_size, args.global_batch_size, env.dp_rank,
+                                 env.dp_size, args.seed, consumed_samples=result.consumed_samples)
+    _print_banner(args, env, cfg, model, sampler)
+    _loop(args, env, cfg, dsv_config, ddp_model, optimizer, scheduler, sampler, dataset, result)
+    if result.checkpoint is None and args.save and result.iteration > result.start_iteration:
+        result.checkpoint = save_checkpoint(args.save, result.iteration, ddp_model, optimizer, scheduler,
+                                            _train_state(args, cfg, dsv_config, result.iteration,
+                                                         result.consumed_samples))
+    if args.sample and is_rank0():
+        from megatron_dsv.training.samples import write_samples
+
+        result.samples = write_samples(unwrap(ddp_model), cfg, args, env.device)
+    return result
+
+
+def _loop(args, env, cfg, dsv_config, ddp_model, optimizer, scheduler, sampler, dataset, result):
+    bare = unwrap(ddp_model)
+    loss_model = ddp_model.module  # Float16Module on GPU bf16 (casts inputs), else the bare model
+    tokens_per_sample = _tokens_per_sample(cfg)
+    tb = TensorBoardWriter(args.tensorboard_dir, enabled=is_rank0())
+    window = {"loss": [], "grad_norm": [], "time": 0.0, "skipped": 0}
+    ddp_model.train()
+    while result.iteration < args.train_iters:
+        start = time.perf_counter()
+        loss, grad_norm, ok = train_step(loss_model, ddp_model, optimizer, sampler, dataset,
+                                         result.consumed_samples, args, env)
+        if ok:
+            scheduler.step(increment=1)
+        else:
+            window["skipped"] += 1
+        result.iteration += 1
+        result.consumed_samples += args.global_batch_size
+        if dsv_config is not None:
+            dsv_hooks.on_step_end(bare, result.iteration, dp_group=env.pg_collection.dp)
+            result.dsv_stages.append(dsv_hooks.stage(bare))
+        if env.device.type == "cuda":
+            torch.cuda.synchronize()
+        window["time"] += time.perf_counter() - start
+        window["loss"].append(loss)
+        window["grad_norm"].append(grad_norm)
+        result.losses.append(loss)
+        if result.iteration % args.log_interval == 0 or result.iteration == args.train_iters:
+            _log(result.iteration, args, window, bare, tokens_per_sample, result.consumed_samples,
+                 optimizer.param_groups[0]["lr"], tb, dsv_config is not None)
+            window = {"loss": [], "grad_norm": [], "time": 0.0, "skipped": 0}
+        if _should_save(args, result.iteration):
+            result.checkpoint = save_checkpoint(args.save, result.iteration, ddp_model, optimizer, scheduler,
+                                                _train_state(args, cfg, dsv_config, result.iteration,
+                                                             result.consumed_samples))
+            print_rank0(f" > saved checkpoint at iteration {result.iteration} to {result.checkpoint}")
+        if args.exit_interval and result.iteration % args.exit_interval == 0:
+            print_rank0(f" > exiting at iteration {result.iteration} (--exit-interval {args.exit_interval})")
+            break
+    tb.close()
+
+
+def _should_save(args, iteration: int) -> bool:
+    if not args.save:
+        return False
+    return (iteration % args.save_interval == 0 or iteration == args.train_iters
+            or bool(args.exit_interval and iteration % args.exit_interval == 0))
+
+
+def _tokens_per_sample(cfg) -> int:
+    t, h, w = cfg.token_grid()
+    return t * h * w
+
+
+def _print_banner(args, env, cfg, model, sampler):
+    n_params = sum(p.numel() for p in model.parameters())
+    print_rank0(f" > megatron_dsv trainer: preset {args.preset}, {n_params / 1e6:.2f}M parameters, "
+                f"device {env.device}, {args.precision}, world {env.world_size} (dp {env.dp_size}, tp {env.tp_size}, "
+                f"cp {env.cp_size}), DSV {'on' if args.use_dsv_attention else 'off'}")
+    print_rank0(f" > latents {tuple(latent_shape(cfg))}, {_tokens_per_sample(cfg)} tokens/video, global batch "
+                f"{args.global_batch_size} (micro {args.micro_batch_size} x {sampler.num_micro_batches} x dp "
+                f"{env.dp_size}), {args.train_iters} iterations, output {os.path.abspath(args.output_dir)}")
