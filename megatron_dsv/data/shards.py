@@ -62,8 +62,6 @@ class _Shard:
                 self._index_safetensors()
             else:
                 self._index_npy()
-        except ValueError:
-            raise
         except Exception as err:  # safetensors / numpy raise assorted types on a damaged file
             raise ValueError(f"cannot read latent shard {path!r} ({type(err).__name__}: {err}); "
                              "the file is corrupt or not a latent shard") from err
