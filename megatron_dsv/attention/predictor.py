@@ -121,11 +121,14 @@ class LowRankPredictor(nn.Module):
             wk = w["wk"].to(dtype).view(hkv, self.heads // hkv, D, self.rank)
             k_lr = torch.einsum("bgsd,gjdr->bgjsr", k.to(dtype), wk).reshape(B, self.heads, S, self.rank)
             return q_lr, k_lr
-        if hidden is None:
-            raise ValueError("predictor_input='hidden' needs the layer's hidden states: build the layer with "
-                             "megatron_dsv.models.specs.get_dsv_layer_spec (it installs DSVSelfAttention)")
+        self._need_hidden(hidden)
         both = torch.einsum("sbk,hkr->bhsr", hidden.to(dtype), w["w"].to(dtype))
         return both[..., :self.rank], both[..., self.rank:]
+
+    def _need_hidden(self, hidden):
+        if self.mode == "hidden" and hidden is None:
+            raise ValueError("predictor_input='hidden' needs the layer's hidden states: build the layer with "
+                             "megatron_dsv.models.specs.get_dsv_layer_spec (it installs DSVSelfAttention)")
 
     # ---- training --------------------------------------------------------------
     def accumulate_grad(self, q, k, hidden, query_index: torch.Tensor, softmax_scale: float) -> torch.Tensor:
@@ -134,6 +137,7 @@ class LowRankPredictor(nn.Module):
         Inputs are detached here, so the main model's gradients never see the predictor.
         Returns the mean loss as a 0-dim tensor (no host sync).
         """
+        self._need_hidden(hidden)
         q, k = q.detach(), k.detach()
         hidden = hidden.detach() if hidden is not None else None
         B, H, S, _ = q.shape

@@ -1,0 +1,114 @@
+"""Dispatcher decisions and budgets on synthetic sparsity; schedule rules; bad configs."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from megatron_dsv.attention.dispatcher import SpeedupTable, choose_sparse, head_budgets
+from megatron_dsv.attention.schedule import is_profile_step, sampled_queries, should_switch, smooth
+from megatron_dsv.config import DSVConfig
+
+
+def test_budgets_token_granularity():
+    cfg = DSVConfig(granularity="token", k_min=64)
+    b, tok = head_budgets(torch.tensor([0.9, 0.99, 0.0, 0.5]), 1000, cfg)
+    assert b.tolist() == [100, 64, 1000, 500]  # ceil((1-s)*S), floor k_min, capped at S
+    assert torch.equal(b, tok)
+
+
+def test_budgets_block_granularity_round_up():
+    cfg = DSVConfig(granularity="block", kv_block_size=64, k_min=64)
+    S = 1000  # 16 blocks, the last one partial
+    b, tok = head_budgets(torch.tensor([0.9, 0.999, 0.0]), S, cfg)
+    assert b.tolist() == [2, 1, 16]  # 100 tokens -> 2 blocks; k_min 64 -> 1 block; all -> 16
+    assert tok.tolist() == [128, 64, 1000]
+
+
+def test_dispatcher_on_synthetic_sparsity(fast_table):
+    cfg = DSVConfig(granularity="token", sparsity_threshold=0.8, k_min=16)
+    flop = SpeedupTable.from_config(cfg, head_dim=128)
+    assert flop.source == "flop_model"
+    S = 4096
+    assert choose_sparse(torch.tensor([0.95, 0.9]), S, cfg, flop)
+    assert not choose_sparse(torch.tensor([0.75, 0.8]), S, cfg, flop)  # mean below threshold
+    # measured table: 2x everywhere -> sparse above the threshold only
+    measured = SpeedupTable.from_config(DSVConfig(granularity="token", speedup_table=fast_table), 128)
+    assert measured.source == "measured"
+    assert choose_sparse(torch.tensor([0.85, 0.85]), S, cfg, measured)
+    # a table that says sparse is slower keeps a very sparse layer dense
+    slow = SpeedupTable([dict(S=S, sparsity=s, granularity="token", speedup_fwd=0.5, speedup_bwd=0.5)
+                         for s in (0.5, 0.99)], granularity="token")
+    assert not choose_sparse(torch.tensor([0.97, 0.97]), S, cfg, slow)
+
+
+def test_speedup_table_interpolation_and_combination():
+    rows = [dict(S=1024, sparsity=0.5, granularity="block", speedup_fwd=1.0, speedup_bwd=1.0),
+            dict(S=1024, sparsity=0.9, granularity="block", speedup_fwd=3.0, speedup_bwd=3.0),
+            dict(S=65536, sparsity=0.9, granularity="block", speedup_fwd=6.0, speedup_total=5.0),
+            dict(S=65536, sparsity=0.9, granularity="token", speedup_fwd=9.0, speedup_bwd=9.0)]
+    t = SpeedupTable(rows, granularity="block")
+    assert t.speedup(1024, 0.7) == pytest.approx(2.0)
+    assert t.speedup(1000, 0.99) == pytest.approx(3.0)  # nearest S, clamped sparsity
+    assert t.speedup(60000, 0.9) == pytest.approx(5.0)  # speedup_total wins in training
+    assert t.speedup(60000, 0.9, training=False) == pytest.approx(6.0)
+    mixed = SpeedupTable([dict(S=1, sparsity=0.9, granularity="block", speedup_fwd=2.0, speedup_bwd=4.0)])
+    assert mixed.speedup(1, 0.9) == pytest.approx(3.5 / (1 / 2 + 2.5 / 4))
+
+
+def test_flop_model_is_monotone():
+    t = SpeedupTable(None, granularity="block", head_dim=128, rank=16, group_size=64)
+    values = [t.speedup(65536, s) for s in (0.0, 0.5, 0.8, 0.9, 0.95)]
+    assert values == sorted(values) and values[0] < 1.0 < values[2]
+    assert values[3] == pytest.approx(1 / (0.1 / 0.75 + 16 / (64 * 128 * 7)), rel=1e-6)
+
+
+def test_bad_speedup_table(tmp_path):
+    with pytest.raises(ValueError, match="speedup_table"):
+        SpeedupTable.from_config(DSVConfig(speedup_table=str(tmp_path / "missing.json")), 128)
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"meta": {}, "rows": [dict(S=1, sparsity=0.9, granularity="token", speedup_fwd=2)]}))
+    with pytest.raises(ValueError, match="granularity"):
+        SpeedupTable.from_config(DSVConfig(speedup_table=str(path), granularity="block"), 128)
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="rows"):
+        SpeedupTable.from_config(DSVConfig(speedup_table=str(path)), 128)
+
+
+@pytest.mark.parametrize("rule,loss,step,expect", [
+    ("loss", 0.005, 1, True), ("loss", 0.02, 10**6, False), ("loss", None, 1, False),
+    ("steps", 0.0, 9, False), ("steps", 1.0, 10, True),
+    ("loss_or_steps", 0.005, 1, True), ("loss_or_steps", 1.0, 10, True), ("loss_or_steps", 1.0, 9, False),
+    ("loss_and_steps", 0.005, 9, False), ("loss_and_steps", 1.0, 10, False), ("loss_and_steps", 0.005, 10, True),
+])
+def test_stage_switch_rules(rule, loss, step, expect):
+    cfg = DSVConfig(stage_switch_rule=rule, stage_switch_steps=10, stage_switch_loss=0.01)
+    assert should_switch(cfg, step, loss) is expect
+
+
+def test_profile_schedule():
+    cfg = DSVConfig(profile_interval=25, profile_interval_after_warmup=100, profile_warmup_steps=1000)
+    steps = [s for s in range(1400) if is_profile_step(s, cfg)]
+    assert steps[:3] == [0, 25, 50] and 975 in steps and 1000 in steps and 1025 not in steps and 1100 in steps
+    assert len(steps) == 40 + 4
+
+
+def test_sampling_and_smoothing():
+    idx = sampled_queries(256, 64, 3, "cpu")
+    assert idx.tolist() == [3, 67, 131, 195]
+    assert sampled_queries(10, 64, 5, "cpu").tolist() == [5]
+    assert torch.allclose(smooth(torch.zeros(2), torch.ones(2), 0.9, first=True), torch.ones(2))
+    assert torch.allclose(smooth(torch.zeros(2), torch.ones(2), 0.9, first=False), torch.full((2,), 0.1))
+
+
+@pytest.mark.parametrize("kw,name", [
+    (dict(predictor_input="both"), "predictor_input"), (dict(stage_switch_rule="never"), "stage_switch_rule"),
+    (dict(stage_switch_rule="steps"), "stage_switch_steps"), (dict(theta=1.0), "theta"),
+    (dict(sparsity_momentum=1.0), "sparsity_momentum"), (dict(query_group_shape=(3, 3, 3)), "query_group_shape"),
+    (dict(predictor_rank=12), "predictor_rank"), (dict(k_min=0), "k_min"),
+])
+def test_bad_config_errors(kw, name):
+    with pytest.raises(ValueError, match=name):
+        DSVConfig(**kw)
+    assert math.isfinite(DSVConfig().stage_switch_loss)
