@@ -30,14 +30,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def megatron_cpu():
     """Megatron-Core model-parallel state on one gloo process (CPU), set up once per session.
@@ -48,7 +40,11 @@ def megatron_cpu():
     from megatron.core import parallel_state, tensor_parallel
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{_free_port()}")
+        import tempfile
+
+        # A file store, not TCP: no port to race for with other test processes.
+        store = tempfile.NamedTemporaryFile(prefix="dsv-gloo-", delete=False).name
+        dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{store}")
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
     if HAS_CUDA:  # the tracker stores CUDA RNG states: it cannot exist on a CPU-only torch
