@@ -8,6 +8,13 @@ Two inputs (``DSVConfig.predictor_input``):
   layer's input hidden states. Cost per token: ``4*H*hidden*r`` FLOPs, i.e. ``hidden/D`` (= H)
   times the ``'qk'`` cost, and it has to learn RoPE's effect from scratch.
 
+Default input: ``'qk'``. Measured with ``benchmarks/bench_recall.py --quick`` on CPU (tiny
+video DiT, 4 layers, hidden 128, 2 heads x D 64, S = 512, r = 16, 30 steps): recall of the
+theta-critical mass 0.72-0.78 for 'qk' vs 0.74-0.77 for 'hidden' (equal within noise), at
+16 vs 32 kFLOP per token per layer: 'qk' gives about 2x the recall per FLOP here, and the
+gap grows with model width (``hidden / D`` = H: 16x on the 2.7B preset). 'qk' also sees
+RoPE positions directly. The H200 run of the same benchmark is the one that counts.
+
 How the predictor trains (the design choice, stated once):
 its loss depends only on *detached* inputs and its own weights, so its gradient is
 computed right where the loss is, inside the attention forward, with a local

@@ -1,0 +1,187 @@
+"""DSV predictor quality on the video DiT: recall of the theta-critical mass per layer.
+
+Trains the video DiT (flow matching on synthetic videos) with DSV attention for a
+short while, stage 1 then stage 2, for each predictor input ('qk', 'hidden'), and
+writes ``benchmarks/results/recall-<gpu>-<yyyymmdd>.json`` with one row per
+(predictor input, layer): ``recall`` (critical mass of the predicted lists, sampled
+queries, last profiled step), ``sparsity`` (smoothed, exact), whether the layer ran
+sparse, ``k_mean``, ``predictor_loss``, ``predictor_flops_per_token`` and
+``recall_per_mflop``, and ``predictor_overhead_pct``: this layer's predictor
+training time per step plus its profiler time amortised over
+``profile_interval_after_warmup`` steps, as a % of a stage-2 training step.
+
+    PYTHONPATH=. python benchmarks/bench_recall.py --quick            # CPU check (~1 min)
+    PYTHONPATH=. python benchmarks/bench_recall.py --preset 0.8b --grid 8 32 32 --steps 300   # H200
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import write_results  # noqa: E402
+from megatron_dsv.attention import dsv_layers, dsv_metrics, dsv_on_step_end, dsv_stage  # noqa: E402
+from megatron_dsv.attention.predictor import predictor_flops_per_token  # noqa: E402
+from megatron_dsv.config import DSVConfig  # noqa: E402
+
+
+def _init_dist():
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
+    if torch.cuda.is_available():  # the CUDA RNG tracker needs a CUDA build
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class _Timers:
+    """Wall time of each layer's predictor training and profiler calls (device-synchronised)."""
+
+    def __init__(self, layers):
+        self.ms = defaultdict(float)
+        for layer in layers:
+            self._wrap(layer.predictor, "accumulate_grad", (layer.layer_number, "predictor"))
+            self._wrap(layer, "_profile", (layer.layer_number, "profile"))
+
+    def _wrap(self, obj, name, key):
+        fn = getattr(obj, name)
+
+        def timed(*a, **kw):
+            _sync()
+            t0 = time.perf_counter()
+            out = fn(*a, **kw)
+            _sync()
+            self.ms[key] += 1e3 * (time.perf_counter() - t0)
+            return out
+
+        setattr(obj, name, timed)
+
+
+def _train(model, data, steps, dtype, device, first_step=0):
+    """Plain training steps; returns the median step ms of the last half."""
+    from megatron_dsv.models.video_dit import flow_matching_loss
+
+    opt = getattr(model, "_bench_opt", None) or torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model._bench_opt = opt
+    g = torch.Generator().manual_seed(first_step)
+    times = []
+    for it in range(first_step, first_step + steps):
+        batch = [data[(it * data.batch + i) % len(data)] for i in range(data.batch)]
+        latents = torch.stack([b["latents"] for b in batch]).to(device, dtype)
+        labels = torch.tensor([b["label"] for b in batch], device=device)
+        _sync()
+        t0 = time.perf_counter()
+        loss = flow_matching_loss(model, latents, labels, generator=g)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dsv_on_step_end(model, it + 1)
+        _sync()
+        times.append(1e3 * (time.perf_counter() - t0))
+    times = sorted(times[len(times) // 2:])
+    return times[len(times) // 2]
+
+
+def run(args, predictor_input: str):
+    from megatron_dsv.data.synthetic import SyntheticVideoDataset
+    from megatron_dsv.models.dit_config import VideoDiTConfig
+    from megatron_dsv.models.video_dit import build_video_dit
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    overrides = dict(latent_frames=args.grid[0], latent_height=args.grid[1], latent_width=args.grid[2])
+    if args.preset == "tiny":
+        overrides.update(heads=2, head_dim=64)  # tiny's head_dim 32 has no sparse kernel
+    cfg = VideoDiTConfig.from_preset(args.preset, **overrides)
+    stage1 = args.steps // 2
+    dsv = DSVConfig(predictor_input=predictor_input, stage_switch_rule="steps", stage_switch_steps=stage1,
+                    profile_interval=args.profile_every, profile_warmup_steps=10**9,
+                    predictor_query_stride=args.query_stride, predictor_lr=args.predictor_lr,
+                    query_group_shape=tuple(args.cube), granularity="block", kv_block_size=64,
+                    speedup_table=args.speedup_table)
+    torch.manual_seed(args.seed)
+    model = build_video_dit(cfg, dsv_config=dsv, dtype=dtype).to(device)
+    model.train()
+    data = SyntheticVideoDataset(max(64, args.batch * 4), channels=cfg.in_channels, frames=args.grid[0],
+                                 height=args.grid[1], width=args.grid[2], num_classes=cfg.num_classes, seed=args.seed)
+    data.batch = args.batch
+    _train(model, data, args.steps, dtype, device)
+    assert dsv_stage(model) == 2
+    # timing in stage 2: every step trains the predictor; the profiler runs every profile_every steps
+    layers = dsv_layers(model)
+    timers = _Timers(layers)
+    n = args.timing_steps
+    step_ms = _train(model, data, n, dtype, device, first_step=args.steps)
+    metrics = dsv_metrics(model)
+    S = cfg.token_grid()[0] * cfg.token_grid()[1] * cfg.token_grid()[2]
+    flops = predictor_flops_per_token(predictor_input, cfg.heads, cfg.head_dim, cfg.hidden, dsv.predictor_rank)
+    profiles = max(1, sum(1 for s in range(args.steps, args.steps + n) if s % args.profile_every == 0))
+    rows = []
+    for layer in layers:
+        p = f"dsv/layer{layer.layer_number}/"
+        pred_ms = timers.ms[(layer.layer_number, "predictor")] / n
+        prof_ms = timers.ms[(layer.layer_number, "profile")] / profiles / DSVConfig().profile_interval_after_warmup
+        rows.append(dict(
+            bench="recall", preset=args.preset, predictor_input=predictor_input, layer=layer.layer_number,
+            S=S, H=cfg.heads, D=cfg.head_dim, B=args.batch, hidden=cfg.hidden, rank=dsv.predictor_rank,
+            granularity=dsv.granularity, cube="x".join(map(str, dsv.query_group_shape)), steps=args.steps,
+            seed=args.seed, stage=dsv_stage(model), recall=metrics[p + "recall"], sparsity=metrics[p + "sparsity"],
+            sparse=bool(metrics[p + "sparse"]), k_mean=metrics[p + "k_mean"], predictor_loss=metrics[p + "predictor_loss"],
+            predictor_flops_per_token=flops, recall_per_mflop=metrics[p + "recall"] / (flops / 1e6),
+            ms_step=step_ms, ms_predictor=pred_ms, ms_profile_amortised=prof_ms,
+            predictor_overhead_pct=100.0 * (pred_ms + prof_ms) / step_ms))
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--grid", type=int, nargs=3, default=[8, 16, 16], help="latent frames, height, width")
+    ap.add_argument("--cube", type=int, nargs=3, default=[2, 4, 4], help="query-group cube (t, h, w)")
+    ap.add_argument("--steps", type=int, default=200, help="training steps (half in stage 1)")
+    ap.add_argument("--timing-steps", type=int, default=10)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--query-stride", type=int, default=16)
+    ap.add_argument("--profile-every", type=int, default=5)
+    ap.add_argument("--predictor-lr", type=float, default=3e-3)
+    ap.add_argument("--predictor-input", choices=["qk", "hidden", "both"], default="both")
+    ap.add_argument("--speedup-table", default=None)
+    ap.add_argument("--out-dir", default=None)
+    ap.add_argument("--quick", action="store_true", help="CPU check: tiny model, 4x16x16 latents, 30 steps")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.preset, args.grid, args.steps, args.timing_steps, args.batch = "tiny", [4, 16, 16], 30, 4, 1
+        args.profile_every = 2
+    _init_dist()
+    inputs = ["qk", "hidden"] if args.predictor_input == "both" else [args.predictor_input]
+    rows = [row for name in inputs for row in run(args, name)]
+    for r in rows:
+        print(f"{r['predictor_input']:>6} layer {r['layer']:2d}  recall {r['recall']:.3f}  sparsity {r['sparsity']:.3f}  "
+              f"sparse {int(r['sparse'])}  loss {r['predictor_loss']:.4f}  overhead {r['predictor_overhead_pct']:.2f}%  "
+              f"recall/MFLOP {r['recall_per_mflop']:.4f}")
+    print("wrote", write_results("recall", rows, args.out_dir))
+
+
+if __name__ == "__main__":
+    main()
