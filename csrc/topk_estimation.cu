@@ -135,17 +135,27 @@ struct TokenScorer {
         }
   }
 
-  // Tokens tok0 .. tok0+7 (zero keys past S: callers mask them).
-  __device__ __forceinline__ void tile(int tok0, float v[MT][4], int lane) const {
+  struct Frag {
+    uint32_t b[KS][2];
+  };
+  // B fragments of tokens tok0 .. tok0+7 (zero keys past S: callers mask them).
+  __device__ __forceinline__ void load(int tok0, Frag& f, int lane) const {
     const int g = lane >> 2, t = lane & 3;
     const int tok = tok0 + g;
-    uint32_t b[KS][2];
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
       const uint32_t* p = reinterpret_cast<const uint32_t*>(k + (size_t)tok * R + ks * 16 + 2 * t);
-      b[ks][0] = tok < S ? __ldg(p) : 0u;
-      b[ks][1] = (R >= 16 && tok < S) ? __ldg(p + 4) : 0u;
+      f.b[ks][0] = tok < S ? __ldg(p) : 0u;
+      f.b[ks][1] = (R >= 16 && tok < S) ? __ldg(p + 4) : 0u;
     }
+  }
+  __device__ __forceinline__ void tile(int tok0, float v[MT][4], int lane) const {
+    Frag f;
+    load(tok0, f, lane);
+    compute(f, v, lane);
+  }
+  __device__ __forceinline__ void compute(const Frag& f, float v[MT][4], int) const {
+    const auto& b = f.b;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       float c[4] = {0.f, 0.f, 0.f, 0.f};
@@ -170,6 +180,11 @@ struct TokenScorer<float, R> {
     S = S_;
   }
 
+  struct Frag {
+    int tok0;
+  };
+  __device__ __forceinline__ void load(int tok0, Frag& f, int) const { f.tok0 = tok0; }
+  __device__ __forceinline__ void compute(const Frag& f, float v[MT][4], int lane) const { tile(f.tok0, v, lane); }
   __device__ __forceinline__ void tile(int tok0, float v[MT][4], int lane) const {
     const int g = lane >> 2, t = lane & 3;
     float acc[MT][4];
@@ -221,6 +236,15 @@ template <typename T, int R, int BS>
 struct ItemScorer {
   TokenScorer<T, R> ts;
   bool lse;
+  using Frag = typename TokenScorer<T, R>::Frag;
+
+  __device__ __forceinline__ void load(int it0, Frag& f, int lane) const {
+    if constexpr (BS == 0) ts.load(it0, f, lane);  // blocks: computed from it0 in compute()
+  }
+  __device__ __forceinline__ void compute(int it0, const Frag& f, float v[MT][4], int lane) const {
+    if constexpr (BS == 0) ts.compute(f, v, lane);
+    else tile(it0, v, lane);
+  }
 
   __device__ __forceinline__ void tile(int it0, float v[MT][4], int lane) const {
     if constexpr (BS == 0) {
@@ -271,6 +295,26 @@ struct ItemScorer {
     }
   }
 };
+
+constexpr int UH = 4;  // tiles whose key loads are issued together (latency hiding)
+
+// Order-free sweep over all 8-item tiles: warp w takes tiles [w*UH, w*UH+UH), then +NWARPS*UH.
+template <class Sc, class F>
+__device__ __forceinline__ void sweep(const Sc& sc, int NT, int warp, int lane, F&& f) {
+  for (int nt0 = warp * UH; nt0 < NT; nt0 += NWARPS * UH) {
+    typename Sc::Frag fr[UH];
+#pragma unroll
+    for (int u = 0; u < UH; ++u) sc.load((nt0 + u) * 8, fr[u], lane);
+#pragma unroll
+    for (int u = 0; u < UH; ++u) {
+      if (nt0 + u < NT) {
+        float v[MT][4];
+        sc.compute((nt0 + u) * 8, fr[u], v, lane);
+        f(nt0 + u, v);
+      }
+    }
+  }
+}
 
 // Warp-wide: the bin (of hist[0..NBINS)) holding the need-th largest item, and the
 // count strictly above it. Returns bin via lane-uniform broadcast.
@@ -392,9 +436,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) topk_kernel(TopkArgs p) {
     // ---- pass 1: histogram
     for (int e = tid; e < TG * NB; e += NTHREADS) sm.u.hist[e] = 0u;
     __syncthreads();
-    for (int nt = warp; nt < NT; nt += NWARPS) {
-      float v[MT][4];
-      sc.tile(nt * 8, v, lane);
+    sweep(sc, NT, warp, lane, [&](int nt, float (&v)[MT][4]) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -402,7 +444,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) topk_kernel(TopkArgs p) {
           const int h = c >> 1, row = mt * 16 + h * 8 + g, item = nt * 8 + 2 * t + (c & 1);
           if (act[mt][h] && item < n_items) atomicAdd(&sm.u.hist[row * NB + bin_of(v[mt][c], Rr[mt][h], scl[mt][h])], 1u);
         }
-    }
+    });
     __syncthreads();
     for (int row = warp; row < rows_here; row += NWARPS) {
       int bin, above, cnt;
@@ -429,9 +471,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) topk_kernel(TopkArgs p) {
         ov[mt][h] = sm.ovf[row] != 0;
       }
     // ---- pass 2: collect the boundary bin (hist is dead: its memory holds candidates)
-    for (int nt = warp; nt < NT; nt += NWARPS) {
-      float v[MT][4];
-      sc.tile(nt * 8, v, lane);
+    sweep(sc, NT, warp, lane, [&](int nt, float (&v)[MT][4]) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -442,7 +482,7 @@ __global__ void __launch_bounds__(NTHREADS, 1) topk_kernel(TopkArgs p) {
             if (pos < CAP) sm.u.cand[row * CAP + pos] = Cand{v[mt][c], item};
           }
         }
-    }
+    });
     __syncthreads();
     for (int row = warp; row < rows_here; row += NWARPS) {
       if (sm.ovf[row]) continue;
@@ -520,12 +560,15 @@ __global__ void __launch_bounds__(NTHREADS, 1) topk_kernel(TopkArgs p) {
   for (int step = 0, buf = 0; step * NWARPS * U < NT; ++step, buf ^= 1) {
     const int nt0 = step * NWARPS * U + warp * U;
     uint32_t bits = 0;
+    typename ItemScorer<T, R, BS>::Frag fr[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) sc.load((nt0 + u) * 8, fr[u], lane);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int nt = nt0 + u;
       if (nt < NT) {
         float v[MT][4];
-        sc.tile(nt * 8, v, lane);
+        sc.compute(nt * 8, fr[u], v, lane);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll

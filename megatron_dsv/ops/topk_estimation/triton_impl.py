@@ -25,18 +25,20 @@ _NPASS = 9  # (17-way split) 8 passes shrink 2^32 to 1; one spare
 
 @triton.jit
 def _item_scores(Pb, Kb, offs_g, mask_g, it0, S, n_items,
-                 R: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr):
+                 R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr):
     items = it0 + tl.arange(0, BN)
     valid = items < n_items
     if BS == 0:
-        # [BG, BN]; products, then sums in order d = 0..R-1, as the reference
+        # [BG, BN]; sums in order d = 0..R-1 as the reference, with explicit fma: exact for
+    # bf16/fp16 (products are exact), and the same instructions in both kernels for fp32
+    # (left to itself the compiler may fuse mul+add differently in the two kernels)
         p0 = tl.load(Pb + offs_g * R, mask=mask_g, other=0.0).to(tl.float32)
         k0 = tl.load(Kb + items * R, mask=valid, other=0.0).to(tl.float32)
         s = p0[:, None] * k0[None, :]
         for d in tl.static_range(1, R):
             pd = tl.load(Pb + offs_g * R + d, mask=mask_g, other=0.0).to(tl.float32)
             kd = tl.load(Kb + items * R + d, mask=valid, other=0.0).to(tl.float32)
-            s = s + pd[:, None] * kd[None, :]
+            s = tl.fma(tl.broadcast_to(pd[:, None], (BG, BN)), tl.broadcast_to(kd[None, :], (BG, BN)), s)
     else:
         toks = items[:, None] * BS + tl.arange(0, BS)[None, :]  # [BN, BS]
         tval = toks < S
@@ -46,7 +48,7 @@ def _item_scores(Pb, Kb, offs_g, mask_g, it0, S, n_items,
         for d in tl.static_range(1, R):
             pd = tl.load(Pb + offs_g * R + d, mask=mask_g, other=0.0).to(tl.float32)
             kd = tl.load(Kb + toks * R + d, mask=tval, other=0.0).to(tl.float32)
-            s3 = s3 + pd[:, None, None] * kd[None, :, :]
+            s3 = tl.fma(tl.broadcast_to(pd[:, None, None], (BG, BN, BS)), tl.broadcast_to(kd[None, :, :], (BG, BN, BS)), s3)
         s3 = tl.where(tval[None, :, :], s3, float("-inf"))
         m = tl.max(s3, axis=2)
         if LSE:
@@ -80,7 +82,7 @@ def _tk_threshold(P, Kp, Counts, Tout, GTout, S, n_items, NG,
         probes = lo[:, None] + ((hi - lo)[:, None] * m[None, :]) // (NPROBE + 1)  # [BG, NPROBE]
         cnt = tl.zeros([BG, NPROBE], tl.int32)
         for it0 in range(0, n_items, BN):
-            key, items, valid = _item_scores(Pb, Kb, offs_g, mask_g, it0, S, n_items, R, BN, BS, LSE)
+            key, items, valid = _item_scores(Pb, Kb, offs_g, mask_g, it0, S, n_items, R, BG, BN, BS, LSE)
             ge = (key.to(tl.int64)[:, :, None] >= probes[:, None, :]) & valid[None, :, None]  # [BG, BN, NPROBE]
             cnt += tl.sum(ge.to(tl.int32), axis=1)
         ok = cnt >= K
@@ -110,7 +112,7 @@ def _tk_write(P, Kp, Counts, Tin, GTin, Out, S, n_items, NG, KMAX,
     run_sel = tl.zeros([BG], tl.int32)
     run_eq = tl.zeros([BG], tl.int32)
     for it0 in range(0, n_items, BN):
-        key, items, valid = _item_scores(Pb, Kb, offs_g, mask_g, it0, S, n_items, R, BN, BS, LSE)
+        key, items, valid = _item_scores(Pb, Kb, offs_g, mask_g, it0, S, n_items, R, BG, BN, BS, LSE)
         ok = valid[None, :] & mask_g[:, None]
         gt = (key > t[:, None]) & ok
         eq = (key == t[:, None]) & ok
