@@ -15,17 +15,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     from megatron_dsv.training.arguments import parse_args
 
     args = parse_args(argv)
+    import torch.distributed as dist
+
     from megatron_dsv.training.trainer import train
 
+    owns_group = not dist.is_initialized()  # a caller's process group (tests, notebooks) stays up
     try:
         train(args)
     except ValueError as err:  # configuration errors: one clear line instead of a traceback
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
     finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
+        if owns_group and dist.is_initialized():
             dist.destroy_process_group()
     return 0
 

@@ -41,6 +41,7 @@ class TrainResult:
     checkpoint: Optional[str] = None
     samples: Optional[str] = None
     dsv_stages: List[int] = field(default_factory=list)
+    model: Optional[torch.nn.Module] = field(default=None, repr=False)
 
 
 def print_rank0(message: str) -> None:
@@ -165,6 +166,7 @@ def train(args) -> TrainResult:
         result.checkpoint = save_checkpoint(args.save, result.iteration, ddp_model, optimizer, scheduler,
                                             _train_state(args, cfg, dsv_config, result.iteration,
                                                          result.consumed_samples))
+    result.model = unwrap(ddp_model)
     if args.sample and is_rank0():
         from megatron_dsv.training.samples import write_samples
 

@@ -1,0 +1,62 @@
+"""Short in-process runs of the megatron-core trainer (gloo, world size 1, fp32 CPU)."""
+
+import os
+import re
+
+import pytest
+import torch
+
+from tests.training.helpers import run
+
+
+def test_loss_decreases_and_tensorboard(tmp_path):
+    tb = tmp_path / "tb"
+    result = run(tmp_path, "--train-iters", "30", "--no-save", "--tensorboard-dir", str(tb),
+                 "--dsv-stage-switch-steps", "15")
+    assert len(result.losses) == 30 and all(map(lambda x: x == x, result.losses))  # no NaN
+    first, last = sum(result.losses[:5]) / 5, sum(result.losses[-5:]) / 5
+    assert last < 0.9 * first, (first, last)
+    assert result.dsv_stages[0] == 1 and result.dsv_stages[-1] == 2  # step rule switched mid-run
+    pytest.importorskip("tensorboard")
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(tb))
+
+
+@pytest.mark.parametrize("dsv", [False, True], ids=["dense", "dsv-stage-switch-across-checkpoint"])
+def test_resume_reproduces_the_uninterrupted_loss_sequence(tmp_path, dsv):
+    flags = ["--train-iters", "12", "--dsv-stage-switch-steps", "8"] + ([] if dsv else ["--no-dsv"])
+    full = run(tmp_path, *flags, "--no-save", name="full")
+    ckpt = tmp_path / "ckpt"
+    first = run(tmp_path, *flags, "--save", str(ckpt), "--exit-interval", "5", name="first")
+    assert first.iteration == 5 and (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
+    second = run(tmp_path, *flags, "--load", str(ckpt), "--save", str(ckpt), name="second")
+    assert second.start_iteration == 5 and second.iteration == 12 and second.consumed_samples == 48
+    assert first.losses + second.losses == full.losses  # exact float equality
+    if dsv:
+        assert first.dsv_stages + second.dsv_stages == full.dsv_stages
+
+
+def test_log_line_format(tmp_path, capsys):
+    run(tmp_path, "--train-iters", "2", "--no-save")
+    out = capsys.readouterr().out
+    pattern = (r"^ \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +2/ +2 \| consumed samples: 8 \| "
+               r"elapsed time per iteration \(ms\): [\d.]+ \| tokens/s: \d+ \| learning rate: \d\.\d{3}E[-+]\d\d \| "
+               r"loss: \d\.\d{6}E[-+]\d\d \| grad norm: [\d.]+ \| dsv stage: 1 \| dsv sparsity: [\d.]+ \|$")
+    assert any(re.match(pattern, line) for line in out.splitlines()), out
+    assert re.search(r"^ dsv layers \| L\d+: [\d.]+ (sparse|dense) \|", out, re.M), out
+
+
+def test_load_model_for_inference_matches_the_trained_weights(tmp_path):
+    from megatron_dsv.training.checkpointing import load_model_for_inference
+
+    result = run(tmp_path, "--train-iters", "3", "--save", str(tmp_path / "ckpt"))
+    model, cfg = load_model_for_inference(str(tmp_path / "ckpt"), "cpu")
+    assert cfg.layers == 2 and cfg.hidden == 64 and not model.training
+    trained = result.model.state_dict()
+    for name, value in model.state_dict().items():
+        if isinstance(value, torch.Tensor) and not name.endswith("_extra_state"):
+            assert torch.equal(value, trained[name]), name
+    x = torch.randn(1, 4, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model(x, torch.tensor([0.5]), torch.tensor([1]))
+    assert out.shape == x.shape and torch.isfinite(out).all()
+    assert result.checkpoint.endswith("iter_0000003")
