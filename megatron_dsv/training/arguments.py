@@ -13,7 +13,8 @@ from typing import List, Optional
 
 from megatron_dsv.arguments import add_dsv_args
 
-__all__ = ["build_parser", "parse_args", "add_video_dit_args", "validate_args", "model_overrides_from_args"]
+__all__ = ["build_parser", "parse_args", "add_video_dit_args", "add_video_dit_model_args", "validate_args",
+           "model_overrides_from_args"]
 
 # The embedded default switches to stage 2 at this step so a short run shows both stages.
 DEFAULT_STAGE_SWITCH_STEPS = 100
@@ -40,18 +41,25 @@ def _key_value(text: str):
     return key.strip().replace("-", "_"), value.strip()
 
 
-def add_video_dit_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Model and data flags shared by this trainer and the Megatron-LM example entry point."""
-    g = parser.add_argument_group(title="video DiT model and data")
+def add_video_dit_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """--preset / --model-override / --synthetic-samples: flags Megatron-LM does not define, so the
+    Megatron-LM example entry point adds them through its extra_args_provider too."""
+    g = parser.add_argument_group(title="video DiT model")
     g.add_argument("--preset", default="tiny", help="VideoDiT preset (tiny, 0.8b, 2.7b, 30b).")
     g.add_argument("--model-override", action="append", default=[], type=_key_value, metavar="KEY=VALUE",
-                   help="Override one VideoDiTConfig field (repeatable), e.g. --model-override num_frames=8.")
-    g.add_argument("--data-path", default=None,
-                   help="Folder of latent shards (.safetensors/.npy); default: synthetic videos.")
+                   help="Override one VideoDiTConfig field (repeatable), e.g. --model-override latent_frames=16.")
     g.add_argument("--synthetic-samples", type=_positive_int, default=4096,
                    help="Number of synthetic videos in the embedded dataset.")
+    return parser
+
+
+def add_video_dit_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Model and data flags of this trainer."""
+    add_video_dit_model_args(parser)
+    g = parser.add_argument_group(title="video data")
+    g.add_argument("--data-path", default=None,
+                   help="Folder of latent shards (.safetensors/.npy); default: synthetic videos.")
     g.add_argument("--data-seed", type=int, default=None, help="Seed of the synthetic videos (default: --seed).")
-    g.add_argument("--num-workers", type=_non_negative_int, default=0, help="DataLoader worker processes.")
     return parser
 
 
@@ -120,7 +128,8 @@ def _add_logging_checkpoint_args(parser):
                    help="Stop (after saving) once the iteration count is a multiple of this.")
     g.add_argument("--no-sample", dest="sample", action="store_false", help="Skip the sample GIF at the end.")
     g.add_argument("--num-sample-videos", type=_positive_int, default=4)
-    g.add_argument("--sample-steps", type=_positive_int, default=20)
+    g.add_argument("--sample-steps", type=_positive_int, default=20, help="Euler steps of the sampler.")
+    g.add_argument("--sample-cfg-scale", type=float, default=1.0, help="Classifier-free guidance scale (1: off).")
 
 
 def build_parser() -> argparse.ArgumentParser:

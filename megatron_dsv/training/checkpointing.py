@@ -35,7 +35,7 @@ import torch.distributed as dist
 from megatron_dsv.training.distributed import barrier, is_rank0
 from megatron_dsv.training.optim import unwrap
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "resolve_checkpoint_dir",
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "resolve_checkpoint_dir", "has_checkpoint",
            "verify_checkpoint", "read_train_state", "load_model_for_inference", "TRACKER_FILE", "STATE_FILE"]
 
 FORMAT = "megatron_dsv.checkpoint/1"
@@ -211,6 +211,11 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, trai
 
 
 # ---------------------------------------------------------------- load
+def has_checkpoint(path: str) -> bool:
+    """True when ``path`` is a --save root with a tracker file or one checkpoint folder."""
+    return os.path.isfile(os.path.join(path, TRACKER_FILE)) or os.path.isfile(os.path.join(path, STATE_FILE))
+
+
 def resolve_checkpoint_dir(path: str) -> str:
     """``path`` is a --save root (uses its tracker) or one ``iter_*`` folder."""
     if os.path.isfile(os.path.join(path, STATE_FILE)):

@@ -10,7 +10,7 @@ import torch
 __all__ = ["write_samples"]
 
 
-def write_samples(model: torch.nn.Module, cfg, args, device: torch.device) -> Optional[str]:
+def write_samples(model: torch.nn.Module, cfg, args, device: torch.device, iteration: int) -> Optional[str]:
     """Euler-sample ``--num-sample-videos`` videos and write them under ``<output-dir>/samples``.
 
     Returns the output folder, or None when the sampling module is not available in this build."""
@@ -26,9 +26,11 @@ def write_samples(model: torch.nn.Module, cfg, args, device: torch.device) -> Op
     generator = torch.Generator(device=device).manual_seed(args.seed)
     was_training = model.training
     model.eval()
-    with torch.no_grad():
-        videos = sample_videos(model, labels=labels, num_steps=args.sample_steps, generator=generator)
-    model.train(was_training)
-    write_gif_and_grid(videos, out_dir)
-    print(f" > wrote {args.num_sample_videos} sample videos to {out_dir}", flush=True)
+    try:
+        videos = sample_videos(model, labels, steps=args.sample_steps, generator=generator,
+                               cfg_scale=args.sample_cfg_scale)
+    finally:
+        model.train(was_training)
+    gif, grid = write_gif_and_grid(videos, os.path.join(out_dir, f"iter_{iteration:07d}"))
+    print(f" > wrote {args.num_sample_videos} sample videos: {gif} and {grid}", flush=True)
     return out_dir

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megatron_dsv.arguments import dsv_config_from_args
 from megatron_dsv.training import dsv_hooks
 from megatron_dsv.training.arguments import model_overrides_from_args
-from megatron_dsv.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron_dsv.training.checkpointing import TRACKER_FILE, has_checkpoint, load_checkpoint, save_checkpoint
 from megatron_dsv.training.data import GlobalBatchSampler, build_dataset, collate, latent_shape
 from megatron_dsv.training.distributed import DistEnv, initialize_distributed, is_rank0
 from megatron_dsv.training.logging_utils import TensorBoardWriter, format_iteration_line, format_layer_lines
@@ -150,7 +150,11 @@ def train(args) -> TrainResult:
     """Run the configured training; returns the per-iteration losses and the final position."""
     env, model, cfg, dsv_config, ddp_model, optimizer, scheduler = _setup(args)
     result = TrainResult()
-    if args.load is not None:
+    if args.load is not None and not has_checkpoint(args.load):
+        # Megatron-LM's behaviour, so a requeued job can always pass --load: nothing there yet = fresh start.
+        print_rank0(f" > WARNING: --load {args.load} holds no checkpoint yet ({TRACKER_FILE} missing): "
+                    "starting from iteration 0")
+    elif args.load is not None:
         state = load_checkpoint(args.load, ddp_model, optimizer, scheduler, model_config=cfg,
                                 load_optim=not args.no_load_optim, load_rng=not args.no_load_rng)
         result.iteration, result.consumed_samples = int(state["iteration"]), int(state["consumed_samples"])
@@ -170,7 +174,7 @@ def train(args) -> TrainResult:
     if args.sample and is_rank0():
         from megatron_dsv.training.samples import write_samples
 
-        result.samples = write_samples(unwrap(ddp_model), cfg, args, env.device)
+        result.samples = write_samples(unwrap(ddp_model), cfg, args, env.device, result.iteration)
     return result
 
 

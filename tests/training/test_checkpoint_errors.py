@@ -78,7 +78,14 @@ def test_model_shape_mismatch(tmp_path, good_checkpoint):
                   "--hidden-size", "96")
 
 
-def test_not_a_checkpoint(tmp_path):
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(CheckpointError, match="no checkpoint at"):
-        run(tmp_path, "--train-iters", "2", "--load", str(tmp_path / "empty"), "--no-save")
+def test_empty_load_folder_starts_fresh(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()  # Megatron-LM semantics: a requeued job may always pass --load
+    result = run(tmp_path, "--train-iters", "2", "--load", str(tmp_path / "empty"), "--no-save")
+    assert result.start_iteration == 0 and result.iteration == 2
+    assert "holds no checkpoint yet" in capsys.readouterr().out
+
+
+def test_iteration_folder_without_state_file(tmp_path, good_checkpoint):
+    ckpt = _copy(good_checkpoint, tmp_path)
+    os.remove(ckpt / "iter_0000002" / "train_state.json")
+    _expect_error(tmp_path, ckpt, r"missing .*iter_0000002/train_state\.json")

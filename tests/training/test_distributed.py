@@ -3,6 +3,7 @@ one process accumulating the same two micro batches (losses equal to float toler
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -22,12 +23,20 @@ def test_two_process_gloo_data_parallel(tmp_path):
            "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            os.path.join(REPO, "tests", "training", "_dp_worker.py"), str(out), *flags]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=str(tmp_path))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # Own session: on a timeout the whole process group (torchrun and both workers) is killed.
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=str(tmp_path), start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail("2-process run timed out:\n" + stdout[-3000:] + stderr[-3000:])
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
     ranks = [json.load(open(out / f"losses_rank{r}.json")) for r in range(2)]
     assert ranks[0]["losses"] == ranks[1]["losses"] and len(ranks[0]["losses"]) == 4
     assert ranks[0]["consumed_samples"] == 16
-    assert "world 2 (dp 2, tp 1, cp 1)" in proc.stdout
+    assert "world 2 (dp 2, tp 1, cp 1)" in stdout
     assert (out / "ckpt" / "iter_0000004" / "rng" / "rank_00001.json").exists()
     # One process, 2 micro batches of 2 (gradient accumulation): the same global batches and the same noise
     # per micro batch, so the same losses up to summation order.

@@ -1,0 +1,133 @@
+"""Pretrain the video DiT (optionally with DSV attention) through Megatron-LM's ``pretrain()``.
+
+Run from a Megatron-LM core_v0.16.1 checkout with megatron_dsv installed (see train_torchrun.sh):
+
+    torchrun --nproc-per-node 8 pretrain_video_dit.py --use-dsv-attention --preset 2.7b \\
+        --num-layers 32 --hidden-size 2048 --num-attention-heads 16 --kv-channels 128 \\
+        --seq-length 16384 --max-position-embeddings 16384 --tokenizer-type NullTokenizer --vocab-size 1 \\
+        --micro-batch-size 1 --global-batch-size 8 --train-iters 1000 --lr 1e-4 --bf16 --mock-data ...
+
+The same model, data and loss as ``python -m megatron_dsv.train``; Megatron-LM owns the loop, DDP,
+optimizer, checkpoints (DSV state travels in the model's sharded_state_dict) and logging.
+``--num-layers/--hidden-size/--num-attention-heads/--kv-channels`` (Megatron's required shape flags)
+override the preset; ``--seq-length`` only feeds Megatron's FLOP counter (tokens per video).
+``--mock-data`` or no ``--data-path``: synthetic videos; ``--data-path DIR``: latent shards in DIR
+(use ``--dataloader-type cyclic`` to loop over a finite shard set).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from megatron.core.enums import ModelType
+from megatron.training import get_args, pretrain, print_rank_0
+
+from megatron_dsv.arguments import add_dsv_args, dsv_config_from_args
+from megatron_dsv.training.arguments import add_video_dit_model_args, model_overrides_from_args
+
+_LAST_DSV_STEP = {"iteration": 0}
+
+
+def extra_args_provider(parser):
+    """DSV flags (--use-dsv-attention, --dsv-*) and the video DiT flags Megatron-LM does not define."""
+    add_dsv_args(parser)
+    add_video_dit_model_args(parser)
+    return parser
+
+
+def video_dit_config_from_args(args):
+    """VideoDiTConfig of --preset, with Megatron's shape flags and --model-override applied."""
+    from megatron_dsv.models.video_dit import VideoDiTConfig
+
+    overrides = model_overrides_from_args(args)
+    if getattr(args, "kv_channels", None):
+        overrides.setdefault("head_dim", args.kv_channels)
+    return VideoDiTConfig.from_preset(args.preset, **overrides)
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
+    """Megatron-LM model provider (signature of pretrain_gpt's, core_v0.16.1)."""
+    from megatron_dsv.models.video_dit import build_video_dit
+
+    args = get_args()
+    if args.pipeline_model_parallel_size != 1:
+        raise ValueError("--pipeline-model-parallel-size must be 1 for the video DiT (one stage)")
+    cfg = video_dit_config_from_args(args)
+    dsv_config = dsv_config_from_args(args)
+    print_rank_0(f"> building VideoDiT {args.preset} ({cfg}) with {'DSV' if dsv_config else 'dense'} attention")
+    overrides = dict(tensor_model_parallel_size=args.tensor_model_parallel_size,
+                     context_parallel_size=args.context_parallel_size, sequence_parallel=args.sequence_parallel)
+    if args.recompute_granularity is not None:
+        overrides.update(recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+                         recompute_num_layers=args.recompute_num_layers)
+    use_te = getattr(args, "transformer_impl", "local") == "transformer_engine"
+    return build_video_dit(cfg, dsv_config=dsv_config, use_te=use_te, pg_collection=pg_collection,
+                           dtype=args.params_dtype, **overrides)
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
+    """Synthetic videos (--mock-data or no --data-path) or latent shards (first --data-path entry)."""
+    from megatron_dsv.data import LatentShardDataset, SyntheticVideoDataset
+
+    args = get_args()
+    if args.data_path and not args.mock_data:
+        print_rank_0(f"> latent shards from {args.data_path[0]} (validation/test: none)")
+        return LatentShardDataset(args.data_path[0]), None, None
+    cfg = video_dit_config_from_args(args)
+    c, (t, h, w) = cfg.in_channels, cfg.latent_grid
+
+    def synthetic(n, seed):
+        return SyntheticVideoDataset(max(int(n), 1), channels=c, frames=t, height=h, width=w,
+                                     num_classes=max(cfg.num_classes, 1), seed=seed) if n else None
+
+    # Megatron's sequential sampler stops at len(dataset): size the procedural sets to what it asks for.
+    train_n = max(train_val_test_num_samples[0], args.synthetic_samples)
+    return (synthetic(train_n, args.seed), synthetic(train_val_test_num_samples[1], args.seed + 1),
+            synthetic(train_val_test_num_samples[2], args.seed + 2))
+
+
+def _dsv_step_end(model, args):
+    """Megatron-LM has no after-optimizer-step hook: the first forward of iteration k closes step k."""
+    from megatron_dsv.attention import dsv_on_step_end
+
+    iteration = int(getattr(args, "curr_iteration", 0) or 0)
+    if iteration > _LAST_DSV_STEP["iteration"]:
+        from megatron.core import parallel_state
+
+        dsv_on_step_end(model, iteration,
+                        dp_group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        _LAST_DSV_STEP["iteration"] = iteration
+
+
+def loss_func(output_tensor):
+    """(loss, num_samples, report): Megatron divides by the count and reduces the report over DP."""
+    loss = output_tensor.float()
+    count = torch.ones(1, dtype=torch.int, device=loss.device)
+    report = {"flow loss": torch.cat([loss.detach().view(1), count.float()])}
+    return loss, count[0], report
+
+
+def forward_step(data_iterator, model):
+    """One micro batch of the rectified-flow loss (Megatron-LM forward_step contract)."""
+    from megatron_dsv.models.video_dit import flow_matching_loss
+
+    args = get_args()
+    if args.use_dsv_attention:
+        _dsv_step_end(model, args)
+    batch = next(data_iterator)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    latents = batch["latents"].to(device, non_blocking=True)
+    labels = batch["label"].to(device, non_blocking=True)
+    text = batch["text"].to(device, non_blocking=True) if "text" in batch else None
+    loss = flow_matching_loss(model, latents, labels, text=text)
+    return loss, partial(loss_func)
+
+
+if __name__ == "__main__":
+    # Every rank builds its own (procedural or sharded) dataset; the sampler picks this rank's part.
+    train_valid_test_datasets_provider.is_distributed = True
+    pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
+             extra_args_provider=extra_args_provider,
+             args_defaults={"tokenizer_type": "NullTokenizer", "vocab_size": 1})
