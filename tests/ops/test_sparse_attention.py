@@ -12,6 +12,7 @@ import torch
 
 from megatron_dsv.ops.dense import dense_attention
 from megatron_dsv.ops.sparse_attention import sparse_attention, sparse_attention_naive
+from megatron_dsv.ops.sparse_attention import launch
 from megatron_dsv.ops.sparse_attention.launch import build_inverse_map, sparse_bwd, sparse_fwd
 
 
@@ -123,6 +124,72 @@ def test_block_atomic_bwd_matches_inverse_map():
     atom = sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, BS, 0.125, atomic_kv=True)
     for a, b in zip(inv, atom):
         assert rel_rmse(a, b) < 1e-5
+
+
+FUSED_CASES = [
+    # block lists only: the fused backward walks the inverse map; odd S, GQA, padded D, partial last block
+    (1, 4, 2, 200, 96, 32, 64, torch.float32),
+    (1, 2, 1, 300, 64, 128, 128, torch.float16),
+    (2, 2, 2, 130, 64, 64, 64, torch.float16),
+]
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=case_id(c)) for c in FUSED_CASES])
+def test_fused_bwd_matches_naive(case, monkeypatch):
+    """DSV_SPARSE_BWD=fused (dq by fp32 atomics inside the dk/dv kernel) against the reference."""
+    monkeypatch.setenv("DSV_SPARSE_BWD", "fused")
+    B, H, Hkv, S, D, G, BS, dt = case
+    tol = 1e-4 if dt == torch.float32 else 5e-3
+    (ours, ref), _ = run_both(B, H, Hkv, S, D, G, BS, dt, empty_head=0, full_head=H - 1)
+    for name, x, r in zip(("o", "dq", "dk", "dv"), ours, ref):
+        assert not torch.isnan(x).any(), name
+        assert x.dtype == r.dtype and x.shape == r.shape, name
+        assert rel_rmse(x, r) < tol, (name, rel_rmse(x, r))
+    assert ours[1][:, 0].abs().max() == 0  # empty list: dq never touched by an atomic
+
+
+@pytest.mark.parametrize("dq", [pytest.param(1, id="atomics"), pytest.param(2, id="tma-falls-back-on-cpu")])
+def test_fused_equals_split_with_big_key_tiles(dq):
+    """Fused with 128-row key tiles (half the atomics per FLOP) == split, GQA, padded D."""
+    B, H, Hkv, S, D, G, BS = 1, 4, 2, 250, 96, 64, 128
+    torch.manual_seed(4)
+    q = torch.randn(B, H, S, D)
+    k, v = (torch.randn(B, Hkv, S, D) for _ in range(2))
+    idx, cnt = make_lists(B, H, S, G, BS, 0.5)
+    o, lse = sparse_fwd(q, k, v, idx, cnt, G, BS, 0.1)
+    do = torch.randn_like(o)
+    split = sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, BS, 0.1, mode="split")
+    cfg = dict(BM=64, BN=128, num_warps=8, num_stages=2, DQ=dq)
+    fused = sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, BS, 0.1, mode="fused", cfg_kv=cfg)
+    for a, b in zip(split, fused):
+        assert rel_rmse(b, a) < 1e-5
+
+
+def test_paired_blocks_per_step():
+    """BN = 2 x block size: one inner step covers two listed 64-blocks (odd counts, partial last block)."""
+    B, H, Hkv, S, D, G, BS = 1, 2, 1, 300, 64, 64, 64
+    torch.manual_seed(5)
+    q = torch.randn(B, H, S, D)
+    k, v = (torch.randn(B, Hkv, S, D) for _ in range(2))
+    idx, cnt = make_lists(B, H, S, G, BS, 0.5, empty_head=0)
+    cnt[0, 1] = 3  # odd: the last step is half padding
+    o_ref = sparse_attention_naive(q, k, v, idx, cnt, G, BS)
+    o, lse = sparse_fwd(q, k, v, idx, cnt, G, BS, 0.125, cfg=dict(BM=64, BN=128, num_warps=8, num_stages=3))
+    assert rel_rmse(o, o_ref) < 1e-5
+    do = torch.randn_like(o)
+    base = sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, BS, 0.125, mode="split")
+    paired = sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, BS, 0.125, mode="split",
+                        cfg_q=dict(BM=64, BN=128, num_warps=8, num_stages=2))
+    assert rel_rmse(paired[0], base[0]) < 1e-5
+
+
+def test_bwd_mode_env(monkeypatch):
+    monkeypatch.setenv("DSV_SPARSE_BWD", "fused")
+    assert launch.bwd_mode(128, 128, 128) == "fused"
+    assert launch.bwd_mode(128, 0, 128) == "split"  # token lists: no inverse map, always the dq kernel
+    monkeypatch.setenv("DSV_SPARSE_BWD", "both")
+    with pytest.raises(ValueError, match="DSV_SPARSE_BWD must be one of"):
+        launch.bwd_mode(128, 128, 128)
 
 
 def test_inverse_map_exact():

@@ -95,3 +95,19 @@ def test_bf16_matches_reference(B, H, Hkv, S, D, G, BS, density):
                                         pytest.param(0, 0.05, id="T65536-tok")])
 def test_bf16_64k(BS, density):
     check_against_torch(1, 2, 1, 65536, 128, 128, BS, density)
+
+
+@pytest.mark.parametrize("dq", [pytest.param(1, id="atomics"), pytest.param(2, id="tma")])
+@pytest.mark.parametrize("B,H,Hkv,S,D,G,BS,BN,density", [
+    pytest.param(1, 2, 2, 1000, 128, 128, 128, 128, 0.3, id="B1-T1000-H2-D128-G128-blk128-BN128"),
+    pytest.param(2, 4, 2, 1000, 64, 64, 64, 64, 0.2, id="B2-T1000-H4-Hkv2-D64-G64-blk64"),
+    pytest.param(1, 2, 1, 65536, 128, 128, 128, 64, 0.1, id="T65536-blk128"),
+])
+def test_bf16_fused_bwd(monkeypatch, dq, B, H, Hkv, S, D, G, BS, BN, density):
+    """The fused backward (dq by fp32 atomics or TMA reduce-add) under the same bound."""
+    from megatron_dsv.ops.sparse_attention import launch
+
+    monkeypatch.setenv("DSV_SPARSE_BWD", "fused")
+    monkeypatch.setitem(launch.CONFIG_OVERRIDES, ("bwd_fused", D, G, BS),
+                        dict(BM=64, BN=BN, num_warps=8 if BN == 128 else 4, num_stages=2, DQ=dq))
+    check_against_torch(B, H, Hkv, S, D, G, BS, density)

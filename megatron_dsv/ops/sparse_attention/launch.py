@@ -9,12 +9,13 @@ Configs are picked per (head dim, group size, block size, pass) in
 from __future__ import annotations
 
 import math
+import os
 from typing import Dict, Optional, Tuple
 
 import torch
 import triton
 
-from .triton_bwd import bwd_kv_kernel, bwd_q_kernel
+from .triton_bwd import bwd_delta_kernel, bwd_kv_kernel, bwd_q_kernel
 from .triton_fwd import LOG2E, sparse_attn_fwd_kernel
 
 Config = Dict[str, int]
@@ -45,9 +46,30 @@ def pick_config(kind: str, D: int, G: int, BS: int) -> Config:
     elif kind == "bwd_kv":
         cfg = dict(BM=min(G, 32 if big else 64), BN=64, num_warps=4 if not big else 8,
                    num_stages=1 if big else 2)
+    elif kind == "bwd_fused":  # the dk/dv kernel's tiles; DQ: 1 = pointer atomics, 2 = TMA reduce-add
+        cfg = dict(BM=min(G, 32 if big else 64), BN=64, num_warps=4 if not big else 8,
+                   num_stages=1 if big else 2, DQ=1)
     else:
         raise ValueError(f"unknown pass {kind!r}")
     return cfg
+
+
+BWD_MODES = ("auto", "split", "fused")
+
+
+def bwd_mode(G: int, BS: int, D: int) -> str:
+    """The one place the block-level backward is chosen: ``DSV_SPARSE_BWD`` in
+    {auto, split, fused}. split: dq kernel + inverse-map dk/dv kernel (7 matmuls);
+    fused: one inverse-map kernel adding dq with fp32 atomics (5 matmuls).
+    Token lists always take the dq kernel with dk/dv atomics."""
+    name = os.environ.get("DSV_SPARSE_BWD", "auto").strip().lower() or "auto"
+    if name not in BWD_MODES:
+        raise ValueError(f"DSV_SPARSE_BWD must be one of {BWD_MODES}; got {name!r}")
+    if BS == 0:
+        return "split"
+    if name != "auto":
+        return name
+    return "split"
 
 
 def _launch_opts(cfg: Config) -> Dict[str, int]:
@@ -96,15 +118,20 @@ def build_inverse_map(kv_indices: torch.Tensor, kv_counts: torch.Tensor, nkb: in
 
 def sparse_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scale: float,
                atomic_kv: Optional[bool] = None, cfg_q: Optional[Config] = None,
-               cfg_kv: Optional[Config] = None, _only_dq: bool = False):
+               cfg_kv: Optional[Config] = None, _only_dq: bool = False, mode: Optional[str] = None):
     """dq, dk, dv. Token lists (or atomic_kv=True) scatter dk/dv with fp32 atomics;
-    block lists default to the atomic-free inverse-map kernel."""
+    block lists take the atomic-free inverse-map kernel, after the dq kernel
+    (mode split) or adding dq itself with atomics (mode fused; cfg_kv then
+    overrides the fused config). mode None: ``bwd_mode``."""
     B, H, T, D = q.shape
+    atomic_kv = (BS == 0) if atomic_kv is None else atomic_kv
+    mode = mode or bwd_mode(G, BS, D)
+    if mode == "fused" and not atomic_kv:
+        return _sparse_bwd_fused(do.contiguous(), q, k, v, o, lse, kv_indices, kv_counts, G, BS, scale, cfg_kv)
     hkv = k.shape[1]
     NG = kv_indices.shape[2]
     do = do.contiguous()
     delta = torch.empty(B, H, T, device=q.device, dtype=torch.float32)  # written by bwd_q_kernel
-    atomic_kv = (BS == 0) if atomic_kv is None else atomic_kv
     cfg_q = cfg_q or pick_config("bwd_q", D, G, BS)
     dq = torch.empty_like(q)
     if atomic_kv:
@@ -128,6 +155,36 @@ def sparse_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scal
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     bwd_kv_kernel[(nkb * (BS // cfg_kv["BN"]), B * hkv)](
-        q, k, v, do, lse, delta, dk, dv, inv_ptr, inv_grp, T, nkb, scale * LOG2E, scale,
-        BM=cfg_kv["BM"], BN=cfg_kv["BN"], **common, **_launch_opts(cfg_kv))
+        q, k, v, do, lse, delta, dk, dv, dq, inv_ptr, inv_grp, T, nkb, scale * LOG2E, scale,
+        BM=cfg_kv["BM"], BN=cfg_kv["BN"], DQ=0, **common, **_launch_opts(cfg_kv))
     return dq, dk, dv
+
+
+def _sparse_bwd_fused(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scale: float,
+                      cfg: Optional[Config] = None):
+    """Block lists, 5 matmuls: delta pre-pass, one inverse-map kernel that adds
+    dq with fp32 atomics, then dq32 -> q's dtype (softmax scale already applied)."""
+    B, H, T, D = q.shape
+    hkv = k.shape[1]
+    cfg = cfg or pick_config("bwd_fused", D, G, BS)
+    dqm = int(cfg.get("DQ", 1))
+    if dqm == 2 and (_bd(D) != D or not q.is_cuda):  # TMA needs the exact row width and a GPU
+        dqm = 1
+    delta = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
+    bwd_delta_kernel[(triton.cdiv(T, 64), B * H)](o, do, delta, T, K=D, BD=_bd(D), BM=64, num_warps=4)
+    dq32 = torch.zeros(B, H, T, D, device=q.device, dtype=torch.float32)
+    dq_arg = dq32
+    if dqm == 2:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        dq_arg = TensorDescriptor(dq32.view(B * H, T, D), shape=[B * H, T, D], strides=[T * D, D, 1],
+                                  block_shape=[1, cfg["BM"], D])
+    nkb = math.ceil(T / BS)
+    inv_ptr, inv_grp = build_inverse_map(kv_indices, kv_counts, nkb)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    bwd_kv_kernel[(nkb * (BS // cfg["BN"]), B * hkv)](
+        q, k, v, do, lse, delta, dk, dv, dq_arg, inv_ptr, inv_grp, T, nkb, scale * LOG2E, scale,
+        H=H, HR=H // hkv, K=D, BD=_bd(D), G=G, BS=BS, BM=cfg["BM"], BN=cfg["BN"], DQ=dqm,
+        **_launch_opts(cfg))
+    return dq32.to(q.dtype), dk, dv

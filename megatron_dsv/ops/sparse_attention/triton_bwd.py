@@ -8,6 +8,10 @@
 - ``bwd_kv_kernel``: block-level dk/dv without atomics: one program per key
   tile and kv head, walking the inverse map (key block -> query groups, CSR)
   of every query head that shares this kv head, so GQA sums in registers.
+  Split backward: this after ``bwd_q_kernel`` (7 matmuls). Fused backward
+  (``DQ`` > 0, FA2/FA3's scheme): after ``bwd_delta_kernel``, this kernel alone
+  also adds dS k into an fp32 dq buffer with atomics (5 matmuls, no recompute
+  of P and dP for dq), and a cast finishes dq.
 
 Shape letters as in triton_fwd.py; lse is log2-domain, scores are multiplied
 by qk_scale = softmax_scale * log2(e).
@@ -18,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_fwd import _load_kv_tile
+from .triton_fwd import _load_kv_tile, _num_steps
 
 
 @triton.jit
@@ -52,10 +56,7 @@ def bwd_q_kernel(
 
     cnt = tl.load(cnt_ptr + i_bh)
     p_idx = idx + (i_bh.to(tl.int64) * NG + i_g) * KMAX
-    if BS == 0:
-        n_it = tl.cdiv(cnt, BN)
-    else:
-        n_it = cnt * (BS // BN)
+    n_it = _num_steps(cnt, BN, BS)
 
     b_dq = tl.zeros([BM, BD], tl.float32)
     for i_it in range(n_it):
@@ -67,7 +68,7 @@ def bwd_q_kernel(
         # [BM, BN]
         b_s = tl.dot(b_q, tl.trans(b_k)) * qk_scale
         b_p = tl.exp2(b_s - b_lse[:, None])
-        if BS == 0 or not EVEN_T:
+        if BS == 0 or BN > BS or not EVEN_T:
             b_p = tl.where(m_n[None, :], b_p, 0.)
         b_dp = tl.dot(b_do, tl.trans(b_v))
         b_ds = b_p * (b_dp - b_delta[:, None])
@@ -82,12 +83,36 @@ def bwd_q_kernel(
 
 
 @triton.jit
+def bwd_delta_kernel(o, do, delta, T, K: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr):
+    """delta = rowsum(o * do) [B, H, T] fp32: the fused backward's only pre-pass."""
+    i_m, i_bh = tl.program_id(0), tl.program_id(1)
+    o_m = i_m * BM + tl.arange(0, BM)
+    o_d = tl.arange(0, BD)
+    m_m = o_m < T
+    m_q = m_m[:, None] & (o_d[None, :] < K)
+    p_rows = i_bh.to(tl.int64) * T * K + o_m[:, None] * K + o_d[None, :]
+    # [BM, BD]
+    b_o = tl.load(o + p_rows, mask=m_q, other=0.).to(tl.float32)
+    b_do = tl.load(do + p_rows, mask=m_q, other=0.).to(tl.float32)
+    tl.store(delta + i_bh.to(tl.int64) * T + o_m, tl.sum(b_o * b_do, 1), mask=m_m)
+
+
+@triton.jit
 def bwd_kv_kernel(
-    q, k, v, do, lse, delta, dk, dv, inv_ptr, inv_grp,
+    q, k, v, do, lse, delta, dk, dv, dq32, inv_ptr, inv_grp,
     T, NKB, qk_scale, sm_scale,
     H: tl.constexpr, HR: tl.constexpr, K: tl.constexpr, BD: tl.constexpr,
     G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr,
+    DQ: tl.constexpr,
 ):
+    """dk, dv of one key tile; with DQ > 0 also dq (the fused, 5-matmul backward).
+
+    DQ = 0: dk/dv only (dq comes from bwd_q_kernel: 7 matmuls in all).
+    DQ = 1: dq += dS k for every visited query tile, fp32 atomics into dq32.
+    DQ = 2: the same through a TMA reduce-add (dq32 is a [B*H, T, K] descriptor).
+    With DQ > 0 each program starts its walk at a rotated entry, so programs
+    running side by side (neighbouring key tiles) add into different dq rows.
+    """
     i_n, i_bhkv = tl.program_id(0), tl.program_id(1)
     HKV: tl.constexpr = H // HR
     i_b, i_hkv = i_bhkv // HKV, i_bhkv % HKV
@@ -111,7 +136,12 @@ def bwd_kv_kernel(
         e_lo = tl.load(p_inv)
         e_hi = tl.load(p_inv + 1)
         # flat loop over (query group in the inverse list, query tile in the group)
-        for i_e in range(e_lo * (G // BM), e_hi * (G // BM)):
+        n_e = (e_hi - e_lo) * (G // BM)
+        for i_j in range(n_e):
+            if DQ > 0:
+                i_e = e_lo * (G // BM) + (i_j + i_n) % n_e
+            else:
+                i_e = e_lo * (G // BM) + i_j
             i_g = tl.load(inv_grp + i_e // (G // BM))
             o_m = i_g * G + (i_e % (G // BM)) * BM + tl.arange(0, BM)
             m_m = o_m < T
@@ -127,7 +157,14 @@ def bwd_kv_kernel(
             b_pt = tl.exp2(b_st - b_lse[None, :])
             b_dv += tl.dot(b_pt.to(b_do.dtype), b_do)
             b_dpt = tl.dot(b_v, tl.trans(b_do))
-            b_dst = b_pt * (b_dpt - b_delta[None, :])
-            b_dk += tl.dot(b_dst.to(b_q.dtype), b_q)
+            b_dst = (b_pt * (b_dpt - b_delta[None, :])).to(b_q.dtype)
+            b_dk += tl.dot(b_dst, b_q)
+            if DQ > 0:
+                # [BM, BD]; every key tile of the group's list adds here
+                b_dq = tl.dot(tl.trans(b_dst), b_k) * sm_scale
+                if DQ == 1:
+                    tl.atomic_add(dq32 + p_qrows, b_dq, mask=m_q, sem="relaxed")
+                else:
+                    dq32.atomic_add([i_bh, i_g * G + (i_e % (G // BM)) * BM, 0], b_dq[None, :, :])
     tl.store(dk + p_rows, (b_dk * sm_scale).to(dk.dtype.element_ty), mask=m_kv)
     tl.store(dv + p_rows, b_dv.to(dv.dtype.element_ty), mask=m_kv)

@@ -21,14 +21,22 @@ def _load_kv_tile(i_it, cnt, p_idx, T, K: tl.constexpr, BD: tl.constexpr,
                   BN: tl.constexpr, BS: tl.constexpr, EVEN_T: tl.constexpr):
     """Key rows of inner step i_it and their validity.
 
-    Token lists gather BN rows by index; block lists read BN consecutive rows
-    of block idx[i_it // (BS // BN)], so a block is split into BS // BN steps.
+    Token lists gather BN rows by index. Block lists with BN <= BS read BN
+    consecutive rows of block idx[i_it // (BS // BN)] (a block takes BS // BN
+    steps); with BN > BS one step covers BN // BS listed blocks, so 64-row
+    blocks still feed 128-wide MMA tiles (the last step may be half empty).
     """
     o_d = tl.arange(0, BD)
     if BS == 0:
         o_j = i_it * BN + tl.arange(0, BN)
         m_n = o_j < cnt
         o_n = tl.load(p_idx + o_j, mask=m_n, other=0)
+    elif BN > BS:
+        o_j = i_it * (BN // BS) + tl.arange(0, BN) // BS
+        m_n = o_j < cnt
+        o_n = tl.load(p_idx + o_j, mask=m_n, other=0) * BS + tl.arange(0, BN) % BS
+        if not EVEN_T:
+            m_n = m_n & (o_n < T)
     else:
         i_blk = tl.load(p_idx + i_it // (BS // BN))
         o_n = i_blk * BS + (i_it % (BS // BN)) * BN + tl.arange(0, BN)
@@ -40,6 +48,18 @@ def _load_kv_tile(i_it, cnt, p_idx, T, K: tl.constexpr, BD: tl.constexpr,
     if BD != K:
         m_ld = m_ld & (o_d[None, :] < K)
     return o_n, m_n, m_ld
+
+
+@triton.jit
+def _num_steps(cnt, BN: tl.constexpr, BS: tl.constexpr):
+    """Inner steps over a list of cnt entries (tokens or blocks)."""
+    if BS == 0:
+        n_it = tl.cdiv(cnt, BN)
+    elif BN > BS:
+        n_it = tl.cdiv(cnt, BN // BS)
+    else:
+        n_it = cnt * (BS // BN)
+    return n_it
 
 
 @triton.jit
@@ -67,10 +87,7 @@ def sparse_attn_fwd_kernel(
 
     cnt = tl.load(cnt_ptr + i_bh)
     p_idx = idx + (i_bh.to(tl.int64) * NG + i_g) * KMAX
-    if BS == 0:
-        n_it = tl.cdiv(cnt, BN)
-    else:
-        n_it = cnt * (BS // BN)
+    n_it = _num_steps(cnt, BN, BS)
 
     b_m = tl.full([BM], float("-inf"), tl.float32)
     b_l = tl.zeros([BM], tl.float32)
@@ -83,7 +100,7 @@ def sparse_attn_fwd_kernel(
         b_v = tl.load(v + p_rows, mask=m_ld, other=0.)
         # [BM, BN] raw scores; scaled into log2 units inside one FMA below (exp2 is native)
         b_s = tl.dot(b_q, tl.trans(b_k))
-        if BS == 0 or not EVEN_T:
+        if BS == 0 or BN > BS or not EVEN_T:
             b_s = tl.where(m_n[None, :], b_s, float("-inf"))
         # every step has >= 1 valid key, so b_m_new is finite and no NaN appears
         b_m_new = tl.maximum(b_m, tl.max(b_s, 1) * qk_scale)
