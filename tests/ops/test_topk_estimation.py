@@ -304,3 +304,23 @@ def test_gpu_continuous(dtype, S, bs, monkeypatch):
         got = estimate_topk(q, k, budgets, 32, bs)
         assert torch.equal(ref[1], got[1])
         _near_tie_equal(q, k, ref[0], got[0], ref[1], 32, bs, "mean", "max", who=backend)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("kind", ["zero_keys", "two_values"])
+def test_gpu_massive_ties_take_radix_fallback(dtype, kind, monkeypatch):
+    """> 512 items in the boundary bin (a zero-initialised predictor, or few distinct scores)
+    sends the CUDA kernel down its exact radix fallback: it must still match naive."""
+    S = 6000
+    q = _ints((1, 2, S, 16), dtype, "cuda", seed=21)
+    if kind == "zero_keys":
+        k = torch.zeros(1, 2, S, 16, device="cuda", dtype=dtype)
+    else:
+        k = _ints((1, 2, S, 1), dtype, "cuda", lo=0, hi=2, seed=23).expand(1, 2, S, 16).contiguous()  # 2 scores
+    budgets = torch.tensor([700, 3001], device="cuda")
+    ref = estimate_topk_naive(q, k, budgets, 32)
+    for backend in _gpu_backends():
+        monkeypatch.setenv("DSV_TOPK_BACKEND", backend)
+        got = estimate_topk(q, k, budgets, 32)
+        assert torch.equal(ref[0], got[0]), backend
