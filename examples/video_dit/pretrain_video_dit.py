@@ -121,7 +121,8 @@ def forward_step(data_iterator, model):
     latents = batch["latents"].to(device, non_blocking=True)
     labels = batch["label"].to(device, non_blocking=True)
     text = batch["text"].to(device, non_blocking=True) if "text" in batch else None
-    loss = flow_matching_loss(model, latents, labels, text=text)
+    text_mask = batch["text_mask"].to(device, non_blocking=True) if "text_mask" in batch else None
+    loss = flow_matching_loss(model, latents, labels, text=text, text_mask=text_mask)
     return loss, partial(loss_func)
 
 

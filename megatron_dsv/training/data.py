@@ -73,19 +73,10 @@ class GlobalBatchSampler:
 def collate(items: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
     out = {"latents": torch.stack([it["latents"] for it in items]),
            "label": torch.stack([torch.as_tensor(it["label"], dtype=torch.int64) for it in items])}
-    if "text" in items[0]:
-        out["text"] = torch.stack([it["text"] for it in items])
+    for key in ("text", "text_mask"):
+        if key in items[0]:
+            out[key] = torch.stack([it[key] for it in items])
     return out
-
-
-def _constructor_kwargs(cls, wanted: dict) -> dict:
-    """Keep the keyword arguments the dataset class accepts (its signature is owned by data/)."""
-    import inspect
-
-    params = inspect.signature(cls).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return wanted
-    return {k: v for k, v in wanted.items() if k in params}
 
 
 def build_dataset(args, model_cfg):
@@ -96,19 +87,11 @@ def build_dataset(args, model_cfg):
         return LatentShardDataset(args.data_path)
     from megatron_dsv.data import SyntheticVideoDataset
 
-    shape = latent_shape(model_cfg)
-    wanted = dict(num_samples=args.synthetic_samples, channels=shape[0], frames=shape[1], height=shape[2],
-                  width=shape[3], num_classes=max(1, int(getattr(model_cfg, "num_classes", 1) or 1)),
-                  seed=args.data_seed)
-    return SyntheticVideoDataset(**_constructor_kwargs(SyntheticVideoDataset, wanted))
+    c, t, h, w = latent_shape(model_cfg)
+    return SyntheticVideoDataset(args.synthetic_samples, channels=c, frames=t, height=h, width=w,
+                                 num_classes=max(1, int(model_cfg.num_classes)), seed=args.data_seed)
 
 
 def latent_shape(model_cfg) -> tuple:
     """(C, T, H, W) of the latents the model expects."""
-    for names in (("in_channels", "latent_frames", "latent_height", "latent_width"),):
-        if all(hasattr(model_cfg, n) for n in names):
-            return tuple(int(getattr(model_cfg, n)) for n in names)
-    if hasattr(model_cfg, "latent_shape"):
-        return tuple(int(x) for x in model_cfg.latent_shape)
-    raise ValueError(f"cannot tell the latent shape from {type(model_cfg).__name__}: expected in_channels, "
-                     "latent_frames, latent_height, latent_width")
+    return (int(model_cfg.in_channels), *(int(g) for g in model_cfg.latent_grid))

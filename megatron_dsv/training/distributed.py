@@ -95,9 +95,13 @@ def initialize_distributed(args) -> DistEnv:
     backend = args.distributed_backend or ("nccl" if device.type == "cuda" else "gloo")
     if backend == "nccl" and device.type != "cuda":
         raise ValueError("--distributed-backend nccl needs --device cuda (allowed on CPU: gloo)")
+    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
+    if tp > 1 and device.type != "cuda":
+        # megatron.core.tensor_parallel's gathers allocate on torch.cuda.current_device().
+        raise ValueError(f"--tensor-model-parallel-size {tp} needs GPUs (megatron-core's tensor-parallel "
+                         "collectives are CUDA-only); on CPU use 1 and data parallelism")
     _init_default_group(backend, device)
     world = dist.get_world_size()
-    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
     if world % (tp * cp) != 0:
         raise ValueError(f"world size {world} must be divisible by --tensor-model-parallel-size ({tp}) x "
                          f"--context-parallel-size ({cp})")

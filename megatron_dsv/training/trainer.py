@@ -101,8 +101,9 @@ def train_step(loss_model, ddp_model, optimizer, sampler, dataset, consumed: int
         latents = batch["latents"].to(env.device, non_blocking=True)
         labels = batch["label"].to(env.device, non_blocking=True)
         text = batch["text"].to(env.device) if "text" in batch else None
+        text_mask = batch["text_mask"].to(env.device) if "text_mask" in batch else None
         gen = _noise_generator(args.seed, rank_start + k * args.micro_batch_size, env.device)
-        loss = flow_matching_loss(loss_model, latents, labels, generator=gen, text=text)
+        loss = flow_matching_loss(loss_model, latents, labels, generator=gen, text=text, text_mask=text_mask)
         (loss / len(micro_batches)).backward()
         total += loss.detach().float()
     ddp_model.finish_grad_sync()

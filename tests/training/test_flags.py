@@ -1,9 +1,12 @@
 """Bad flags and presets give clear errors naming the flag."""
 
 import pytest
+import torch
 
 from megatron_dsv.train import main
 from megatron_dsv.training.arguments import parse_args
+
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only error")
 
 
 @pytest.mark.parametrize("flags, named", [
@@ -30,7 +33,8 @@ def test_bad_flag_names_the_flag(flags, named, capsys):
     (["--preset", "huge"], "preset must be one of"),
     (["--model-override", "no_such_field=3"], "unknown VideoDiTConfig field"),
     (["--dsv-theta", "1.5"], "DSVConfig.theta"),
-    (["--bf16"], "--bf16 needs a GPU"),
+    pytest.param(["--bf16"], "--bf16 needs a GPU", marks=CPU_ONLY),
+    pytest.param(["--tensor-model-parallel-size", "2"], "needs GPUs", marks=CPU_ONLY),
 ])
 def test_bad_values_exit_with_a_clear_message(tmp_path, flags, message, capsys):
     code = main(["--train-iters", "2", "--no-save", "--no-sample", "--output-dir", str(tmp_path), *flags])

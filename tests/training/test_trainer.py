@@ -60,3 +60,17 @@ def test_load_model_for_inference_matches_the_trained_weights(tmp_path):
         out = model(x, torch.tensor([0.5]), torch.tensor([1]))
     assert out.shape == x.shape and torch.isfinite(out).all()
     assert result.checkpoint.endswith("iter_0000003")
+
+
+def test_trains_on_latent_shards(tmp_path):
+    from megatron_dsv.data import SyntheticVideoDataset, write_shard
+
+    ds = SyntheticVideoDataset(12, channels=4, frames=4, height=8, width=8, num_classes=4, seed=5)
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for part, rng in enumerate((range(0, 8), range(8, 12))):
+        items = [ds[i] for i in rng]
+        write_shard(str(shards / f"part{part}.safetensors"), torch.stack([it["latents"] for it in items]),
+                    torch.stack([it["label"] for it in items]))
+    result = run(tmp_path, "--train-iters", "4", "--no-save", "--data-path", str(shards))
+    assert result.consumed_samples == 16 and len(result.losses) == 4  # 12 samples: wraps into epoch 2
