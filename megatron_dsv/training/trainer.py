@@ -197,8 +197,11 @@ def _loop(args, env, cfg, dsv_config, ddp_model, optimizer, scheduler, sampler, 
         result.iteration += 1
         result.consumed_samples += args.global_batch_size
         if dsv_config is not None:
-            dsv_hooks.on_step_end(bare, result.iteration, dp_group=env.pg_collection.dp)
+            dsv_hooks.on_step_end(bare, result.iteration, dp_group=getattr(env.pg_collection, "dp_cp", None))
             result.dsv_stages.append(dsv_hooks.stage(bare))
+            if len(result.dsv_stages) > 1 and result.dsv_stages[-1] != result.dsv_stages[-2]:
+                print_rank0(f" > DSV stage {result.dsv_stages[-2]} -> {result.dsv_stages[-1]} after iteration "
+                            f"{result.iteration}")
         if env.device.type == "cuda":
             torch.cuda.synchronize()
         window["time"] += time.perf_counter() - start

@@ -89,3 +89,14 @@ def test_iteration_folder_without_state_file(tmp_path, good_checkpoint):
     ckpt = _copy(good_checkpoint, tmp_path)
     os.remove(ckpt / "iter_0000002" / "train_state.json")
     _expect_error(tmp_path, ckpt, r"missing .*iter_0000002/train_state\.json")
+
+
+def test_stale_temp_folder_of_a_crashed_save_is_ignored_then_replaced(tmp_path, good_checkpoint):
+    ckpt = _copy(good_checkpoint, tmp_path)
+    stale = ckpt / ".tmp_iter_0000003"
+    stale.mkdir()
+    (stale / "__0_0.distcp").write_bytes(b"half written")
+    result = run(tmp_path, "--train-iters", "3", "--load", str(ckpt), "--save", str(ckpt), "--no-dsv", name="resume")
+    assert result.start_iteration == 2 and result.iteration == 3
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    assert not stale.exists() and (ckpt / "iter_0000003" / "train_state.json").exists()
