@@ -131,6 +131,7 @@ FUSED_CASES = [
     (1, 4, 2, 200, 96, 32, 64, torch.float32),
     (1, 2, 1, 300, 64, 128, 128, torch.float16),
     (2, 2, 2, 130, 64, 64, 64, torch.float16),
+    (1, 2, 2, 200, 128, 64, 128, torch.float16),  # auto picks fused here: its 128-row key tiles
 ]
 
 
@@ -184,6 +185,14 @@ def test_paired_blocks_per_step():
 
 
 def test_bwd_mode_env(monkeypatch):
+    monkeypatch.delenv("DSV_SPARSE_BWD", raising=False)
+    # auto: fused only where it measured faster on the H200 (D=128): small query groups
+    assert launch.bwd_mode(64, 128, 128) == "fused" and launch.bwd_mode(32, 64, 128) == "fused"
+    assert launch.bwd_mode(128, 128, 128) == "split" and launch.bwd_mode(64, 64, 128) == "split"
+    assert launch.bwd_mode(64, 128, 64) == "split"  # not measured at D=64
+    assert launch.pick_config("bwd_fused", 128, 64, 128)["BN"] == 128
+    monkeypatch.setenv("DSV_SPARSE_BWD", "split")
+    assert launch.bwd_mode(64, 128, 128) == "split"
     monkeypatch.setenv("DSV_SPARSE_BWD", "fused")
     assert launch.bwd_mode(128, 128, 128) == "fused"
     assert launch.bwd_mode(128, 0, 128) == "split"  # token lists: no inverse map, always the dq kernel
@@ -223,6 +232,9 @@ def test_backend_env(monkeypatch):
     monkeypatch.setenv("DSV_SPARSE_ATTN_BACKEND", "flex")
     with pytest.raises(ValueError, match="needs block-level lists"):
         sparse_attention(q, k, v, idx, cnt, G)
+    bidx, bcnt = make_lists(B, H, S, 64, 64, 0.5)
+    with pytest.raises(ValueError, match="group_size 128 and block_size 128"):  # flex can't lower 64-blocks
+        sparse_attention(q, k, v, bidx, bcnt, 64, 64)
 
 
 # ---- bad input: every case raises ValueError naming the argument ----

@@ -16,8 +16,11 @@ import torch
 
 
 def flex_supported(S: int, group_size: int, block_size: int) -> bool:
-    """Flex tiles queries in blocks of at least 64 rows: smaller groups can't map onto a BlockMask."""
-    return block_size > 0 and group_size in (64, 128)
+    """Only 128x128 blocks lower on the H200 with torch 2.11: (G, block) = (128, 64), (64, 128),
+    (64, 64) fail in Inductor with flex's default tiles ("Q and KV block size must be divisible
+    by BLOCK_M and BLOCK_N") and with 64x64 kernel_options (NoValidChoicesError in backward);
+    G < 64 can't map onto a BlockMask at all (sparse_attention-groups-h200-20261130.json)."""
+    return group_size == 128 and block_size == 128
 
 
 def flex_kernel_options(group_size: int, block_size: int) -> Optional[dict]:

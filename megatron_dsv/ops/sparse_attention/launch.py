@@ -23,9 +23,20 @@ Config = Dict[str, int]
 # (pass, D, G, BS) -> config set by a tuning sweep at run time; wins over the table below
 CONFIG_OVERRIDES: Dict[Tuple[str, int, int, int], Config] = {}
 
+# (G, BS) -> fused-backward config, D=128 only: where the fused (5-matmul) backward beat the
+# split one on the H200 at S=64K and 16K, 90% sparse (sparse_attention-groups-h200-20261130.json):
+# G=64/block 128: 25.6 vs 31.2 ms (1.22x), 16K 1.87 vs 2.17; G=32/block 64: 34.8 vs 42.3 (1.22x),
+# 16K 2.45 vs 2.92. Small groups make the split's dq kernel run on 64- or 32-row tiles; the
+# fused kernel's tiles don't depend on G. Elsewhere split won: G=128 by 9% (23.1 vs 25.2),
+# and with 64-row key tiles (block 64) the dq atomics double per FLOP (G=128/64: 23.3 vs 42.3).
+FUSED_FASTER: Dict[Tuple[int, int], Config] = {
+    (64, 128): dict(BM=64, BN=128, num_warps=8, num_stages=2, DQ=1),
+    (32, 64): dict(BM=32, BN=64, num_warps=4, num_stages=2, DQ=1),
+}
+
 
 def pick_config(kind: str, D: int, G: int, BS: int) -> Config:
-    """Tile sizes and launch shape for one pass: kind in {fwd, bwd_q, bwd_kv}."""
+    """Tile sizes and launch shape for one pass: kind in {fwd, bwd_q, bwd_kv, bwd_fused}."""
     if (kind, D, G, BS) in CONFIG_OVERRIDES:
         return dict(CONFIG_OVERRIDES[(kind, D, G, BS)])
     big = D > 128  # 256 needs half-size tiles to fit registers and shared memory
@@ -34,6 +45,10 @@ def pick_config(kind: str, D: int, G: int, BS: int) -> Config:
         if BS == 0:  # gathered rows: 4 warps won over 8
             cfg = dict(BM=min(G, 64 if big else 128), BN=64, num_warps=4 if not big else 8,
                        num_stages=2 if big else 3)
+        elif G == 32 and BS == 64 and not big:
+            # two 64-blocks per 128-wide step: 22.6 vs 26.2 ms at 64K, 1.53 vs 1.73 at 16K
+            # (at G=128 it measured 8.37 vs 8.60, within noise; at G=64 slower, 15.1 vs 12.8)
+            cfg = dict(BM=32, BN=128, num_warps=8, num_stages=3)
         else:
             cfg = dict(BM=min(G, 64 if big else 128), BN=64 if big else BS, num_warps=8,
                        num_stages=2 if big else 3)
@@ -47,7 +62,12 @@ def pick_config(kind: str, D: int, G: int, BS: int) -> Config:
         cfg = dict(BM=min(G, 32 if big else 64), BN=64, num_warps=4 if not big else 8,
                    num_stages=1 if big else 2)
     elif kind == "bwd_fused":  # the dk/dv kernel's tiles; DQ: 1 = pointer atomics, 2 = TMA reduce-add
-        cfg = dict(BM=min(G, 32 if big else 64), BN=64, num_warps=4 if not big else 8,
+        if D == 128 and (G, BS) in FUSED_FASTER:
+            return dict(FUSED_FASTER[(G, BS)])
+        # 128-row key tiles halve the dq atomics per FLOP (25.2 vs 42.3 ms at G=128, 64K);
+        # TMA reduce-add measured no better than pointer atomics (26.2 vs 25.2)
+        bn = 128 if BS >= 128 and not big else 64
+        cfg = dict(BM=min(G, 32 if big else 64), BN=bn, num_warps=8 if (big or bn == 128) else 4,
                    num_stages=1 if big else 2, DQ=1)
     else:
         raise ValueError(f"unknown pass {kind!r}")
@@ -69,7 +89,7 @@ def bwd_mode(G: int, BS: int, D: int) -> str:
         return "split"
     if name != "auto":
         return name
-    return "split"
+    return "fused" if D == 128 and (G, BS) in FUSED_FASTER else "split"
 
 
 def _launch_opts(cfg: Config) -> Dict[str, int]:
@@ -127,6 +147,8 @@ def sparse_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scal
     atomic_kv = (BS == 0) if atomic_kv is None else atomic_kv
     mode = mode or bwd_mode(G, BS, D)
     if mode == "fused" and not atomic_kv:
+        if cfg_kv is not None and cfg_kv["BN"] > BS:
+            raise ValueError(f"fused backward: key tile BN={cfg_kv['BN']} must not exceed block_size={BS}")
         return _sparse_bwd_fused(do.contiguous(), q, k, v, o, lse, kv_indices, kv_counts, G, BS, scale, cfg_kv)
     hkv = k.shape[1]
     NG = kv_indices.shape[2]

@@ -46,8 +46,9 @@ def choose_backend(q: torch.Tensor, kv_indices: torch.Tensor, group_size: int, b
         raise ValueError(f"DSV_SPARSE_ATTN_BACKEND must be one of {BACKENDS}; got {name!r}")
     if name != "auto":
         if name == "flex" and not flex_supported(q.shape[2], group_size, block_size):
-            raise ValueError("DSV_SPARSE_ATTN_BACKEND=flex needs block-level lists (block_size 64/128) "
-                             f"and group_size 64/128; got group_size={group_size}, block_size={block_size}")
+            raise ValueError("DSV_SPARSE_ATTN_BACKEND=flex needs block-level lists with group_size 128 and "
+                             f"block_size 128 (the only shape flex lowers); got group_size={group_size}, "
+                             f"block_size={block_size}")
         return name
     if q.is_cuda:
         if flex_supported(q.shape[2], group_size, block_size) and flex_is_faster(q, kv_indices, group_size,
