@@ -138,6 +138,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_indic
     Backend: ``DSV_SPARSE_ATTN_BACKEND`` in {auto, triton, flex, naive}; auto is
     Triton on CUDA (FlexAttention for block-level shapes where it measured
     faster) and the fp32 reference on CPU unless ``TRITON_INTERPRET=1``.
+    Block-level backward: ``DSV_SPARSE_BWD`` in {auto, split, fused} (see
+    ``launch.bwd_mode``; auto takes the fused 5-matmul kernel only where it measured faster).
     """
     check_shapes(q, k, v, kv_indices, kv_counts, group_size, block_size)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
