@@ -28,11 +28,25 @@ def _flag(name: str) -> bool:
     return os.environ.get(name, "0").lower() in ("1", "true", "yes", "on")
 
 
+def _has_toolkit(root: Path) -> bool:
+    return (root / "bin" / "nvcc").exists() and any(next((root / d).glob("libcudart.so*"), None) for d in ("lib64", "lib"))
+
+
 def _cuda_home():
+    """CUDA_HOME, else the toolkit around `which nvcc`, else /usr/local/cuda.
+
+    `which nvcc` can be a wrapper script (e.g. /usr/local/bin/nvcc) whose parent
+    holds no libcudart: such a guess is skipped.
+    """
     if os.environ.get("CUDA_HOME"):
         return Path(os.environ["CUDA_HOME"])
     nvcc = shutil.which("nvcc")
-    return Path(nvcc).resolve().parent.parent if nvcc else None
+    candidates = [Path(nvcc).resolve().parent.parent] if nvcc else []
+    candidates.append(Path("/usr/local/cuda"))
+    for root in candidates:
+        if _has_toolkit(root):
+            return root
+    return None
 
 
 class NvccBuildExt(build_ext):
