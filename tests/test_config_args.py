@@ -18,7 +18,7 @@ def test_defaults_match_design():
     assert (c.predictor_rank, c.theta, c.sparsity_momentum, c.sparsity_threshold) == (16, 0.9, 0.9, 0.8)
     assert (c.predictor_loss_cos_weight, c.predictor_loss_mse_weight) == (0.9, 0.1)
     assert (c.profile_interval, c.profile_interval_after_warmup, c.predictor_query_stride) == (25, 100, 64)
-    assert c.stage_switch_loss == 0.01 and c.group_size == 32 and c.block_size == 64
+    assert c.stage_switch_loss == 0.01 and c.group_size == 128 and c.block_size == 128
 
 
 def test_flags_off_gives_no_config():
@@ -36,13 +36,13 @@ def test_every_field_has_a_flag_and_help():
 def test_args_round_trip():
     argv = ["--use-dsv-attention", "--dsv-predictor-rank", "32", "--dsv-predictor-input", "hidden",
             "--dsv-theta", "0.95", "--dsv-query-group-shape", "4", "4", "4", "--dsv-granularity", "token",
-            "--dsv-kv-block-size", "128", "--dsv-stage-switch-rule", "steps", "--dsv-stage-switch-steps", "500",
+            "--dsv-kv-block-size", "64", "--dsv-stage-switch-rule", "steps", "--dsv-stage-switch-steps", "500",
             "--dsv-k-min", "128", "--dsv-cp-mode", "head", "--dsv-speedup-table", "x.json",
             "--dsv-kernel-backend", "flex", "--dsv-topk-backend", "naive", "--dsv-block-score", "lse"]
     c = dsv_config_from_args(_parse(argv))
     assert c.predictor_rank == 32 and c.predictor_input == "hidden" and c.theta == 0.95
     assert c.query_group_shape == (4, 4, 4) and c.group_size == 64
-    assert c.granularity == "token" and c.block_size == 0 and c.kv_block_size == 128
+    assert c.granularity == "token" and c.block_size == 0 and c.kv_block_size == 64
     assert c.stage_switch_rule == "steps" and c.stage_switch_steps == 500 and c.k_min == 128
     assert (c.cp_mode, c.speedup_table, c.kernel_backend, c.topk_backend, c.block_score) == \
         ("head", "x.json", "flex", "naive", "lse")
