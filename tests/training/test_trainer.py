@@ -32,7 +32,11 @@ def test_resume_reproduces_the_uninterrupted_loss_sequence(tmp_path, dsv):
     assert second.start_iteration == 5 and second.iteration == 12 and second.consumed_samples == 48
     assert first.losses + second.losses == full.losses  # exact float equality
     if dsv:
-        assert first.dsv_stages + second.dsv_stages == full.dsv_stages
+        assert first.dsv_stages + second.dsv_stages == full.dsv_stages and full.dsv_stages[-1] == 2
+        from megatron_dsv.training.dsv_hooks import metrics
+
+        # DSV state (predictors, smoothed sparsity, counters, stage) resumed exactly
+        assert metrics(second.model) == metrics(full.model)
 
 
 def test_log_line_format(tmp_path, capsys):
