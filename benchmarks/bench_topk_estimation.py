@@ -1,6 +1,6 @@
 """Top-k estimation benchmark: CUDA kernel vs Triton vs materialise + torch.topk (the artifact path).
 
-H=16, r=16, G=32, 90% sparsity (K = 10% of S rounded up to 128: 6656 at 64K), bf16, B=1.
+H=16, r=16, G=32 (--group-size), 90% sparsity (K = 10% of S rounded up to 128: 6656 at 64K), bf16, B=1.
 Per S and backend: ms_select, peak extra memory (max_memory_allocated delta, output
 included) against the output lists' size, and the same-run cuDNN dense fwd/bwd of the
 layer (H=16, D=128). Also block-level (block 64) selection. Writes
@@ -25,7 +25,7 @@ from megatron_dsv.ops.topk_estimation.cuda_impl import cuda_extension, estimate_
 from megatron_dsv.ops.topk_estimation.naive import group_proxies  # noqa: E402
 from megatron_dsv.ops.topk_estimation.triton_impl import estimate_topk_triton  # noqa: E402
 
-H, R, G, D, SPARSITY = 16, 16, 32, 128, 0.9
+H, R, D, SPARSITY = 16, 16, 128, 0.9
 
 
 def artifact_topk(q_lr, k_lr, K, G):
@@ -48,12 +48,14 @@ def measure(fn, rep=100):
     return ms, peak
 
 
-def run(sizes, triton_max_s, out_dir):
+def run(sizes, triton_max_s, out_dir, G=32, block=64, backends=("cuda", "triton", "torch_topk")):
+    """One row per (S, backend, granularity); G query-group size, ``block`` KV block size."""
+    bench = "topk_estimation" if (G, block) == (32, 64) else f"topk_estimation-g{G}-b{block}"
     rows = []
     meta = collect_meta()
     for S in sizes:
         K = int(math.ceil((1 - SPARSITY) * S / 128) * 128)
-        Kb = int(math.ceil((1 - SPARSITY) * S / 64))
+        Kb = int(math.ceil((1 - SPARSITY) * S / block))
         NG = -(-S // G)
         q = torch.randn(1, H, S, R, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(1, H, S, R, device="cuda", dtype=torch.bfloat16)
@@ -62,14 +64,14 @@ def run(sizes, triton_max_s, out_dir):
         base = dict(S=S, H=H, B=1, D=D, r=R, G=G, sparsity=SPARSITY, dtype="bf16", **dense)
         dense_total = dense["ms_dense_fwd"] + dense["ms_dense_bwd"]
         cases = [("cuda", "token", K, lambda: estimate_topk_cuda(q, k, K, G)),
-                 ("cuda", "block", Kb, lambda: estimate_topk_cuda(q, k, Kb, G, 64)),
+                 ("cuda", "block", Kb, lambda: estimate_topk_cuda(q, k, Kb, G, block)),
                  ("triton", "token", K, lambda: estimate_topk_triton(q, k, K, G)),
-                 ("triton", "block", Kb, lambda: estimate_topk_triton(q, k, Kb, G, 64)),
+                 ("triton", "block", Kb, lambda: estimate_topk_triton(q, k, Kb, G, block)),
                  ("torch_topk", "token", K, lambda: artifact_topk(q, k, K, G))]
         for backend, gran, kk, fn in cases:
-            if backend == "cuda" and cuda_extension() is None:
+            if backend not in backends or (backend == "cuda" and cuda_extension() is None):
                 continue
-            row = dict(base, backend=backend, granularity=gran, block_size=64 if gran == "block" else 0, K=kk,
+            row = dict(base, backend=backend, granularity=gran, block_size=block if gran == "block" else 0, K=kk,
                        out_bytes=NG * H * kk * 4)
             if backend == "triton" and S > triton_max_s:
                 row["skipped"] = f"S > {triton_max_s} (too slow for the lease)"
@@ -87,8 +89,8 @@ def run(sizes, triton_max_s, out_dir):
             print(_fmt(row), flush=True)
         del q, k
         torch.cuda.empty_cache()
-        write_results("topk_estimation", rows, out_dir, meta)  # partial results survive a timeout
-    path = write_results("topk_estimation", rows, out_dir, meta)
+        write_results(bench, rows, out_dir, meta)  # partial results survive a timeout
+    path = write_results(bench, rows, out_dir, meta)
     print(f"\nwrote {path}")
     print(f"{'S':>7} {'gran':>5} {'backend':>10} {'K':>6} {'ms_select':>10} {'peak/out':>8} {'%dense':>7}")
     for r in rows:
@@ -109,12 +111,15 @@ def main():
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     ap.add_argument("--sizes", default=None, help="comma-separated sequence lengths")
     ap.add_argument("--triton-max-s", type=int, default=65536, help="skip Triton above this S")
+    ap.add_argument("--group-size", type=int, default=32, help="query group size G (results file tagged when not 32)")
+    ap.add_argument("--block-size", type=int, default=64, help="KV block size of the block-level rows")
+    ap.add_argument("--backends", default="cuda,triton,torch_topk", help="comma-separated subset to run")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else (
         [16384, 65536] if args.quick else [16384, 32768, 65536, 131072])
-    run(sizes, args.triton_max_s, args.out)
+    run(sizes, args.triton_max_s, args.out, args.group_size, args.block_size, tuple(args.backends.split(",")))
 
 
 if __name__ == "__main__":
