@@ -12,7 +12,13 @@ from typing import List, Optional
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    import warnings
+
     from megatron_dsv.training.arguments import parse_args
+
+    # Transformer Engine and Apex are optional: the banner names the layers in use instead of one
+    # megatron-core warning per module that falls back.
+    warnings.filterwarnings("ignore", message=r".*not installed\. Falling back.*")
 
     args = parse_args(argv)
     import torch.distributed as dist

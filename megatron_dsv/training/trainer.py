@@ -236,8 +236,11 @@ def _tokens_per_sample(cfg) -> int:
 
 
 def _print_banner(args, env, cfg, model, sampler):
+    from megatron_dsv.models.specs import have_transformer_engine
+
     n_params = sum(p.numel() for p in model.parameters())
-    print_rank0(f" > megatron_dsv trainer: preset {args.preset}, {n_params / 1e6:.2f}M parameters, "
+    layers = "transformer-engine" if have_transformer_engine() else "megatron-core local (no transformer-engine)"
+    print_rank0(f" > megatron_dsv trainer: preset {args.preset}, {n_params / 1e6:.2f}M parameters, {layers} layers, "
                 f"device {env.device}, {args.precision}, world {env.world_size} (dp {env.dp_size}, tp {env.tp_size}, "
                 f"cp {env.cp_size}), DSV {'on' if args.use_dsv_attention else 'off'}")
     print_rank0(f" > latents {tuple(latent_shape(cfg))}, {_tokens_per_sample(cfg)} tokens/video, global batch "
