@@ -9,19 +9,19 @@ PRESET=${PRESET:-tiny}
 
 python -m megatron_dsv.train \
     --preset "$PRESET" \
-    --use-dsv-attention --dsv-stage-switch-steps 100 \
-    --micro-batch-size 4 --global-batch-size 4 \
-    --train-iters 200 --lr 1e-3 --min-lr 1e-5 --lr-warmup-iters 20 --lr-decay-style cosine --clip-grad 1.0 \
+    --use-dsv-attention --dsv-stage-switch-steps 150 \
+    --micro-batch-size 8 --global-batch-size 8 \
+    --train-iters 300 --lr 1e-3 --min-lr 1e-5 --lr-warmup-iters 20 --lr-decay-style cosine --clip-grad 1.0 \
     --log-interval 10 --tensorboard-dir "$OUT/tensorboard" \
-    --output-dir "$OUT" --save "$OUT/checkpoints" --save-interval 100 \
+    --output-dir "$OUT" --save "$OUT/checkpoints" --save-interval 150 \
     "$@"
 # Resume: add  --load "$OUT/checkpoints"  (continues with the next batch, same loss sequence).
 
 # Megatron-LM entry point instead (from a Megatron-LM core_v0.16.1 checkout, GPU only):
 # cd "$MEGATRON_LM" && torchrun --nproc-per-node 1 "$MEGATRON_DSV/examples/video_dit/pretrain_video_dit.py" \
-#     --use-dsv-attention --dsv-stage-switch-steps 100 --preset tiny \
+#     --use-dsv-attention --dsv-stage-switch-steps 150 --preset tiny \
 #     --num-layers 4 --hidden-size 128 --num-attention-heads 4 --kv-channels 32 \
 #     --seq-length 512 --max-position-embeddings 512 --tokenizer-type NullTokenizer --vocab-size 1 \
-#     --micro-batch-size 4 --global-batch-size 4 --train-iters 200 --lr 1e-3 --min-lr 1e-5 \
+#     --micro-batch-size 8 --global-batch-size 8 --train-iters 300 --lr 1e-3 --min-lr 1e-5 \
 #     --lr-warmup-iters 20 --lr-decay-style cosine --clip-grad 1.0 --bf16 --mock-data \
-#     --log-interval 10 --save "$OUT/mlm_checkpoints" --save-interval 100
+#     --log-interval 10 --save "$OUT/mlm_checkpoints" --save-interval 150

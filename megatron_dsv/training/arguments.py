@@ -17,7 +17,7 @@ __all__ = ["build_parser", "parse_args", "add_video_dit_args", "add_video_dit_mo
            "model_overrides_from_args"]
 
 # The embedded default switches to stage 2 at this step so a short run shows both stages.
-DEFAULT_STAGE_SWITCH_STEPS = 100
+DEFAULT_STAGE_SWITCH_STEPS = 150
 
 
 def _positive_int(text: str) -> int:
@@ -72,10 +72,11 @@ def _add_model_shape_args(parser):
 
 def _add_training_args(parser):
     g = parser.add_argument_group(title="training")
-    g.add_argument("--micro-batch-size", type=_positive_int, default=4)
+    g.add_argument("--micro-batch-size", type=_positive_int, default=8,
+                   help="Videos per forward pass per rank (default 8: the tiny preset; lower it for big presets).")
     g.add_argument("--global-batch-size", type=_positive_int, default=None,
                    help="Samples per optimizer step over all DP ranks (default: micro batch x DP).")
-    g.add_argument("--train-iters", type=_positive_int, default=200)
+    g.add_argument("--train-iters", type=_positive_int, default=300)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--min-lr", type=float, default=1e-5)

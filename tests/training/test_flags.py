@@ -44,6 +44,6 @@ def test_bad_values_exit_with_a_clear_message(tmp_path, flags, message, capsys):
 
 def test_defaults_are_the_embedded_demo():
     args = parse_args([])
-    assert args.preset == "tiny" and args.use_dsv_attention and args.dsv_stage_switch_steps == 100
-    assert args.train_iters == 200 and args.save.endswith("outputs/default/checkpoints") and args.sample
+    assert args.preset == "tiny" and args.use_dsv_attention and args.dsv_stage_switch_steps == 150
+    assert args.train_iters == 300 and args.save.endswith("outputs/default/checkpoints") and args.sample
     assert not parse_args(["--no-dsv"]).use_dsv_attention
