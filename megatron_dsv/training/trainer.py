@@ -73,6 +73,10 @@ def build_model(args, env: DistEnv):
     """VideoDiT from --preset and overrides, DSV attention when on; returns (model, cfg, dsv_config)."""
     from megatron_dsv.models.video_dit import VideoDiTConfig, build_video_dit
 
+    if args.recompute_granularity is not None and env.device.type != "cuda":
+        # megatron.core.tensor_parallel.checkpoint saves and restores CUDA RNG states unconditionally.
+        raise ValueError(f"--recompute-granularity {args.recompute_granularity} needs a GPU (megatron-core's "
+                         "activation checkpointing is CUDA-only); leave it unset on CPU")
     cfg = VideoDiTConfig.from_preset(args.preset, **model_overrides_from_args(args))
     dsv_config = dsv_config_from_args(args)
     dtype = _precision(args, env)

@@ -35,6 +35,7 @@ def test_bad_flag_names_the_flag(flags, named, capsys):
     (["--dsv-theta", "1.5"], "DSVConfig.theta"),
     pytest.param(["--bf16"], "--bf16 needs a GPU", marks=CPU_ONLY),
     pytest.param(["--tensor-model-parallel-size", "2"], "needs GPUs", marks=CPU_ONLY),
+    pytest.param(["--recompute-granularity", "full"], "--recompute-granularity full needs a GPU", marks=CPU_ONLY),
 ])
 def test_bad_values_exit_with_a_clear_message(tmp_path, flags, message, capsys):
     code = main(["--train-iters", "2", "--no-save", "--no-sample", "--output-dir", str(tmp_path), *flags])
