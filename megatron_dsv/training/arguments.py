@@ -125,6 +125,8 @@ def _add_logging_checkpoint_args(parser):
     g.add_argument("--load", default=None, help="Resume from this checkpoint folder (latest iteration).")
     g.add_argument("--no-load-optim", action="store_true", help="Load model weights only, not the optimizer.")
     g.add_argument("--no-load-rng", action="store_true", help="Do not restore RNG states.")
+    g.add_argument("--override-opt-param-scheduler", action="store_true",
+                   help="On --load, take the LR schedule from these flags, not the checkpoint (e.g. longer runs).")
     g.add_argument("--exit-interval", type=_positive_int, default=None,
                    help="Stop (after saving) once the iteration count is a multiple of this.")
     g.add_argument("--no-sample", dest="sample", action="store_false", help="Skip the sample GIF at the end.")

@@ -197,4 +197,4 @@ def build_scheduler(optimizer, args):
         optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters,
         lr_decay_steps=args.lr_decay_iters, lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=args.train_iters,
-        wd_incr_style="constant")
+        wd_incr_style="constant", override_opt_param_scheduler=getattr(args, "override_opt_param_scheduler", False))
