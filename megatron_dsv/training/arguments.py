@@ -123,6 +123,8 @@ def _add_logging_checkpoint_args(parser):
     g.add_argument("--save-interval", type=_positive_int, default=None,
                    help="Save every N iterations (the last iteration is always saved).")
     g.add_argument("--load", default=None, help="Resume from this checkpoint folder (latest iteration).")
+    g.add_argument("--no-checkpoint-checksums", action="store_true",
+                   help="Record file sizes only, not sha256, in checkpoints (large models: hashing is slow).")
     g.add_argument("--no-load-optim", action="store_true", help="Load model weights only, not the optimizer.")
     g.add_argument("--no-load-rng", action="store_true", help="Do not restore RNG states.")
     g.add_argument("--override-opt-param-scheduler", action="store_true",

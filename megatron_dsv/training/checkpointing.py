@@ -111,14 +111,16 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def _manifest(directory: str) -> dict:
+def _manifest(directory: str, checksums: bool = True) -> dict:
     files = {}
     for base, _, names in os.walk(directory):
         for name in sorted(names):
             path = os.path.join(base, name)
             rel = os.path.relpath(path, directory)
             if rel != STATE_FILE:
-                files[rel] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
+                files[rel] = {"size": os.path.getsize(path)}
+                if checksums:
+                    files[rel]["sha256"] = _sha256(path)
     return files
 
 
@@ -170,10 +172,12 @@ def _save_strategy():
     return HostSaveStrategy("torch_dist", 1)
 
 
-def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, train_state: dict) -> str:
+def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, train_state: dict,
+                    checksums: bool = True) -> str:
     """Write ``root/iter_<iteration>`` atomically and point the tracker at it; returns its path.
 
-    ``train_state`` holds JSON-able run metadata (consumed_samples, args, model_config, ...)."""
+    ``train_state`` holds JSON-able run metadata (consumed_samples, args, model_config, ...).
+    ``checksums=False`` records sizes only (hashing tens of GB on rank 0 costs a minute per save)."""
     from megatron.core import dist_checkpointing
 
     final, tmp = iteration_dir(root, iteration), os.path.join(root, f".tmp_iter_{iteration:07d}")
@@ -192,7 +196,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, trai
                    "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                    "scheduler": _jsonable(scheduler.state_dict()) if scheduler is not None else None,
                    "has_optimizer": optimizer is not None, **_jsonable(train_state)}
-        payload["files"] = _manifest(tmp)
+        payload["files"] = _manifest(tmp, checksums)
         _write_json_atomic(os.path.join(tmp, STATE_FILE), payload)
         if os.path.exists(final):
             old = final + ".old"
@@ -254,7 +258,7 @@ def verify_checkpoint(directory: str) -> dict:
         path = os.path.join(directory, rel)
         if not os.path.isfile(path):
             raise CheckpointError(f"checkpoint file missing: {path} (listed in {STATE_FILE})")
-        if os.path.getsize(path) != meta["size"] or _sha256(path) != meta["sha256"]:
+        if os.path.getsize(path) != meta["size"] or ("sha256" in meta and _sha256(path) != meta["sha256"]):
             raise CheckpointError(f"checkpoint file corrupt: {path} (size or sha256 differs from {STATE_FILE})")
     common = os.path.join(directory, "common.pt")
     if os.path.isfile(common):

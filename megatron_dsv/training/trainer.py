@@ -174,7 +174,8 @@ def train(args) -> TrainResult:
     if result.checkpoint is None and args.save and result.iteration > result.start_iteration:
         result.checkpoint = save_checkpoint(args.save, result.iteration, ddp_model, optimizer, scheduler,
                                             _train_state(args, cfg, dsv_config, result.iteration,
-                                                         result.consumed_samples))
+                                                         result.consumed_samples),
+                                            checksums=not args.no_checkpoint_checksums)
     result.model = unwrap(ddp_model)
     if args.sample and is_rank0():
         from megatron_dsv.training.samples import write_samples
@@ -219,7 +220,8 @@ def _loop(args, env, cfg, dsv_config, ddp_model, optimizer, scheduler, sampler, 
         if _should_save(args, result.iteration):
             result.checkpoint = save_checkpoint(args.save, result.iteration, ddp_model, optimizer, scheduler,
                                                 _train_state(args, cfg, dsv_config, result.iteration,
-                                                             result.consumed_samples))
+                                                             result.consumed_samples),
+                                                checksums=not args.no_checkpoint_checksums)
             print_rank0(f" > saved checkpoint at iteration {result.iteration} to {result.checkpoint}")
         if args.exit_interval and result.iteration % args.exit_interval == 0:
             print_rank0(f" > exiting at iteration {result.iteration} (--exit-interval {args.exit_interval})")

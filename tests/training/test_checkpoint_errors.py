@@ -100,3 +100,11 @@ def test_stale_temp_folder_of_a_crashed_save_is_ignored_then_replaced(tmp_path, 
     assert result.start_iteration == 2 and result.iteration == 3
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
     assert not stale.exists() and (ckpt / "iter_0000003" / "train_state.json").exists()
+
+
+def test_size_only_manifest_still_catches_truncation(tmp_path):
+    root = tmp_path / "fast"
+    run(tmp_path, "--train-iters", "2", "--save", str(root), "--no-dsv", "--no-checkpoint-checksums", name="fast")
+    path = root / "iter_0000002" / "__0_0.distcp"
+    path.write_bytes(path.read_bytes()[:-10])
+    _expect_error(tmp_path, root, r"corrupt: .*__0_0\.distcp")
