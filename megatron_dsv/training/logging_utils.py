@@ -27,8 +27,11 @@ def format_iteration_line(iteration: int, train_iters: int, stats: Dict[str, flo
              f"grad norm: {stats['grad_norm']:.3f}"]
     if stats.get("skipped_iters", 0):
         parts.append(f"number of skipped iterations: {int(stats['skipped_iters'])}")
-    parts.append(f"dsv stage: {int(stats.get('dsv_stage', 1))}")
-    parts.append(f"dsv sparsity: {stats.get('dsv_sparsity', 0.0):.2f}")
+    if stats.get("dsv_stage") is None:
+        parts.append("dsv: off")
+    else:
+        parts.append(f"dsv stage: {int(stats['dsv_stage'])}")
+        parts.append(f"dsv sparsity: {stats.get('dsv_sparsity', 0.0):.2f}")
     return " | ".join(parts) + " |"
 
 

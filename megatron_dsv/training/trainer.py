@@ -131,7 +131,7 @@ def _log(iteration, args, window, bare_model, tokens_per_sample, consumed, lr, t
              "grad_norm": sum(window["grad_norm"]) / n, "skipped_iters": window["skipped"],
              "tokens_per_s": args.global_batch_size * tokens_per_sample / max(ms / 1000.0, 1e-9)}
     values = dsv_hooks.metrics(bare_model) if dsv_on else {}
-    stats["dsv_stage"] = values.get("dsv/stage", dsv_hooks.stage(bare_model) if dsv_on else 1)
+    stats["dsv_stage"] = values.get("dsv/stage", dsv_hooks.stage(bare_model)) if dsv_on else None
     stats["dsv_sparsity"] = values.get("dsv/sparsity_mean", 0.0)
     print_rank0(format_iteration_line(iteration, args.train_iters, stats))
     for line in format_layer_lines(values):

@@ -47,6 +47,9 @@ def test_log_line_format(tmp_path, capsys):
                r"loss: \d\.\d{6}E[-+]\d\d \| grad norm: [\d.]+ \| dsv stage: 1 \| dsv sparsity: [\d.]+ \|$")
     assert any(re.match(pattern, line) for line in out.splitlines()), out
     assert re.search(r"^ dsv layers \| L\d+: [\d.]+ (sparse|dense) \|", out, re.M), out
+    run(tmp_path, "--train-iters", "1", "--no-save", "--no-dsv", name="dense")
+    dense = capsys.readouterr().out
+    assert re.search(r"grad norm: [\d.]+ \| dsv: off \|$", dense, re.M) and "dsv layers" not in dense
 
 
 def test_load_model_for_inference_matches_the_trained_weights(tmp_path):
