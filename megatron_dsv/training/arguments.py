@@ -60,6 +60,8 @@ def add_video_dit_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument("--data-path", default=None,
                    help="Folder of latent shards (.safetensors/.npy); default: synthetic videos.")
     g.add_argument("--data-seed", type=int, default=None, help="Seed of the synthetic videos (default: --seed).")
+    g.add_argument("--num-workers", type=_non_negative_int, default=0,
+                   help="DataLoader worker processes that prepare the next batches (0: in the training process).")
     return parser
 
 

@@ -14,7 +14,7 @@ from typing import Dict, Iterator, List
 
 import torch
 
-__all__ = ["GlobalBatchSampler", "collate", "build_dataset"]
+__all__ = ["GlobalBatchSampler", "collate", "build_dataset", "step_batches"]
 
 
 class GlobalBatchSampler:
@@ -77,6 +77,34 @@ def collate(items: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
         if key in items[0]:
             out[key] = torch.stack([it[key] for it in items])
     return out
+
+
+class _MicroBatchStream:
+    """torch ``batch_sampler``: this rank's micro batches, step after step, from ``consumed`` on."""
+
+    def __init__(self, sampler: GlobalBatchSampler, consumed: int):
+        self.sampler, self.consumed = sampler, consumed
+
+    def __iter__(self):
+        consumed = self.consumed
+        while True:
+            yield from self.sampler.local_micro_batches(consumed)
+            consumed += self.sampler.gbs
+
+
+def step_batches(dataset, sampler: GlobalBatchSampler, consumed: int, num_workers: int = 0):
+    """Iterator over optimizer steps: each item is the list of this rank's collated micro batches.
+
+    With ``num_workers > 0`` a DataLoader renders/reads the next batches in worker processes while
+    the model trains; the order (and so the loss sequence) is the same as with 0 workers."""
+    if num_workers > 0:
+        loader = torch.utils.data.DataLoader(dataset, batch_sampler=_MicroBatchStream(sampler, consumed),
+                                             collate_fn=collate, num_workers=num_workers, prefetch_factor=2)
+        stream = iter(loader)
+    else:
+        stream = (collate([dataset[i] for i in mb]) for mb in _MicroBatchStream(sampler, consumed))
+    while True:
+        yield [next(stream) for _ in range(sampler.num_micro_batches)]
 
 
 def build_dataset(args, model_cfg):

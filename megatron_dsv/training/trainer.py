@@ -22,7 +22,7 @@ from megatron_dsv.arguments import dsv_config_from_args
 from megatron_dsv.training import dsv_hooks
 from megatron_dsv.training.arguments import model_overrides_from_args
 from megatron_dsv.training.checkpointing import TRACKER_FILE, has_checkpoint, load_checkpoint, save_checkpoint
-from megatron_dsv.training.data import GlobalBatchSampler, build_dataset, collate, latent_shape
+from megatron_dsv.training.data import GlobalBatchSampler, build_dataset, latent_shape, step_batches
 from megatron_dsv.training.distributed import DistEnv, initialize_distributed, is_rank0
 from megatron_dsv.training.logging_utils import TensorBoardWriter, format_iteration_line, format_layer_lines
 from megatron_dsv.training.optim import build_optimizer, build_scheduler, unwrap, wrap_model
@@ -89,7 +89,7 @@ def _noise_generator(seed: int, position: int, device: torch.device) -> torch.Ge
     return torch.Generator(device=device).manual_seed(seed * 1_000_003 + 7919 * position + 17)
 
 
-def train_step(loss_model, ddp_model, optimizer, sampler, dataset, consumed: int, args, env: DistEnv):
+def train_step(loss_model, ddp_model, optimizer, micro_batches, consumed: int, args, env: DistEnv):
     """Forward/backward over this rank's micro batches, DP grad sync, optimizer step.
 
     Returns (global mean loss, grad norm, update successful)."""
@@ -97,17 +97,13 @@ def train_step(loss_model, ddp_model, optimizer, sampler, dataset, consumed: int
 
     ddp_model.zero_grad_buffer()
     optimizer.zero_grad()
-    micro_batches = sampler.local_micro_batches(consumed)
-    rank_start = consumed + env.dp_rank * (sampler.gbs // env.dp_size)
+    rank_start = consumed + env.dp_rank * (args.global_batch_size // env.dp_size)
     total = torch.zeros((), dtype=torch.float32, device=env.device)
-    for k, indices in enumerate(micro_batches):
-        batch = collate([dataset[i] for i in indices])
-        latents = batch["latents"].to(env.device, non_blocking=True)
-        labels = batch["label"].to(env.device, non_blocking=True)
-        text = batch["text"].to(env.device) if "text" in batch else None
-        text_mask = batch["text_mask"].to(env.device) if "text_mask" in batch else None
+    for k, batch in enumerate(micro_batches):
+        batch = {key: value.to(env.device, non_blocking=True) for key, value in batch.items()}
         gen = _noise_generator(args.seed, rank_start + k * args.micro_batch_size, env.device)
-        loss = flow_matching_loss(loss_model, latents, labels, generator=gen, text=text, text_mask=text_mask)
+        loss = flow_matching_loss(loss_model, batch["latents"], batch["label"], generator=gen,
+                                  text=batch.get("text"), text_mask=batch.get("text_mask"))
         (loss / len(micro_batches)).backward()
         total += loss.detach().float()
     ddp_model.finish_grad_sync()
@@ -170,7 +166,8 @@ def train(args) -> TrainResult:
     sampler = GlobalBatchSampler(len(dataset), args.micro_batch_size, args.global_batch_size, env.dp_rank,
                                  env.dp_size, args.seed, consumed_samples=result.consumed_samples)
     _print_banner(args, env, cfg, model, sampler)
-    _loop(args, env, cfg, dsv_config, ddp_model, optimizer, scheduler, sampler, dataset, result)
+    batches = step_batches(dataset, sampler, result.consumed_samples, args.num_workers)
+    _loop(args, env, cfg, dsv_config, ddp_model, optimizer, scheduler, batches, result)
     if result.checkpoint is None and args.save and result.iteration > result.start_iteration:
         result.checkpoint = save_checkpoint(args.save, result.iteration, ddp_model, optimizer, scheduler,
                                             _train_state(args, cfg, dsv_config, result.iteration,
@@ -184,7 +181,7 @@ def train(args) -> TrainResult:
     return result
 
 
-def _loop(args, env, cfg, dsv_config, ddp_model, optimizer, scheduler, sampler, dataset, result):
+def _loop(args, env, cfg, dsv_config, ddp_model, optimizer, scheduler, batches, result):
     bare = unwrap(ddp_model)
     loss_model = ddp_model.module  # Float16Module on GPU bf16 (casts inputs), else the bare model
     tokens_per_sample = _tokens_per_sample(cfg)
@@ -193,7 +190,7 @@ def _loop(args, env, cfg, dsv_config, ddp_model, optimizer, scheduler, sampler, 
     ddp_model.train()
     while result.iteration < args.train_iters:
         start = time.perf_counter()
-        loss, grad_norm, ok = train_step(loss_model, ddp_model, optimizer, sampler, dataset,
+        loss, grad_norm, ok = train_step(loss_model, ddp_model, optimizer, next(batches),
                                          result.consumed_samples, args, env)
         if ok:
             scheduler.step(increment=1)

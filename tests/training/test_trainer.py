@@ -81,3 +81,9 @@ def test_trains_on_latent_shards(tmp_path):
                     torch.stack([it["label"] for it in items]))
     result = run(tmp_path, "--train-iters", "4", "--no-save", "--data-path", str(shards))
     assert result.consumed_samples == 16 and len(result.losses) == 4  # 12 samples: wraps into epoch 2
+
+
+def test_dataloader_workers_keep_the_batch_order(tmp_path):
+    inline = run(tmp_path, "--train-iters", "3", "--no-save", "--no-dsv", name="inline")
+    workers = run(tmp_path, "--train-iters", "3", "--no-save", "--no-dsv", "--num-workers", "1", name="workers")
+    assert workers.losses == inline.losses
