@@ -34,6 +34,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     finally:
         if owns_group and dist.is_initialized():
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()  # its groups die with the default group
             dist.destroy_process_group()
     return 0
 

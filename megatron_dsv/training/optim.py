@@ -28,7 +28,7 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class LocalDataParallel(torch.nn.Module):
-    """CPU stand-in for Megatron-Core DDP: same ``module`` / ``zero_grad_buffer`` / ``finish_grad_sync``."""
+    """CPU counterpart of Megatron-Core DDP: same ``module`` / ``zero_grad_buffer`` / ``finish_grad_sync``."""
 
     def __init__(self, module: torch.nn.Module, dp_group):
         super().__init__()
