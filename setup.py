@@ -118,7 +118,7 @@ setup(
     packages=find_packages(include=["megatron_dsv", "megatron_dsv.*"]),
     python_requires=">=3.10",
     install_requires=[
-        "torch>=2.4",
+        "torch>=2.6",  # megatron-core 0.16.1 needs it; torch.load defaults to weights_only=True from 2.6
         "megatron-core>=0.16.1,<0.20",
         "triton; platform_system == 'Linux' and platform_machine == 'x86_64'",
         "pybind11>=2.10",
@@ -126,6 +126,7 @@ setup(
         "safetensors",
         "pillow",
         "packaging",
+        "psutil",  # megatron-core's asynchronous checkpoint writer
     ],
     extras_require={
         "test": ["pytest>=7", "pytest-timeout", "matplotlib", "tensorboard"],

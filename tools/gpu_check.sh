@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One GPU session: install megatron-core from carried wheels (if any), build the CUDA extension,
+# run the GPU tests, the embedded-default training job and the end-to-end benchmarks.
+# Usage: bash tools/gpu_check.sh OUT_DIR [stage ...]   stages: build tests train recall topk (default: all)
+# Each stage logs to OUT_DIR/<stage>.log and a failing stage does not stop the others.
+set -u
+out=${1:?usage: gpu_check.sh OUT_DIR [stage ...]}; shift
+stages=${*:-build tests train recall topk}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
+
+run() {  # run NAME TIMEOUT CMD...
+  local name=$1 limit=$2; shift 2
+  local t0=$(date +%s)
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  echo "== $name rc=$rc $(( $(date +%s) - t0 ))s"; tail -n 12 "$out/$name.log"
+}
+for s in $stages; do
+  case $s in
+    build) run build 300 env DSV_FORCE_CUDA_BUILD=1 python3 setup.py -q build_ext --inplace ;;
+    tests) run tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/attention tests/models \
+             tests/training tests/ops/test_topk_estimation.py -k "not slow" ;;
+    train) run train 240 python3 -m megatron_dsv.train --output-dir /tmp/dsv_default
+           cp /tmp/dsv_default/samples/*.gif "$out/" 2>/dev/null ;;
+    recall) run recall 420 python3 benchmarks/bench_recall.py --preset 0.8b --grid 8 64 64 --cube 4 4 8 \
+              --steps 160 --batch 1 --speedup-table benchmarks/results/sparse_attention-h200-20261130.json \
+              --out-dir "$out" ;;
+    topk) run topk 180 python3 benchmarks/bench_topk_estimation.py --group-size 128 --block-size 128 \
+            --backends cuda,torch_topk --out "$out" ;;
+    *) echo "unknown stage $s (build tests train recall topk)"; exit 2 ;;
+  esac
+done
