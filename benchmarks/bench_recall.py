@@ -117,13 +117,14 @@ def run(args, predictor_input: str):
     dsv = DSVConfig(predictor_input=predictor_input, stage_switch_rule="steps", stage_switch_steps=stage1,
                     profile_interval=args.profile_every, profile_warmup_steps=10**9,
                     predictor_query_stride=args.query_stride, predictor_lr=args.predictor_lr,
-                    query_group_shape=tuple(args.cube), granularity="block", kv_block_size=64,
+                    query_group_shape=tuple(args.cube), granularity=args.granularity, kv_block_size=args.kv_block,
                     speedup_table=args.speedup_table)
     torch.manual_seed(args.seed)
     model = build_video_dit(cfg, dsv_config=dsv, dtype=dtype).to(device)
     model.train()
     data = SyntheticVideoDataset(max(64, args.batch * 4), channels=cfg.in_channels, frames=args.grid[0],
-                                 height=args.grid[1], width=args.grid[2], num_classes=cfg.num_classes, seed=args.seed)
+                                 height=args.grid[1], width=args.grid[2], seed=args.seed,
+                                 num_classes=min(cfg.num_classes, 8))  # synthetic: 4 shapes x 2 motions
     data.batch = args.batch
     _train(model, data, args.steps, dtype, device)
     assert dsv_stage(model) == 2
@@ -158,6 +159,8 @@ def main(argv=None):
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--grid", type=int, nargs=3, default=[8, 16, 16], help="latent frames, height, width")
     ap.add_argument("--cube", type=int, nargs=3, default=[2, 4, 4], help="query-group cube (t, h, w)")
+    ap.add_argument("--granularity", choices=["block", "token"], default="block")
+    ap.add_argument("--kv-block", type=int, choices=[64, 128], default=64, help="KV block size (block granularity)")
     ap.add_argument("--steps", type=int, default=200, help="training steps (half in stage 1)")
     ap.add_argument("--timing-steps", type=int, default=10)
     ap.add_argument("--batch", type=int, default=2)

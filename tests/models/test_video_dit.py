@@ -22,7 +22,7 @@ def _randomise(model, seed=0, std=0.05):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "predictor" not in name:
-                p.add_(torch.randn(p.shape, generator=g) * std)
+                p.add_(torch.randn(p.shape, generator=g).to(p.device, p.dtype) * std)
 
 
 @pytest.mark.parametrize("use_dsv", [False, True], ids=["dense", "dsv"])
