@@ -8,7 +8,9 @@ queries, last profiled step), ``sparsity`` (smoothed, exact), whether the layer 
 sparse, ``k_mean``, ``predictor_loss``, ``predictor_flops_per_token`` and
 ``recall_per_mflop``, and ``predictor_overhead_pct``: this layer's predictor
 training time per step plus its profiler time amortised over
-``profile_interval_after_warmup`` steps, as a % of a stage-2 training step.
+``profile_interval_after_warmup`` steps, as a % of a stage-2 training step
+(``predictor_overhead_pct``, per layer) and summed over all layers
+(``predictor_overhead_pct_all_layers``: the figure the <= 3% target is about).
 
     PYTHONPATH=. python benchmarks/bench_recall.py --quick            # CPU check (~1 min)
     PYTHONPATH=. python benchmarks/bench_recall.py --preset 0.8b --grid 8 32 32 --steps 300   # H200
@@ -151,6 +153,10 @@ def run(args, predictor_input: str):
             predictor_flops_per_token=flops, recall_per_mflop=metrics[p + "recall"] / (flops / 1e6),
             ms_step=step_ms, ms_predictor=pred_ms, ms_profile_amortised=prof_ms,
             predictor_overhead_pct=100.0 * (pred_ms + prof_ms) / step_ms))
+    # The target is per training step: the sum over all layers, as a share of the step.
+    total_ms = sum(r["ms_predictor"] + r["ms_profile_amortised"] for r in rows)
+    for r in rows:
+        r["predictor_overhead_pct_all_layers"] = 100.0 * total_ms / step_ms
     return rows
 
 
@@ -165,7 +171,8 @@ def main(argv=None):
     ap.add_argument("--timing-steps", type=int, default=10)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--query-stride", type=int, default=16)
+    ap.add_argument("--query-stride", type=int, default=DSVConfig().predictor_query_stride,
+                    help="sample 1 query in this many (default: the library default)")
     ap.add_argument("--profile-every", type=int, default=5)
     ap.add_argument("--predictor-lr", type=float, default=3e-3)
     ap.add_argument("--predictor-input", choices=["qk", "hidden", "both"], default="both")
@@ -183,6 +190,10 @@ def main(argv=None):
         print(f"{r['predictor_input']:>6} layer {r['layer']:2d}  recall {r['recall']:.3f}  sparsity {r['sparsity']:.3f}  "
               f"sparse {int(r['sparse'])}  loss {r['predictor_loss']:.4f}  overhead {r['predictor_overhead_pct']:.2f}%  "
               f"recall/MFLOP {r['recall_per_mflop']:.4f}")
+    for name in inputs:
+        mine = [r for r in rows if r["predictor_input"] == name]
+        print(f"{name:>6} all layers: mean recall {sum(r['recall'] for r in mine) / len(mine):.3f}, predictor + "
+              f"profiler {mine[0]['predictor_overhead_pct_all_layers']:.1f}% of a {mine[0]['ms_step']:.1f} ms step")
     print("wrote", write_results("recall", rows, args.out_dir))
 
 
