@@ -143,7 +143,8 @@ class DSVCoreAttention(MegatronModule):
             self.register_buffer(name, t)
         # per-step accumulators: [loss sum, loss n, sparsity n, recall n, sparsity sum (H), recall sum (H)]
         self.register_buffer("pending", torch.zeros(4 + 2 * H, dtype=torch.float32), persistent=False)
-        self.register_buffer("last_k", torch.zeros(H, dtype=torch.float32), persistent=False)
+        # K used per head in the last forward: a host tensor (metrics only), so writing it never syncs
+        self.last_k = torch.zeros(H, dtype=torch.float32)
         self.last_sparse = False
         self._hidden = None  # set by DSVSelfAttention for predictor_input='hidden', only during its forward
         self._decisions = {}
@@ -225,8 +226,12 @@ class DSVCoreAttention(MegatronModule):
             return dense_attention(q, k, v, softmax_scale=self.softmax_scale)
         idx, counts = lists
         cfg = self.dsv_config
-        kernel = _ops.sparse_attention_naive if cfg.kernel_backend == "naive" else _ops.sparse_attention
-        return kernel(q, k, v, idx, counts, cfg.group_size, cfg.block_size, self.softmax_scale)
+        if cfg.kernel_backend == "naive":
+            return _ops.sparse_attention_naive(q, k, v, idx, counts, cfg.group_size, cfg.block_size,
+                                               self.softmax_scale)
+        # the lists come from our own estimator, valid by construction: skip the host-syncing value check
+        return _ops.sparse_attention(q, k, v, idx, counts, cfg.group_size, cfg.block_size, self.softmax_scale,
+                                     check_values=False)
 
     def decide(self, S: int):
         """``(sparse, budgets, tokens)`` for sequence length S (cached until the state changes)."""
@@ -247,7 +252,9 @@ class DSVCoreAttention(MegatronModule):
         cfg = self.dsv_config
         q_lr, k_lr = self.predictor.project(q, k, hidden, dtype=q.dtype)
         estimate = _ops.estimate_topk_naive if cfg.topk_backend == "naive" else _ops.estimate_topk
-        return estimate(q_lr, k_lr, budgets.to(q.device), cfg.group_size, cfg.block_size,
+        # budgets stay on the host: the estimator needs Kmax there, and a device copy read back
+        # would cost two stream syncs per layer
+        return estimate(q_lr, k_lr, budgets.cpu(), cfg.group_size, cfg.block_size,
                         proxy=cfg.group_proxy, block_score=cfg.block_score)
 
     @torch.no_grad()

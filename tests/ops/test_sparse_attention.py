@@ -331,3 +331,24 @@ def test_flex_dispatch_rule():
     assert case(65536, 10)                # 98%: flex
     assert not case(16384, 26, grad=False)  # inference: our forward is faster
     assert not case(16384, 26, G=64, BS=64)  # not measured: ours
+
+
+def test_check_values_false_skips_the_host_sync(monkeypatch):
+    """Callers with lists from our own estimator skip the value check (it syncs the host)."""
+    from megatron_dsv.ops.sparse_attention import op as op_mod
+
+    def boom(*args, **kwargs):
+        raise AssertionError("value check ran")
+
+    monkeypatch.setattr(op_mod, "check_values", boom)
+    monkeypatch.setattr(op_mod, "_check_values", boom)
+    monkeypatch.setenv("DSV_SPARSE_ATTN_BACKEND", "triton")
+    torch.manual_seed(0)
+    B, H, S, D, G = 1, 2, 40, 64, 16
+    q, k, v = (torch.randn(B, H, S, D) for _ in range(3))
+    idx = torch.arange(S, dtype=torch.int32).expand(B, H, -(-S // G), S).contiguous()
+    counts = torch.full((B, H), S, dtype=torch.int32)
+    out = sparse_attention(q, k, v, idx, counts, G, 0, check_values=False)
+    torch.testing.assert_close(out, sparse_attention_naive(q, k, v, idx, counts, G, 0), rtol=2e-3, atol=2e-3)
+    with pytest.raises(AssertionError, match="value check ran"):
+        sparse_attention(q, k, v, idx, counts, G, 0)

@@ -14,6 +14,7 @@ from typing import Optional, Tuple
 import torch
 
 from .checks import check_shapes, check_values
+from .checks import check_values as _check_values
 from .flex import flex_supported, sparse_attention_flex
 from .naive import sparse_attention_naive
 
@@ -62,16 +63,17 @@ def choose_backend(q: torch.Tensor, kv_indices: torch.Tensor, group_size: int, b
 @torch.library.custom_op("megatron_dsv::sparse_attn_fwd", mutates_args=())
 def sparse_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_indices: torch.Tensor,
                     kv_counts: torch.Tensor, group_size: int, block_size: int,
-                    softmax_scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+                    softmax_scale: float, validate: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
     from .launch import sparse_fwd
 
     # value checks live inside the op: they need real data, which torch.compile never traces
-    check_values(kv_indices, kv_counts, q.shape[2], block_size)
+    if validate:
+        check_values(kv_indices, kv_counts, q.shape[2], block_size)
     return sparse_fwd(q, k, v, kv_indices, kv_counts, group_size, block_size, softmax_scale)
 
 
 @sparse_attn_fwd.register_fake
-def _(q, k, v, kv_indices, kv_counts, group_size, block_size, softmax_scale):
+def _(q, k, v, kv_indices, kv_counts, group_size, block_size, softmax_scale, validate=True):
     B, H, S, _ = q.shape
     return torch.empty_like(q), q.new_empty(B, H, S, dtype=torch.float32)
 
@@ -92,7 +94,7 @@ def _(do, q, k, v, o, lse, kv_indices, kv_counts, group_size, block_size, softma
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, kv_indices, kv_counts, group_size, block_size, softmax_scale = inputs
+    q, k, v, kv_indices, kv_counts, group_size, block_size, softmax_scale, _validate = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, kv_indices, kv_counts)
     ctx.cfg = (group_size, block_size, softmax_scale)
@@ -101,7 +103,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, do, dlse):
     q, k, v, o, lse, kv_indices, kv_counts = ctx.saved_tensors
     dq, dk, dv = sparse_attn_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, *ctx.cfg)
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 sparse_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -109,7 +111,7 @@ sparse_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_indices: torch.Tensor,
                      kv_counts: torch.Tensor, group_size: int, block_size: int = 0,
-                     softmax_scale: Optional[float] = None) -> torch.Tensor:
+                     softmax_scale: Optional[float] = None, *, check_values: bool = True) -> torch.Tensor:
     """Non-causal attention where each query group attends only its listed keys.
 
     Args:
@@ -128,6 +130,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_indic
         group_size: G in {16, 32, 64, 128}.
         block_size: 0 (token-level lists) or 64 / 128 (block-level lists).
         softmax_scale: defaults to ``1 / sqrt(D)``.
+        check_values: verify counts and indices (one reduction and one host sync); callers
+            whose lists come from our own estimator pass False. ``DSV_SKIP_CHECKS=1`` also skips.
     Head dims D: 64, 96 (padded to 128 inside the kernel), 128, 256.
     Returns:
         o ``[B, H, S, D]`` in q's dtype; differentiable w.r.t. q, k, v.
@@ -147,9 +151,10 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_indic
     if backend == "naive":
         return sparse_attention_naive(q, k, v, kv_indices, kv_counts, group_size, block_size, scale)
     if backend == "flex":
-        check_values(kv_indices, kv_counts, q.shape[2], block_size)
+        if check_values:
+            _check_values(kv_indices, kv_counts, q.shape[2], block_size)
         return sparse_attention_flex(q, k, v, kv_indices, kv_counts, group_size, block_size, scale)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     o, _ = sparse_attn_fwd(q, k, v, kv_indices.contiguous(), kv_counts.contiguous(),
-                           int(group_size), int(block_size), scale)
+                           int(group_size), int(block_size), scale, bool(check_values))
     return o

@@ -82,9 +82,13 @@ def check_problem(q_lr, k_lr, budgets: Union[int, torch.Tensor], group_size, blo
         _fail("block_score", f"must be one of {BLOCK_SCORES}, got {block_score!r}")
     num_items = S if block_size == 0 else -(-S // block_size)
     counts = _budget_counts(budgets, B, H, num_items, q_lr.device)
-    kmax = int(counts.max().item())
+    kmax = int(counts.max().item())  # counts live on the host: no device sync
+    if q_lr.is_cuda:  # pinned + non_blocking: a plain .to() of pageable memory syncs the stream
+        device_counts = counts.pin_memory().to(q_lr.device, non_blocking=True)
+    else:
+        device_counts = counts.to(q_lr.device)
     return TopkProblem(B, H, S, r, group_size, block_size, -(-S // group_size), num_items,
-                       counts.to(q_lr.device), kmax, proxy, block_score)
+                       device_counts, kmax, proxy, block_score)
 
 
 def _budget_counts(budgets, B, H, num_items, device) -> torch.Tensor:
