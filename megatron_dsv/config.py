@@ -90,9 +90,9 @@ class DSVConfig:
         (4, 4, 8), "Query group cube (t, h, w) in latent tokens; its volume G must be one of 16, 32, 64, 128.")
     """3D cube of latent tokens that shares one KV list; G = t*h*w consecutive tokens.
 
-    Default G = 128: on the H200 the block-level kernels at G=128 run 1.4-1.9x faster than
-    at G=64/32 on the same density (benchmarks/results/sparse_attention-groups-h200-*.json),
-    and 4x4x8 is the most compact 128-token cube (neighbours share critical keys)."""
+    Default G = 128: on the H200 (S=64K, 90% sparse, benchmarks/results/sparse_attention-h200-*.json)
+    the block-level forward at G=128 is 1.9x / 3.0x faster than at G=64 / 32 and the backward
+    1.1x / 1.5x, and 4x4x8 is the most compact 128-token cube (neighbours share critical keys)."""
     granularity: str = _knob("block", "KV list granularity: 'token' (the paper) or 'block' (contiguous KV blocks).",
                              choices=GRANULARITIES)
     """Whether KV lists name single key tokens or contiguous key blocks."""
