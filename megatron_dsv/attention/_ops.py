@@ -1,12 +1,58 @@
 """The ops DSV attention calls, imported in one place.
 
-``kernel_backend='naive'`` / ``topk_backend='naive'`` in DSVConfig pick the
-naive twins (the readable references); otherwise the ops choose their fastest
-backend themselves (``DSV_SPARSE_ATTN_BACKEND`` / ``DSV_TOPK_BACKEND``).
+``DSVConfig.kernel_backend`` / ``DSVConfig.topk_backend`` pick the backend:
+``auto`` lets the ops choose their fastest backend themselves (``DSV_SPARSE_ATTN_BACKEND`` /
+``DSV_TOPK_BACKEND``); any other value forces that backend (:func:`run_sparse_attention`,
+:func:`run_estimate_topk`).
 """
 
 from megatron_dsv.ops.sparse_attention import SUPPORTED_HEAD_DIMS, sparse_attention, sparse_attention_naive
 from megatron_dsv.ops.topk_estimation import critical_mass_recall, estimate_topk, estimate_topk_naive, head_sparsity
 
 __all__ = ["sparse_attention", "sparse_attention_naive", "estimate_topk", "estimate_topk_naive", "head_sparsity",
-           "critical_mass_recall", "SUPPORTED_HEAD_DIMS"]
+           "critical_mass_recall", "SUPPORTED_HEAD_DIMS", "run_sparse_attention", "run_estimate_topk"]
+
+
+def run_sparse_attention(backend: str, q, k, v, kv_indices, kv_counts, group_size: int, block_size: int,
+                         softmax_scale: float):
+    """Sparse attention on the backend named by ``DSVConfig.kernel_backend``. The lists come from
+    our own estimator, valid by construction: no host-syncing value check."""
+    match backend:
+        case "auto":
+            return sparse_attention(q, k, v, kv_indices, kv_counts, group_size, block_size, softmax_scale,
+                                    check_values=False)
+        case "naive":
+            return sparse_attention_naive(q, k, v, kv_indices, kv_counts, group_size, block_size, softmax_scale)
+        case "flex":
+            from megatron_dsv.ops.sparse_attention.checks import check_shapes
+            from megatron_dsv.ops.sparse_attention.flex import sparse_attention_flex
+
+            check_shapes(q, k, v, kv_indices, kv_counts, group_size, block_size)
+            return sparse_attention_flex(q, k, v, kv_indices, kv_counts, group_size, block_size, softmax_scale)
+        case "triton":
+            from megatron_dsv.ops.sparse_attention.checks import check_shapes
+            from megatron_dsv.ops.sparse_attention.op import sparse_attn_fwd
+
+            check_shapes(q, k, v, kv_indices, kv_counts, group_size, block_size)
+            o, _ = sparse_attn_fwd(q.contiguous(), k.contiguous(), v.contiguous(), kv_indices.contiguous(),
+                                   kv_counts.contiguous(), int(group_size), int(block_size), float(softmax_scale),
+                                   False)
+            return o
+    raise ValueError(f"DSVConfig.kernel_backend must be one of auto, triton, flex, naive; got {backend!r}")
+
+
+def run_estimate_topk(backend: str, q_lr, k_lr, budgets, group_size: int, block_size: int, proxy: str,
+                      block_score: str):
+    """Top-k estimation on the backend named by ``DSVConfig.topk_backend``."""
+    match backend:
+        case "auto":
+            fn = estimate_topk
+        case "naive":
+            fn = estimate_topk_naive
+        case "cuda":
+            from megatron_dsv.ops.topk_estimation.cuda_impl import estimate_topk_cuda as fn
+        case "triton":
+            from megatron_dsv.ops.topk_estimation.triton_impl import estimate_topk_triton as fn
+        case _:
+            raise ValueError(f"DSVConfig.topk_backend must be one of auto, cuda, triton, naive; got {backend!r}")
+    return fn(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score)

@@ -46,6 +46,7 @@ from megatron_dsv.attention.predictor import LowRankPredictor
 from megatron_dsv.attention.schedule import is_profile_step, sampled_queries, smooth
 from megatron_dsv.config import DSVConfig
 from megatron_dsv.ops.dense import dense_attention
+from megatron_dsv.ops.sparse_attention.flex import flex_supported
 
 __all__ = ["DSVCoreAttention", "SUPPORTED_MASK_TYPES", "PER_HEAD_STATE"]
 
@@ -126,6 +127,10 @@ class DSVCoreAttention(MegatronModule):
         self.predictor = LowRankPredictor(cfg, self.num_heads, self.head_dim, config.hidden_size,
                                           self.layer_number, head_offset=tp_rank * self.num_heads,
                                           total_heads=config.num_attention_heads)
+        if cfg.kernel_backend == "flex" and not flex_supported(0, cfg.group_size, cfg.block_size):
+            raise ValueError("DSVConfig.kernel_backend='flex' needs granularity='block' with query groups of 128 "
+                             f"and kv_block_size=128 (the only shape flex lowers); got group_size={cfg.group_size}, "
+                             f"block_size={cfg.block_size}")
         self.speedup_table = SpeedupTable.from_config(cfg, self.head_dim)
         # Kernels cover a fixed set of head dims; other models still train predictors and profile,
         # but the dispatcher keeps them dense (reported as kernel_ok=0 in the metrics).
@@ -226,12 +231,8 @@ class DSVCoreAttention(MegatronModule):
             return dense_attention(q, k, v, softmax_scale=self.softmax_scale)
         idx, counts = lists
         cfg = self.dsv_config
-        if cfg.kernel_backend == "naive":
-            return _ops.sparse_attention_naive(q, k, v, idx, counts, cfg.group_size, cfg.block_size,
-                                               self.softmax_scale)
-        # the lists come from our own estimator, valid by construction: skip the host-syncing value check
-        return _ops.sparse_attention(q, k, v, idx, counts, cfg.group_size, cfg.block_size, self.softmax_scale,
-                                     check_values=False)
+        return _ops.run_sparse_attention(cfg.kernel_backend, q, k, v, idx, counts, cfg.group_size, cfg.block_size,
+                                         self.softmax_scale)
 
     def decide(self, S: int):
         """``(sparse, budgets, tokens)`` for sequence length S (cached until the state changes)."""
@@ -251,11 +252,10 @@ class DSVCoreAttention(MegatronModule):
     def _estimate(self, q, k, hidden, budgets):
         cfg = self.dsv_config
         q_lr, k_lr = self.predictor.project(q, k, hidden, dtype=q.dtype)
-        estimate = _ops.estimate_topk_naive if cfg.topk_backend == "naive" else _ops.estimate_topk
         # budgets stay on the host: the estimator needs Kmax there, and a device copy read back
         # would cost two stream syncs per layer
-        return estimate(q_lr, k_lr, budgets.cpu(), cfg.group_size, cfg.block_size,
-                        proxy=cfg.group_proxy, block_score=cfg.block_score)
+        return _ops.run_estimate_topk(cfg.topk_backend, q_lr, k_lr, budgets.cpu(), cfg.group_size, cfg.block_size,
+                                      cfg.group_proxy, cfg.block_score)
 
     @torch.no_grad()
     def _profile(self, q, k, hidden, qidx, budgets):

@@ -207,3 +207,24 @@ def test_bad_inputs(make_layer):
     q, k = planted(S=128)
     with pytest.raises(ValueError, match="hidden"):
         hidden(as_megatron(q), as_megatron(k), as_megatron(k), None)
+
+
+def test_config_backends_are_honoured(make_layer, fast_table, monkeypatch):
+    """kernel_backend / topk_backend other than auto/naive reach the named backend (not the auto choice)."""
+    with pytest.raises(ValueError, match="kernel_backend='flex'"):
+        make_layer(kernel_backend="flex")  # G=16, token lists: flex cannot lower them
+    layer = make_layer(topk_backend="cuda", sparsity_threshold=0.0, speedup_table=fast_table)
+    force_state(layer, stage=2, sparsity=0.5)
+    layer.eval()
+    q, k = planted(S=256)
+    with torch.no_grad(), pytest.raises(ValueError, match="cuda backend needs CUDA tensors"):
+        layer(as_megatron(q), as_megatron(k), as_megatron(k), None)
+    calls = []
+    monkeypatch.setattr("megatron_dsv.ops.sparse_attention.op.sparse_attn_fwd",
+                        lambda q, *a: calls.append(a) or (torch.zeros_like(q), None))
+    layer = make_layer(kernel_backend="triton", sparsity_threshold=0.0, speedup_table=fast_table)
+    force_state(layer, stage=2, sparsity=0.5)
+    layer.eval()
+    with torch.no_grad():
+        layer(as_megatron(q), as_megatron(k), as_megatron(k), None)
+    assert layer.last_sparse and len(calls) == 1 and calls[0][-1] is False  # no host-syncing value check
