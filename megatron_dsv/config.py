@@ -82,7 +82,7 @@ class DSVConfig:
     """Floor of the per-head budget K_h (tokens)."""
     speedup_table: Optional[str] = _knob(
         None, "Path to a sparse_attention benchmark JSON giving the measured speedup per density and length "
-        "(None: calibrate on the GPU at start-up; on CPU, use the FLOP model).")
+        "(None: a FLOP model, optimistic at short lengths; there is no on-GPU calibration).")
     """Where the dispatcher reads the measured speedup of sparse over dense attention."""
 
     # ---- query groups and kernels -------------------------------------------
