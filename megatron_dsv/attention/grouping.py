@@ -58,19 +58,32 @@ def cube_order_coords(grid: Sequence[int], cube: Sequence[int]) -> torch.Tensor:
     return torch.stack([perm // (H * W), (perm // W) % H, perm % W], dim=-1)
 
 
+@lru_cache(maxsize=64)
+def _index_on(grid: Tuple[int, int, int], cube: Tuple[int, int, int], device: torch.device,
+              inverse: bool) -> torch.Tensor:
+    """The permutation (or its inverse) on ``device``: built and copied once per model forward shape,
+    not once per forward."""
+    perm = _permutation(grid, cube)
+    if inverse:
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.numel())
+        perm = inv
+    return perm.to(device)
+
+
+def _reorder(x: torch.Tensor, grid, cube, dim: int, inverse: bool) -> torch.Tensor:
+    grid, cube = _check(grid, cube)
+    n = grid[0] * grid[1] * grid[2]
+    if x.shape[dim] != n:
+        raise ValueError(f"x.shape[{dim}] = {x.shape[dim]} must equal T*H*W = {n} for grid {tuple(grid)}")
+    return x.index_select(dim, _index_on(grid, cube, x.device, inverse))
+
+
 def to_cube_order(x: torch.Tensor, grid: Sequence[int], cube: Sequence[int], dim: int = 0) -> torch.Tensor:
     """Reorder ``x`` along ``dim`` (raster order, length T*H*W) into cube-major order."""
-    perm = cube_order_permutation(grid, cube)
-    if x.shape[dim] != perm.numel():
-        raise ValueError(f"x.shape[{dim}] = {x.shape[dim]} must equal T*H*W = {perm.numel()} for grid {tuple(grid)}")
-    return x.index_select(dim, perm.to(x.device))
+    return _reorder(x, grid, cube, dim, inverse=False)
 
 
 def from_cube_order(x: torch.Tensor, grid: Sequence[int], cube: Sequence[int], dim: int = 0) -> torch.Tensor:
     """Inverse of :func:`to_cube_order`: cube-major order back to raster order."""
-    perm = cube_order_permutation(grid, cube)
-    if x.shape[dim] != perm.numel():
-        raise ValueError(f"x.shape[{dim}] = {x.shape[dim]} must equal T*H*W = {perm.numel()} for grid {tuple(grid)}")
-    inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(perm.numel())
-    return x.index_select(dim, inverse.to(x.device))
+    return _reorder(x, grid, cube, dim, inverse=True)

@@ -73,5 +73,10 @@ def rope_3d_table(grid: Sequence[int], cube: Sequence[int], head_dim: int, theta
     dtype itself, and bf16 angles would lose the position for long sequences.
     """
     key = (tuple(int(g) for g in grid), tuple(int(c) for c in cube), int(head_dim), float(theta))
-    table = _table(*key)
-    return table if device is None else table.to(device)
+    return _table(*key) if device is None else _table_on(*key, torch.device(device))
+
+
+@lru_cache(maxsize=32)
+def _table_on(grid, cube, head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    # one host-to-device copy per (shape, device), not one (pageable, synchronous) per forward
+    return _table(grid, cube, head_dim, theta).to(device)
