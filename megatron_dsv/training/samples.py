@@ -10,10 +10,14 @@ import torch
 __all__ = ["write_samples"]
 
 
-def write_samples(model: torch.nn.Module, cfg, args, device: torch.device, iteration: int) -> Optional[str]:
+def write_samples(model: torch.nn.Module, cfg, args, device: torch.device, iteration: int,
+                  write: bool = True) -> Optional[str]:
     """Euler-sample ``--num-sample-videos`` videos and write them under ``<output-dir>/samples``.
 
-    Returns the output folder, or None when the sampling module is not available in this build."""
+    Every tensor-parallel rank of the model must call this (its forward runs TP collectives);
+    only the one with ``write=True`` writes the files.
+    Returns the output folder, or None when the sampling module is not available in this build
+    or ``write`` is False."""
     try:
         from megatron_dsv.models.sampling import sample_videos, write_gif_and_grid
     except ImportError as err:
@@ -31,6 +35,8 @@ def write_samples(model: torch.nn.Module, cfg, args, device: torch.device, itera
                                cfg_scale=args.sample_cfg_scale)
     finally:
         model.train(was_training)
+    if not write:
+        return None
     gif, grid = write_gif_and_grid(videos, os.path.join(out_dir, f"iter_{iteration:07d}"))
     print(f" > wrote {args.num_sample_videos} sample videos: {gif} and {grid}", flush=True)
     return out_dir

@@ -174,10 +174,12 @@ def train(args) -> TrainResult:
                                                          result.consumed_samples),
                                             checksums=not args.no_checkpoint_checksums)
     result.model = unwrap(ddp_model)
-    if args.sample and is_rank0():
+    if args.sample and env.dp_rank == 0:
+        # every tensor-parallel rank of replica 0 runs the forward (TP collectives: rank 0 alone would hang)
         from megatron_dsv.training.samples import write_samples
 
-        result.samples = write_samples(unwrap(ddp_model), cfg, args, env.device, result.iteration)
+        result.samples = write_samples(unwrap(ddp_model), cfg, args, env.device, result.iteration,
+                                       write=is_rank0())
     return result
 
 
