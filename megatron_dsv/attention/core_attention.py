@@ -213,8 +213,9 @@ class DSVCoreAttention(MegatronModule):
         S = k.shape[2]
         # grad mode on = the pass whose backward runs: reentrant recompute trains once, eval never
         learn = self.training and torch.is_grad_enabled()
-        qidx = sampled_queries(S, self.dsv_config.predictor_query_stride, self.step_host, q.device)
+        qidx = None  # sampled queries: only the passes that train or profile need them
         if learn:
+            qidx = sampled_queries(S, self.dsv_config.predictor_query_stride, self.step_host, q.device)
             loss = self.predictor.accumulate_grad(q, k, hidden, qidx, self.softmax_scale)
             self.pending[0] += loss
             self.pending[1] += 1
