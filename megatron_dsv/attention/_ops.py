@@ -15,44 +15,16 @@ __all__ = ["sparse_attention", "sparse_attention_naive", "estimate_topk", "estim
 
 def run_sparse_attention(backend: str, q, k, v, kv_indices, kv_counts, group_size: int, block_size: int,
                          softmax_scale: float):
-    """Sparse attention on the backend named by ``DSVConfig.kernel_backend``. The lists come from
-    our own estimator, valid by construction: no host-syncing value check."""
-    match backend:
-        case "auto":
-            return sparse_attention(q, k, v, kv_indices, kv_counts, group_size, block_size, softmax_scale,
-                                    check_values=False)
-        case "naive":
-            return sparse_attention_naive(q, k, v, kv_indices, kv_counts, group_size, block_size, softmax_scale)
-        case "flex":
-            from megatron_dsv.ops.sparse_attention.checks import check_shapes
-            from megatron_dsv.ops.sparse_attention.flex import sparse_attention_flex
-
-            check_shapes(q, k, v, kv_indices, kv_counts, group_size, block_size)
-            return sparse_attention_flex(q, k, v, kv_indices, kv_counts, group_size, block_size, softmax_scale)
-        case "triton":
-            from megatron_dsv.ops.sparse_attention.checks import check_shapes
-            from megatron_dsv.ops.sparse_attention.op import sparse_attn_fwd
-
-            check_shapes(q, k, v, kv_indices, kv_counts, group_size, block_size)
-            o, _ = sparse_attn_fwd(q.contiguous(), k.contiguous(), v.contiguous(), kv_indices.contiguous(),
-                                   kv_counts.contiguous(), int(group_size), int(block_size), float(softmax_scale),
-                                   False)
-            return o
-    raise ValueError(f"DSVConfig.kernel_backend must be one of auto, triton, flex, naive; got {backend!r}")
+    """Sparse attention on the backend named by ``DSVConfig.kernel_backend`` (the op decides, in
+    one place). The lists come from our own estimator, valid by construction: no host-syncing
+    value check."""
+    if backend == "naive":
+        return sparse_attention_naive(q, k, v, kv_indices, kv_counts, group_size, block_size, softmax_scale)
+    return sparse_attention(q, k, v, kv_indices, kv_counts, group_size, block_size, softmax_scale,
+                            check_values=False, backend=backend)
 
 
 def run_estimate_topk(backend: str, q_lr, k_lr, budgets, group_size: int, block_size: int, proxy: str,
                       block_score: str):
-    """Top-k estimation on the backend named by ``DSVConfig.topk_backend``."""
-    match backend:
-        case "auto":
-            fn = estimate_topk
-        case "naive":
-            fn = estimate_topk_naive
-        case "cuda":
-            from megatron_dsv.ops.topk_estimation.cuda_impl import estimate_topk_cuda as fn
-        case "triton":
-            from megatron_dsv.ops.topk_estimation.triton_impl import estimate_topk_triton as fn
-        case _:
-            raise ValueError(f"DSVConfig.topk_backend must be one of auto, cuda, triton, naive; got {backend!r}")
-    return fn(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score)
+    """Top-k estimation on the backend named by ``DSVConfig.topk_backend`` (the op decides)."""
+    return estimate_topk(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score, backend=backend)

@@ -39,15 +39,20 @@ def flex_is_faster(q: torch.Tensor, kv_indices: torch.Tensor, group_size: int, b
     return S * kept < FLEX_BELOW_WORK or kept / S < FLEX_BELOW_DENSITY
 
 
-def choose_backend(q: torch.Tensor, kv_indices: torch.Tensor, group_size: int, block_size: int) -> str:
-    """The one place a backend is chosen: ``DSV_SPARSE_ATTN_BACKEND`` in
-    {auto, triton, flex, naive}, default auto."""
-    name = os.environ.get("DSV_SPARSE_ATTN_BACKEND", "auto").strip().lower() or "auto"
+def choose_backend(q: torch.Tensor, kv_indices: torch.Tensor, group_size: int, block_size: int,
+                   requested: Optional[str] = None) -> str:
+    """The one place a backend is chosen: ``requested`` (e.g. ``DSVConfig.kernel_backend``) when it
+    is not None or "auto", else ``DSV_SPARSE_ATTN_BACKEND`` in {auto, triton, flex, naive}, default auto."""
+    if requested not in (None, "auto"):
+        name, source = str(requested).strip().lower(), "backend"
+    else:
+        name, source = os.environ.get("DSV_SPARSE_ATTN_BACKEND", "auto").strip().lower() or "auto", \
+            "DSV_SPARSE_ATTN_BACKEND"
     if name not in BACKENDS:
-        raise ValueError(f"DSV_SPARSE_ATTN_BACKEND must be one of {BACKENDS}; got {name!r}")
+        raise ValueError(f"{source} must be one of {BACKENDS}; got {name!r}")
     if name != "auto":
         if name == "flex" and not flex_supported(q.shape[2], group_size, block_size):
-            raise ValueError("DSV_SPARSE_ATTN_BACKEND=flex needs block-level lists with group_size 128 and "
+            raise ValueError(f"{source}=flex needs block-level lists with group_size 128 and "
                              f"block_size 128 (the only shape flex lowers); got group_size={group_size}, "
                              f"block_size={block_size}")
         return name
@@ -111,7 +116,8 @@ sparse_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_indices: torch.Tensor,
                      kv_counts: torch.Tensor, group_size: int, block_size: int = 0,
-                     softmax_scale: Optional[float] = None, *, check_values: bool = True) -> torch.Tensor:
+                     softmax_scale: Optional[float] = None, *, check_values: bool = True,
+                     backend: Optional[str] = None) -> torch.Tensor:
     """Non-causal attention where each query group attends only its listed keys.
 
     Args:
@@ -132,6 +138,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_indic
         softmax_scale: defaults to ``1 / sqrt(D)``.
         check_values: verify counts and indices (one reduction and one host sync); callers
             whose lists come from our own estimator pass False. ``DSV_SKIP_CHECKS=1`` also skips.
+        backend: force one of {triton, flex, naive} (None or "auto": the rule below).
     Head dims D: 64, 96 (padded to 128 inside the kernel), 128, 256.
     Returns:
         o ``[B, H, S, D]`` in q's dtype; differentiable w.r.t. q, k, v.
@@ -147,7 +154,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_indic
     """
     check_shapes(q, k, v, kv_indices, kv_counts, group_size, block_size)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    backend = choose_backend(q, kv_indices, group_size, block_size)
+    backend = choose_backend(q, kv_indices, group_size, block_size, backend)
     if backend == "naive":
         return sparse_attention_naive(q, k, v, kv_indices, kv_counts, group_size, block_size, scale)
     if backend == "flex":

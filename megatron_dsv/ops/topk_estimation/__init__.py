@@ -26,11 +26,15 @@ __all__ = ["estimate_topk", "estimate_topk_naive", "critical_counts", "head_spar
 BACKENDS = ("auto", "cuda", "triton", "naive")
 
 
-def topk_backend(device) -> str:
-    """The backend estimate_topk uses for tensors on ``device`` (the one place this is decided)."""
-    want = os.environ.get("DSV_TOPK_BACKEND", "auto").strip().lower() or "auto"
+def topk_backend(device, requested=None) -> str:
+    """The backend estimate_topk uses for tensors on ``device`` (the one place this is decided):
+    ``requested`` (e.g. ``DSVConfig.topk_backend``) unless None or "auto", else ``DSV_TOPK_BACKEND``."""
+    if requested not in (None, "auto"):
+        want, source = str(requested).strip().lower(), "backend"
+    else:
+        want, source = os.environ.get("DSV_TOPK_BACKEND", "auto").strip().lower() or "auto", "DSV_TOPK_BACKEND"
     if want not in BACKENDS:
-        raise ValueError(f"DSV_TOPK_BACKEND must be one of {BACKENDS}, got {want!r}")
+        raise ValueError(f"{source} must be one of {BACKENDS}, got {want!r}")
     if want != "auto":
         return want
     if getattr(device, "type", str(device)) != "cuda":
@@ -40,9 +44,11 @@ def topk_backend(device) -> str:
     return "cuda" if cuda_extension() is not None else "triton"
 
 
-def estimate_topk(q_lr, k_lr, budgets, group_size, block_size=0, proxy="mean", block_score="max"):
-    """Per query group, the top-k keys (or key blocks) by low-rank score; see the module docstring."""
-    backend = topk_backend(getattr(q_lr, "device", "cpu"))
+def estimate_topk(q_lr, k_lr, budgets, group_size, block_size=0, proxy="mean", block_score="max", *,
+                  backend=None):
+    """Per query group, the top-k keys (or key blocks) by low-rank score; see the module docstring.
+    ``backend`` forces one of {cuda, triton, naive} (None or "auto": the module's rule)."""
+    backend = topk_backend(getattr(q_lr, "device", "cpu"), backend)
     match backend:
         case "cuda":
             from .cuda_impl import estimate_topk_cuda as fn
