@@ -1,0 +1,44 @@
+"""Run the CUDA top-k estimation kernel a few times on one shape (for ncu / timing by hand).
+
+    ncu --clock-control none -k regex:topk_kernel -s 2 -c 1 python benchmarks/profile_topk.py --S 65536
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks.common import bench_ms  # noqa: E402
+from megatron_dsv.ops.topk_estimation.cuda_impl import estimate_topk_cuda  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--S", type=int, default=65536)
+    ap.add_argument("--H", type=int, default=16)
+    ap.add_argument("--r", type=int, default=16)
+    ap.add_argument("--G", type=int, default=32)
+    ap.add_argument("--block", type=int, default=0)
+    ap.add_argument("--sparsity", type=float, default=0.9)
+    ap.add_argument("--launches", type=int, default=3)
+    ap.add_argument("--time", action="store_true", help="also time with CUDA events")
+    a = ap.parse_args(argv)
+    torch.manual_seed(0)
+    q = torch.randn(1, a.H, a.S, a.r, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, a.H, a.S, a.r, device="cuda", dtype=torch.bfloat16)
+    unit = a.block or 1
+    K = int(math.ceil((1 - a.sparsity) * a.S / unit / 128) * 128) if unit == 1 else int(math.ceil((1 - a.sparsity) * a.S / unit))
+    for _ in range(a.launches):
+        estimate_topk_cuda(q, k, K, a.G, a.block)
+    torch.cuda.synchronize()
+    if a.time:
+        print(f"S={a.S} G={a.G} block={a.block} K={K}: {bench_ms(lambda: estimate_topk_cuda(q, k, K, a.G, a.block)):.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
