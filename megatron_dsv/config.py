@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
 __all__ = ["DSVConfig", "PREDICTOR_INPUTS", "STAGE_SWITCH_RULES", "GRANULARITIES", "KERNEL_BACKENDS",
-           "TOPK_BACKENDS", "CP_MODES", "GROUP_PROXIES", "BLOCK_SCORES"]
+           "TOPK_BACKENDS", "CP_MODES", "GROUP_PROXIES", "BLOCK_SCORES", "BUDGET_RULES"]
 
 PREDICTOR_INPUTS = ("qk", "hidden")
 STAGE_SWITCH_RULES = ("loss", "steps", "loss_or_steps", "loss_and_steps")
@@ -23,6 +23,7 @@ TOPK_BACKENDS = ("auto", "cuda", "triton", "naive")
 CP_MODES = ("none", "head", "seq", "hybrid")
 GROUP_PROXIES = ("mean", "middle")
 BLOCK_SCORES = ("max", "lse")
+BUDGET_RULES = ("recall", "sparsity")
 SUPPORTED_GROUP_SIZES = (16, 32, 64, 128)
 SUPPORTED_KV_BLOCKS = (64, 128)
 
@@ -52,6 +53,13 @@ class DSVConfig:
     """Learning rate of the predictors' own optimizer during stage 1."""
     predictor_lr_stage2_scale: float = _knob(0.1, "Predictor learning-rate multiplier once stage 2 starts.")
     """Predictors keep learning in stage 2 at this fraction of predictor_lr."""
+    predictor_train_interval: int = _knob(
+        1, "Stage 2 trains the predictors every this many steps (0: never); stage 1 trains every step.")
+    """Predictor training period in stage 2 (steps; 0 switches stage-2 training off).
+
+    Stage 1 always trains (the switch to stage 2 waits on the predictor loss). In stage 2 the
+    predictor only has to track slow drift, so training every N-th step divides its cost by N.
+    The loss logged on a step without training is the last one measured."""
 
     # ---- profiler -----------------------------------------------------------
     theta: float = _knob(0.9, "Softmax mass a query's critical set must reach (0 < theta < 1).")
@@ -76,8 +84,24 @@ class DSVConfig:
     """Step rule: the step at which stage 2 starts (None disables the rule)."""
 
     # ---- dispatcher ---------------------------------------------------------
-    sparsity_threshold: float = _knob(0.8, "A layer runs sparse when its smoothed sparsity is at least this.")
-    """Minimum smoothed sparsity for a layer to run sparse."""
+    budget_rule: str = _knob(
+        "recall", "Per-head KV budget rule: 'recall' = the smallest list length whose predicted lists reach "
+        "recall_target of the critical mass on the profiled queries; 'sparsity' = (1 - s_h) * S tokens.",
+        choices=BUDGET_RULES)
+    """How the dispatcher sizes each head's KV list.
+
+    'sparsity' (the paper): ``K_h = (1 - s_h) * S`` tokens, right for per-query token lists but far
+    too small for key blocks shared by a query cube (benchmarks/NOTES_recall.md: 0.60-0.81 recall on
+    the H200 at 4x4x8 cubes x 128-key blocks). 'recall': at each profile step the recall curve of the
+    lists the estimator would build is measured per head and ``K_h`` is where it reaches
+    ``recall_target``; the smoothed budget density ``K_h / S`` then decides sparse vs dense."""
+    recall_target: float = _knob(0.96, "Budget rule 'recall': recall of the critical mass each head's lists "
+                                 "must reach on the profiled queries (0 < target <= 1).")
+    """Target recall of the theta-critical mass for the 'recall' budget rule."""
+    sparsity_threshold: float = _knob(
+        0.8, "A layer runs sparse when its sparsity is at least this: the smoothed sparsity (budget_rule "
+        "'sparsity') or 1 - mean(K_h) / S of its budgets (budget_rule 'recall').")
+    """Minimum sparsity for a layer to run sparse (rule 'recall': the effective sparsity of its budgets)."""
     k_min: int = _knob(64, "Smallest per-head KV budget in tokens.")
     """Floor of the per-head budget K_h (tokens)."""
     speedup_table: Optional[str] = _knob(
@@ -154,6 +178,10 @@ class DSVConfig:
         need(self.profile_interval_after_warmup >= 1, "profile_interval_after_warmup", ">= 1")
         need(self.profile_warmup_steps >= 0, "profile_warmup_steps", ">= 0")
         need(0 <= self.sparsity_momentum < 1, "sparsity_momentum", "in [0, 1)")
+        need(isinstance(self.predictor_train_interval, int) and not isinstance(self.predictor_train_interval, bool)
+             and self.predictor_train_interval >= 0, "predictor_train_interval", "an int >= 0")
+        need(isinstance(self.recall_target, (int, float)) and 0 < self.recall_target <= 1, "recall_target",
+             "in (0, 1]")
         need(self.stage_switch_loss >= 0, "stage_switch_loss", ">= 0")
         need(self.stage_switch_steps is None or self.stage_switch_steps >= 0, "stage_switch_steps", "None or >= 0")
         if self.stage_switch_rule in ("steps", "loss_and_steps"):

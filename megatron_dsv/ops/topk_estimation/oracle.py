@@ -12,7 +12,8 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
-__all__ = ["critical_counts", "head_sparsity", "critical_mass_recall"]
+__all__ = ["critical_counts", "head_sparsity", "critical_mass_recall", "recall_curve", "smallest_k_reaching",
+           "budget_for_recall"]
 
 
 def _check(q, k, theta, query_index):
@@ -110,3 +111,81 @@ def critical_mass_recall(q, k, kv_indices, kv_counts, group_size: int, block_siz
         hit = (probs * (crit & sel)).sum(-1)
         total += (hit / cmass.clamp_min(1e-30)).double().sum(-1)
     return (total / max(1, qi.numel())).float()
+
+
+def _item_mass(cmass: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Critical mass per item: per key (block_size 0) or summed over each key block."""
+    if block_size == 0:
+        return cmass
+    S = cmass.shape[-1]
+    nb = -(-S // block_size)
+    pad = nb * block_size - S
+    if pad:
+        cmass = torch.cat([cmass, cmass.new_zeros(*cmass.shape[:-1], pad)], dim=-1)
+    return cmass.reshape(*cmass.shape[:-1], nb, block_size).sum(-1)
+
+
+def recall_curve(q, k, q_lr, k_lr, group_size: int, block_size: int = 0, theta: float = 0.9,
+                 softmax_scale: Optional[float] = None, query_index: Optional[torch.Tensor] = None,
+                 proxy: str = "mean", block_score: str = "max", chunk_elems: int = 1 << 24) -> torch.Tensor:
+    """float64 [B, H, n_items]: entry k-1 = mean over (sampled) queries of the share of the query's
+    theta-critical mass inside its group's best k items by low-rank score.
+
+    The ranking is the estimator's (``estimate_topk`` with the same ``proxy`` / ``block_score``):
+    higher score first, lower index wins ties; so entry k-1 equals :func:`critical_mass_recall` of
+    the lists ``estimate_topk(q_lr, k_lr, k, ...)`` builds, for every k at once. q [B, H, S, D],
+    k [B, Hkv, S, D]; q_lr, k_lr [B, H, S, r]; items are keys (block_size 0) or key blocks.
+    Memory: one chunk of sampled rows x S (``chunk_elems``), never S x S. Each curve is
+    non-decreasing and ends at exactly 1.
+    """
+    from .naive import group_proxies, item_scores  # the estimator's own score definition
+
+    qi = _check(q, k, theta, query_index)
+    B, H, S, _ = q.shape
+    if tuple(q_lr.shape[:3]) != (B, H, S) or q_lr.shape != k_lr.shape:
+        raise ValueError(f"recall_curve: `q_lr` and `k_lr` must both be [B, H, S, r] = [{B}, {H}, {S}, r], "
+                         f"got {tuple(q_lr.shape)} and {tuple(k_lr.shape)}")
+    if group_size < 1:
+        raise ValueError(f"recall_curve: `group_size` must be >= 1, got {group_size}")
+    if block_size not in (0, 64, 128):
+        raise ValueError(f"recall_curve: `block_size` must be one of (0, 64, 128), got {block_size}")
+    if proxy not in ("mean", "middle"):
+        raise ValueError(f"recall_curve: `proxy` must be one of ('mean', 'middle'), got {proxy!r}")
+    if block_score not in ("max", "lse"):
+        raise ValueError(f"recall_curve: `block_score` must be one of ('max', 'lse'), got {block_score!r}")
+    n_items = S if block_size == 0 else -(-S // block_size)
+    proxies = group_proxies(q_lr, group_size, proxy)  # [B, H, NG, r]
+    total = torch.zeros(B, H, n_items, dtype=torch.float64, device=q.device)
+    for pos, probs, crit in _prob_chunks(q, k, theta, softmax_scale, qi, chunk_elems):
+        mass = _item_mass((probs * crit).double(), block_size)  # [B, H, n, n_items]
+        scores = item_scores(proxies[:, :, pos // group_size], k_lr, block_size, block_score)
+        # stable descending sort: among equal scores the lower index comes first, as in the estimator
+        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+        cum = torch.cumsum(torch.gather(mass, -1, order), dim=-1)
+        total += (cum / cum[..., -1:].clamp_min(1e-300)).sum(2)  # x / x == 1: the curve ends at exactly 1
+    return total / max(1, qi.numel())
+
+
+def smallest_k_reaching(curve: torch.Tensor, target: float, min_items: int = 1) -> torch.Tensor:
+    """int64 [...]: the smallest k >= min_items with ``curve[..., k-1] >= target`` (curves are
+    non-decreasing and end at 1, so a target <= 1 is always reached)."""
+    if not (0.0 < float(target) <= 1.0):
+        raise ValueError(f"smallest_k_reaching: `target` must be in (0, 1], got {target}")
+    n = curve.shape[-1]
+    k = (curve < target).sum(-1) + 1
+    return k.clamp(min=min(max(1, int(min_items)), n), max=n).long()
+
+
+def budget_for_recall(q, k, q_lr, k_lr, group_size: int, block_size: int, theta: float,
+                      softmax_scale: Optional[float], query_index: Optional[torch.Tensor], target: float,
+                      proxy: str = "mean", block_score: str = "max", min_items: int = 1,
+                      chunk_elems: int = 1 << 24) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per (batch, head), the smallest list length (tokens, or key blocks at block granularity)
+    whose estimated lists reach ``target`` mean recall of the theta-critical mass.
+
+    Returns ``(budget int64 [B, H], curve float64 [B, H, n_items])`` (see :func:`recall_curve`);
+    ``min_items`` is a floor in the same units (e.g. ``ceil(k_min / block_size)``).
+    """
+    curve = recall_curve(q, k, q_lr, k_lr, group_size, block_size, theta, softmax_scale, query_index,
+                         proxy, block_score, chunk_elems)
+    return smallest_k_reaching(curve, target, min_items), curve
