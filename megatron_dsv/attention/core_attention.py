@@ -41,17 +41,18 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_dsv.attention import _ops
-from megatron_dsv.attention.dispatcher import SpeedupTable, choose_sparse, head_budgets
+from megatron_dsv.attention.dispatcher import SpeedupTable, density_budgets, head_budgets, plan_layer
 from megatron_dsv.attention.predictor import LowRankPredictor
-from megatron_dsv.attention.schedule import is_profile_step, sampled_queries, smooth
+from megatron_dsv.attention.schedule import is_profile_step, sampled_queries, smooth, trains_predictor
 from megatron_dsv.config import DSVConfig
 from megatron_dsv.ops.dense import dense_attention
 from megatron_dsv.ops.sparse_attention.flex import flex_supported
+from megatron_dsv.ops.topk_estimation.oracle import recall_curve, smallest_k_reaching
 
 __all__ = ["DSVCoreAttention", "SUPPORTED_MASK_TYPES", "PER_HEAD_STATE"]
 
 # Buffers with one entry per local head: TP-sharded along dim 0 in sharded_state_dict.
-PER_HEAD_STATE = ("sparsity", "recall")
+PER_HEAD_STATE = ("sparsity", "budget_density", "recall")
 
 SUPPORTED_MASK_TYPES = (AttnMaskType.no_mask, AttnMaskType.padding)
 
@@ -141,27 +142,45 @@ class DSVCoreAttention(MegatronModule):
             "step": torch.zeros(1, dtype=torch.int64),
             "profiles": torch.zeros(1, dtype=torch.int64),
             "sparsity": torch.zeros(H, dtype=torch.float32),
+            # K_h / S the budget rule asks for, smoothed like sparsity ('sparsity' rule: 1 - s_h)
+            "budget_density": torch.ones(H, dtype=torch.float32),
             "recall": torch.zeros(H, dtype=torch.float32),
             "predictor_loss": torch.full((1,), float("nan"), dtype=torch.float32),
         }
         for name, t in persistent.items():
             self.register_buffer(name, t)
-        # per-step accumulators: [loss sum, loss n, sparsity n, recall n, sparsity sum (H), recall sum (H)]
-        self.register_buffer("pending", torch.zeros(4 + 2 * H, dtype=torch.float32), persistent=False)
+        # per-step accumulators: [loss sum, loss n, profile n, recall n, sparsity sum (H), recall sum (H),
+        # budget density sum (H)]; summed over data-parallel ranks at the step end (hooks.py)
+        self.register_buffer("pending", torch.zeros(4 + 3 * H, dtype=torch.float32), persistent=False)
         # K used per head in the last forward: a host tensor (metrics only), so writing it never syncs
         self.last_k = torch.zeros(H, dtype=torch.float32)
         self.last_sparse = False
         self._hidden = None  # set by DSVSelfAttention for predictor_input='hidden', only during its forward
+        # Benchmarks switch these off for an A/B of the method's own cost (bench_recall.py); not state.
+        self.predictor_training = True
+        self.profiling = True
         self._decisions = {}
         self._sync_host()
+        self._register_load_state_dict_pre_hook(self._fill_missing_budget_density)
         self.register_load_state_dict_post_hook(lambda module, keys: module._sync_host())
 
+    @staticmethod
+    def _fill_missing_budget_density(state_dict, prefix, *args):
+        """Checkpoints from before the 'recall' budget rule have no budget_density: start from the
+        sparsity rule's density 1 - s_h (the next profile replaces it)."""
+        if prefix + "budget_density" not in state_dict and prefix + "sparsity" in state_dict:
+            state_dict[prefix + "budget_density"] = 1.0 - state_dict[prefix + "sparsity"]
+
     def _sync_host(self):
-        """Host copies of the state the forward branches on (no device sync per forward)."""
+        """Host copies of the state the forward branches on and the metrics read (read from the
+        device once, at construction and after a load; the step end keeps them current)."""
         self.stage_host = int(self.stage[0])
         self.step_host = int(self.step[0])
         self.profiled_host = int(self.profiles[0]) > 0
         self._sparsity_cpu = self.sparsity.detach().float().cpu()
+        self._density_cpu = self.budget_density.detach().float().cpu()
+        self._recall_cpu = self.recall.detach().float().cpu()
+        self._loss_host = float(self.predictor_loss[0])
         self._decisions = {}
 
     def _apply(self, fn, recurse=True):
@@ -213,14 +232,17 @@ class DSVCoreAttention(MegatronModule):
         S = k.shape[2]
         # grad mode on = the pass whose backward runs: reentrant recompute trains once, eval never
         learn = self.training and torch.is_grad_enabled()
+        cfg = self.dsv_config
+        train = learn and self.predictor_training and trains_predictor(self.step_host, self.stage_host, cfg)
+        profile = learn and self.profiling and is_profile_step(self.step_host, cfg)
         qidx = None  # sampled queries: only the passes that train or profile need them
-        if learn:
-            qidx = sampled_queries(S, self.dsv_config.predictor_query_stride, self.step_host, q.device)
+        if train or profile:
+            qidx = sampled_queries(S, cfg.predictor_query_stride, self.step_host, q.device)
+        if train:
             loss = self.predictor.accumulate_grad(q, k, hidden, qidx, self.softmax_scale)
             self.pending[0] += loss
             self.pending[1] += 1
         sparse, budgets, tokens = self.decide(S)
-        profile = learn and is_profile_step(self.step_host, self.dsv_config)
         lists = None
         if profile:
             lists = self._profile(q, k, hidden, qidx, budgets if sparse else None)
@@ -231,7 +253,6 @@ class DSVCoreAttention(MegatronModule):
         if not sparse:
             return dense_attention(q, k, v, softmax_scale=self.softmax_scale)
         idx, counts = lists
-        cfg = self.dsv_config
         return _ops.run_sparse_attention(cfg.kernel_backend, q, k, v, idx, counts, cfg.group_size, cfg.block_size,
                                          self.softmax_scale)
 
@@ -240,19 +261,18 @@ class DSVCoreAttention(MegatronModule):
         key = (S, self.training)
         if key not in self._decisions:
             cfg = self.dsv_config
-            budgets, tokens = head_budgets(self._sparsity_cpu, S, cfg)
-            sparse = (self.stage_host == 2 and self.profiled_host and self.kernel_ok
-                      and S >= cfg.group_size
-                      and choose_sparse(self._sparsity_cpu, S, cfg, self.speedup_table, self.training))
+            ok, budgets, tokens = plan_layer(self._sparsity_cpu, self._density_cpu, S, cfg, self.speedup_table,
+                                             self.training)
+            sparse = self.stage_host == 2 and self.profiled_host and self.kernel_ok and S >= cfg.group_size and ok
             if not sparse:
                 tokens = torch.full_like(tokens, S)
             self._decisions[key] = (sparse, budgets, tokens.float())
         return self._decisions[key]
 
     @torch.no_grad()
-    def _estimate(self, q, k, hidden, budgets):
+    def _estimate(self, q, k, hidden, budgets, projected=None):
         cfg = self.dsv_config
-        q_lr, k_lr = self.predictor.project(q, k, hidden, dtype=q.dtype)
+        q_lr, k_lr = projected if projected is not None else self.predictor.project(q, k, hidden, dtype=q.dtype)
         # budgets stay on the host: the estimator needs Kmax there, and a device copy read back
         # would cost two stream syncs per layer
         return _ops.run_estimate_topk(cfg.topk_backend, q_lr, k_lr, budgets.cpu(), cfg.group_size, cfg.block_size,
@@ -260,44 +280,81 @@ class DSVCoreAttention(MegatronModule):
 
     @torch.no_grad()
     def _profile(self, q, k, hidden, qidx, budgets):
-        """Exact per-head sparsity and the recall of the predicted lists on the sampled queries.
+        """Exact per-head sparsity, the budget density the budget rule asks for, and the recall of
+        the lists actually built, all on the sampled queries.
 
         ``budgets`` are the dispatcher's (a sparse layer); otherwise the lists are built from the
-        smoothed sparsity (or this measurement, before the first smoothing) to show what stage 2 would get.
+        smoothed state (or this measurement, before the first smoothing) to show what stage 2 would get.
+        The logged recall is measured on those lists with the oracle, never read off the curve.
         """
-        cfg, H = self.dsv_config, self.num_heads
+        cfg, H, S = self.dsv_config, self.num_heads, k.shape[2]
         k_full = k.repeat_interleave(H // k.shape[1], dim=1)
         measured = _ops.head_sparsity(q, k_full, cfg.theta, self.softmax_scale, qidx).float().mean(0)
+        projected = self.predictor.project(q, k, hidden, dtype=q.dtype)
+        if cfg.budget_rule == "recall":
+            density = self._recall_density(q, k_full, projected, qidx)
+        else:
+            density = 1.0 - measured
         if budgets is None:
-            basis = self._sparsity_cpu if self.profiled_host else measured.cpu()
-            budgets = head_budgets(basis, k.shape[2], cfg)[0]
-        lists = self._estimate(q, k, hidden, budgets)
+            if cfg.budget_rule == "recall":
+                basis = self._density_cpu if self.profiled_host else density.cpu()
+                budgets = density_budgets(basis, S, cfg)[0]
+            else:
+                basis = self._sparsity_cpu if self.profiled_host else measured.cpu()
+                budgets = head_budgets(basis, S, cfg)[0]
+        lists = self._estimate(q, k, hidden, budgets, projected)
         recall = _ops.critical_mass_recall(q, k_full, lists[0], lists[1], cfg.group_size, cfg.block_size,
                                            cfg.theta, self.softmax_scale, qidx).float().mean(0)
+        dev = self.pending.device
         self.pending[2] += 1
         self.pending[3] += 1
-        self.pending[4:4 + H] += measured.to(self.pending.device)
-        self.pending[4 + H:] += recall.to(self.pending.device)
+        self.pending[4:4 + H] += measured.to(dev)
+        self.pending[4 + H:4 + 2 * H] += recall.to(dev)
+        self.pending[4 + 2 * H:] += density.to(dev)
         return lists
+
+    def _recall_density(self, q, k_full, projected, qidx) -> torch.Tensor:
+        """Per head (float32 ``[H]``, device): the list length, in tokens / S, where the recall curve of
+        the estimator's lists (averaged over the batch's sampled queries) reaches ``recall_target``."""
+        cfg, S = self.dsv_config, k_full.shape[2]
+        curve = recall_curve(q, k_full, projected[0], projected[1], cfg.group_size, cfg.block_size, cfg.theta,
+                             self.softmax_scale, qidx, cfg.group_proxy, cfg.block_score).mean(0)
+        unit = cfg.block_size or 1
+        items = smallest_k_reaching(curve, cfg.recall_target, min_items=-(-cfg.k_min // unit))
+        return ((items * unit).clamp(max=S).double() / S).float()
 
     # ---- step-end logic (called by hooks.dsv_on_step_end, after the collectives) --------------
     def finish_step(self, pending: torch.Tensor, step: int, stage: int) -> None:
-        """Apply one step's DP-summed accumulators; set the step and (already agreed) stage."""
+        """Apply one step's DP-summed accumulators; set the step and (already agreed) stage.
+
+        ``pending`` is a host copy (``hooks.dsv_on_step_end`` fetches every layer's in one copy):
+        the smoothing runs on the host mirrors, and the device state is written from them, so no
+        value is read back from the device here.
+        """
+        pending = pending.detach().float()
+        if pending.device.type != "cpu":  # callers other than the hooks may hand device state
+            pending = pending.cpu()
         H = self.num_heads
         loss_sum, loss_n, sp_n, rec_n = (float(x) for x in pending[:4])
         if loss_n > 0:
-            self.predictor_loss.fill_(loss_sum / loss_n)
+            self._loss_host = loss_sum / loss_n
+            self.predictor_loss.fill_(self._loss_host)
         if sp_n > 0:
-            measured = pending[4:4 + H] / sp_n
-            self.sparsity.copy_(smooth(self.sparsity, measured.to(self.sparsity.device),
-                                       self.dsv_config.sparsity_momentum, first=int(self.profiles[0]) == 0))
+            first, m = not self.profiled_host, self.dsv_config.sparsity_momentum
+            self._sparsity_cpu = smooth(self._sparsity_cpu, pending[4:4 + H] / sp_n, m, first)
+            self._density_cpu = smooth(self._density_cpu, pending[4 + 2 * H:] / sp_n, m, first)
+            _write(self.sparsity, self._sparsity_cpu)
+            _write(self.budget_density, self._density_cpu)
             self.profiles += 1
+            self.profiled_host = True
         if rec_n > 0:
-            self.recall.copy_(pending[4 + H:] / rec_n)
+            self._recall_cpu = pending[4 + H:4 + 2 * H] / rec_n
+            _write(self.recall, self._recall_cpu)
         self.step.fill_(step)
         self.stage.fill_(stage)
+        self.step_host, self.stage_host = int(step), int(stage)
         self.pending.zero_()
-        self._sync_host()
+        self._decisions = {}
 
     def predictor_lr(self) -> float:
         cfg = self.dsv_config
@@ -306,12 +363,15 @@ class DSVCoreAttention(MegatronModule):
     def metrics(self) -> dict:
         """Flat per-layer and per-head scalars (host floats) under ``dsv/layer{n}/``."""
         p = f"dsv/layer{self.layer_number}/"
-        out = {p + "sparsity": float(self.sparsity.mean()), p + "sparse": float(self.last_sparse),
-               p + "recall": float(self.recall.mean()), p + "k_mean": float(self.last_k.mean()),
-               p + "predictor_loss": float(self.predictor_loss[0]), p + "kernel_ok": float(self.kernel_ok)}
+        sp, dens, rec = self._sparsity_cpu, self._density_cpu, self._recall_cpu  # host mirrors: no sync
+        out = {p + "sparsity": float(sp.mean()), p + "budget_density": float(dens.mean()),
+               p + "sparse": float(self.last_sparse), p + "recall": float(rec.mean()),
+               p + "k_mean": float(self.last_k.mean()), p + "predictor_loss": self._loss_host,
+               p + "kernel_ok": float(self.kernel_ok)}
         for h in range(self.num_heads):
-            out[f"{p}head{h}/sparsity"] = float(self.sparsity[h])
-            out[f"{p}head{h}/recall"] = float(self.recall[h])
+            out[f"{p}head{h}/sparsity"] = float(sp[h])
+            out[f"{p}head{h}/budget_density"] = float(dens[h])
+            out[f"{p}head{h}/recall"] = float(rec[h])
             out[f"{p}head{h}/k"] = float(self.last_k[h])
         return out
 
@@ -352,3 +412,10 @@ class DSVCoreAttention(MegatronModule):
             raise ValueError(f"padding attention_mask must be [b, 1, 1 or sq, sk] = [{b}, 1, 1|{sq}, {sk}], "
                              f"got {tuple(attention_mask.shape)}")
         return ~attention_mask
+
+
+def _write(dst: torch.Tensor, host: torch.Tensor) -> None:
+    """Copy a host tensor into device state without a stream sync (pinned, non-blocking on CUDA)."""
+    if dst.is_cuda:
+        host = host.pin_memory()
+    dst.copy_(host, non_blocking=dst.is_cuda)

@@ -1,9 +1,16 @@
 """Dispatcher: per layer, sparse or dense, and the per-head KV budgets.
 
-A layer runs sparse when its smoothed mean sparsity is at least
-``sparsity_threshold`` *and* the speedup of sparse over dense attention at that
-density and sequence length is > 1. Budgets: ``K_h = max(ceil((1 - s_h) * S), k_min)``
-tokens, rounded up to the kernel block; at block granularity they are handed to
+Two budget rules (``DSVConfig.budget_rule``):
+
+* ``'sparsity'`` (the paper): a layer runs sparse when its smoothed mean sparsity is at least
+  ``sparsity_threshold`` *and* the speedup of sparse over dense attention at that density and
+  sequence length is > 1. Budgets: ``K_h = max(ceil((1 - s_h) * S), k_min)`` tokens.
+* ``'recall'``: ``K_h = max(ceil(d_h * S), k_min)`` tokens from the smoothed per-head budget
+  density ``d_h`` (the profiler's measured list length reaching ``recall_target``); the layer
+  runs sparse when the effective sparsity ``1 - mean(K_h) / S`` is at least
+  ``sparsity_threshold`` and the speedup at that effective sparsity is > 1.
+
+Either way budgets are rounded up to the kernel block; at block granularity they are handed to
 the ops in key-block units.
 
 The speedup comes from a :class:`SpeedupTable`: measured rows of a
@@ -24,7 +31,8 @@ import torch
 
 from megatron_dsv.config import DSVConfig
 
-__all__ = ["SpeedupTable", "head_budgets", "choose_sparse", "FLOP_MODEL_EFFICIENCY", "BWD_FLOP_RATIO"]
+__all__ = ["SpeedupTable", "head_budgets", "density_budgets", "choose_sparse", "choose_sparse_density", "plan_layer",
+           "FLOP_MODEL_EFFICIENCY", "BWD_FLOP_RATIO"]
 
 FLOP_MODEL_EFFICIENCY = 0.75  # sparse kernel throughput / dense throughput on kept FLOPs (DESIGN.md section 2)
 BWD_FLOP_RATIO = 2.5  # attention backward costs ~2.5x the forward FLOPs
@@ -125,7 +133,15 @@ def head_budgets(sparsity: torch.Tensor, S: int, cfg: DSVConfig) -> Tuple[torch.
     Returns ``(budgets, tokens)``: ``budgets`` int64 ``[H]`` in the ops' units (tokens, or key
     blocks at block granularity) and ``tokens`` int64 ``[H]`` = keys each query attends.
     """
-    dens = (1.0 - sparsity.double().clamp(0.0, 1.0))
+    return _budgets(1.0 - sparsity.double().clamp(0.0, 1.0), S, cfg)
+
+
+def density_budgets(density: torch.Tensor, S: int, cfg: DSVConfig) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-head budgets from per-head budget densities ``[H]`` (``K_h / S``); as :func:`head_budgets`."""
+    return _budgets(density.double().clamp(0.0, 1.0), S, cfg)
+
+
+def _budgets(dens: torch.Tensor, S: int, cfg: DSVConfig) -> Tuple[torch.Tensor, torch.Tensor]:
     # -1e-6*S absorbs fp32 sparsity error (0.9f gives density 0.100000024: one more token at S=1000)
     k = torch.maximum(torch.ceil(dens * S - 1e-6 * S), torch.full_like(dens, float(cfg.k_min))).clamp(max=S).long()
     if cfg.block_size > 0:
@@ -138,10 +154,33 @@ def head_budgets(sparsity: torch.Tensor, S: int, cfg: DSVConfig) -> Tuple[torch.
 
 def choose_sparse(sparsity: torch.Tensor, S: int, cfg: DSVConfig, table: SpeedupTable,
                   training: bool = True) -> bool:
-    """The dispatcher's rule for one layer, given its smoothed per-head sparsity ``[H]``."""
+    """The dispatcher's rule for one layer under budget_rule 'sparsity', given its smoothed
+    per-head sparsity ``[H]``."""
     mean = float(sparsity.float().mean())
     if mean < cfg.sparsity_threshold:
         return False
     _, tokens = head_budgets(sparsity, S, cfg)
     effective = 1.0 - float(tokens.double().mean()) / S  # after k_min and block rounding
     return table.speedup(S, effective, training) > 1.0
+
+
+def choose_sparse_density(density: torch.Tensor, S: int, cfg: DSVConfig, table: SpeedupTable,
+                          training: bool = True) -> bool:
+    """The dispatcher's rule for one layer under budget_rule 'recall', given its smoothed
+    per-head budget density ``[H]``: the budgets themselves must be sparse enough and faster."""
+    _, tokens = density_budgets(density, S, cfg)
+    effective = 1.0 - float(tokens.double().mean()) / S
+    return effective >= cfg.sparsity_threshold and table.speedup(S, effective, training) > 1.0
+
+
+def plan_layer(sparsity: torch.Tensor, density: torch.Tensor, S: int, cfg: DSVConfig, table: SpeedupTable,
+               training: bool = True) -> Tuple[bool, torch.Tensor, torch.Tensor]:
+    """``(sparse, budgets, tokens)`` of one layer under ``cfg.budget_rule`` (host tensors ``[H]``)."""
+    match cfg.budget_rule:
+        case "recall":
+            budgets, tokens = density_budgets(density, S, cfg)
+            return choose_sparse_density(density, S, cfg, table, training), budgets, tokens
+        case "sparsity":
+            budgets, tokens = head_budgets(sparsity, S, cfg)
+            return choose_sparse(sparsity, S, cfg, table, training), budgets, tokens
+    raise ValueError(f"DSVConfig.budget_rule must be one of recall, sparsity; got {cfg.budget_rule!r}")

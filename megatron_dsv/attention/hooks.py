@@ -7,13 +7,15 @@
 
 ``dsv_on_step_end`` does, in order: (1) one all-reduce (sum) over the data-parallel
 group of every layer's step accumulators and predictor gradients, flattened into a
-single buffer, so profiled sparsity, losses and predictor weights stay identical on
-all data-parallel replicas; (2) one all-reduce over the default (world) group of the
-predictor losses and the stage, so every layer on every rank (pipeline and tensor
-ranks included) takes the same stage decision from the mean predictor loss over all
-layers; (3) the predictors' Adam step (at the rate of the stage the gradients were
-computed in); (4) counters, smoothing and the new stage. Every rank must call it,
-also a pipeline rank without DSV layers (it joins the world all-reduce).
+single buffer, so profiled sparsity, budget densities, losses and predictor weights stay
+identical on all data-parallel replicas; (2) one all-reduce over the default (world)
+group of the predictor losses and the stage, so every layer on every rank (pipeline and
+tensor ranks included) takes the same stage decision from the mean predictor loss over all
+layers; (3) **one** device-to-host copy of every layer's step scalars (and of (2)'s result),
+the only stream sync of the step end; (4) the predictors' Adam step (at the rate of the
+stage the gradients were computed in); (5) counters, smoothing and the new stage, on host
+mirrors that are then written to the device without reading it back. Every rank must call
+it, also a pipeline rank without DSV layers (it joins the world all-reduce).
 """
 
 from __future__ import annotations
@@ -62,42 +64,79 @@ def _world_size(group) -> int:
     return dist.get_world_size(group)
 
 
-def _dp_sum(layers: List[DSVCoreAttention], group) -> None:
-    """Sum every layer's accumulators and predictor gradients over ``group`` (one collective)."""
-    tensors = []
-    for layer in layers:
-        tensors += [layer.pending, layer.predictor.grad_count] + layer.predictor.grad_buffers()
-    if _world_size(group) <= 1 or not tensors:
-        return
-    flat = torch.cat([t.reshape(-1).float() for t in tensors])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    offset = 0
-    for t in tensors:
-        n = t.numel()
-        t.copy_(flat[offset:offset + n].view_as(t))
-        offset += n
+class _StepScalars:
+    """Every layer's step scalars in one flat buffer: ``[loss sums (L) | loss counts (L) | per layer:
+    pending[2:], grad_count]``; the loss columns come first so the world all-reduce reads them as
+    two contiguous slices."""
+
+    def __init__(self, layers: List[DSVCoreAttention]):
+        self.layers = layers
+        self.rest = [layer.pending.numel() - 2 + 1 for layer in layers]
+
+    def device_flat(self) -> List[torch.Tensor]:
+        loss = [layer.pending[0:1] for layer in self.layers]
+        count = [layer.pending[1:2] for layer in self.layers]
+        rest = [t for layer in self.layers for t in (layer.pending[2:], layer.predictor.grad_count)]
+        return loss + count + rest
+
+    def split(self, host: torch.Tensor):
+        """Per layer ``(pending [4 + 3H] float32, grad count float)`` from the host copy."""
+        L = len(self.layers)
+        out, offset = [], 2 * L
+        for i, n in enumerate(self.rest):
+            part = host[offset:offset + n]
+            out.append((torch.cat([host[i:i + 1], host[L + i:L + i + 1], part[:-1]]), float(part[-1])))
+            offset += n
+        return out
 
 
-def _agreed_loss_and_stage(layers: List[DSVCoreAttention]):
-    """(mean predictor loss over all layers of all ranks or None, any layer already in stage 2)."""
-    loss_sum, loss_layers, in_stage2 = 0.0, 0.0, 0.0
-    for layer in layers:
-        n = float(layer.pending[1])
-        if n > 0:
-            loss_sum += float(layer.pending[0]) / n
-            loss_layers += 1
-        in_stage2 += float(layer.stage_host == 2)
-    stats = torch.tensor([loss_sum, loss_layers, in_stage2], dtype=torch.float64)
-    if _world_size(dist.group.WORLD if dist.is_available() and dist.is_initialized() else None) > 1:
-        device = layers[0].pending.device if layers else torch.device("cpu")
-        if dist.get_backend() == "nccl" and device.type != "cuda":
-            device = torch.device("cuda", torch.cuda.current_device())
-        stats = stats.to(device)
-        dist.all_reduce(stats, op=dist.ReduceOp.SUM)
-        stats = stats.cpu()
-    loss_sum, loss_layers, in_stage2 = stats.tolist()
-    mean = loss_sum / loss_layers if loss_layers > 0 else None
-    return mean, in_stage2 > 0
+def _exchange(layers: List[DSVCoreAttention], dp_group):
+    """The collectives and the one host copy of the step end.
+
+    Returns ``(per-layer (pending, grad count) host values, mean predictor loss over all layers of
+    all ranks or None, whether any layer anywhere is in stage 2)``.
+    """
+    scalars = _StepScalars(layers)
+    small = scalars.device_flat()
+    grads = [g for layer in layers for g in layer.predictor.grad_buffers()]
+    n_small = sum(t.numel() for t in small)
+    in_stage2 = float(sum(layer.stage_host == 2 for layer in layers))
+    flat = torch.cat([t.reshape(-1).float() for t in small]) if small else torch.zeros(0)
+    if _world_size(dp_group) > 1 and layers:
+        flat = torch.cat([flat] + [g.reshape(-1).float() for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=dp_group)
+        offset = n_small
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+    world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    if _world_size(world) <= 1:
+        host = flat[:n_small].cpu()
+        loss_sum, loss_layers = 0.0, 0.0
+        for l_sum, l_n in zip(host[:len(layers)].tolist(), host[len(layers):2 * len(layers)].tolist()):
+            if l_n > 0:
+                loss_sum += l_sum / l_n
+                loss_layers += 1
+        return scalars.split(host), (loss_sum / loss_layers if loss_layers else None), in_stage2 > 0
+    stats = _local_loss_stats(flat, len(layers), in_stage2)
+    dist.all_reduce(stats, op=dist.ReduceOp.SUM)
+    host = torch.cat([flat[:n_small].to(stats), stats]).cpu()  # float32 values are exact in float64
+    loss_sum, loss_layers, stage2 = host[n_small:].tolist()
+    return (scalars.split(host[:n_small].float()), (loss_sum / loss_layers if loss_layers > 0 else None),
+            stage2 > 0)
+
+
+def _local_loss_stats(flat: torch.Tensor, L: int, in_stage2: float) -> torch.Tensor:
+    """float64 ``[loss sum over layers of mean loss, layers with a loss, layers in stage 2]`` on the
+    device the world all-reduce needs (CUDA under NCCL), computed without a host read."""
+    device = flat.device
+    if dist.get_backend() == "nccl" and device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    l_sum, l_n = flat[:L].to(device, torch.float64), flat[L:2 * L].to(device, torch.float64)
+    has = l_n > 0
+    mean = torch.where(has, l_sum / l_n.clamp_min(1.0), torch.zeros_like(l_sum))
+    stage2 = torch.full((1,), in_stage2, dtype=torch.float64, device=device)
+    return torch.cat([mean.sum().reshape(1), has.sum().to(torch.float64).reshape(1), stage2])
 
 
 def dsv_on_step_end(model, iteration: Optional[int] = None, dp_group=None) -> int:
@@ -114,15 +153,14 @@ def dsv_on_step_end(model, iteration: Optional[int] = None, dp_group=None) -> in
     if iteration is not None and (not isinstance(iteration, int) or iteration < 0):
         raise ValueError(f"iteration must be None or an int >= 0, got {iteration!r}")
     layers = dsv_layers(model)
-    _dp_sum(layers, dp_group if dp_group is not None else _default_dp_group())
-    mean_loss, in_stage2 = _agreed_loss_and_stage(layers)
+    per_layer, mean_loss, in_stage2 = _exchange(layers, dp_group if dp_group is not None else _default_dp_group())
     if not layers:
         return 1
     step = iteration if iteration is not None else layers[0].step_host + 1
     stage = 2 if in_stage2 or should_switch(layers[0].dsv_config, step, mean_loss) else 1
-    for layer in layers:
-        layer.predictor.adam_step(layer.predictor_lr())
-        layer.finish_step(layer.pending.clone(), step, stage)
+    for layer, (pending, grad_count) in zip(layers, per_layer):
+        layer.predictor.adam_step(layer.predictor_lr(), grad_count)
+        layer.finish_step(pending, step, stage)
     return stage
 
 
@@ -147,8 +185,8 @@ def dsv_metrics(model) -> Dict[str, float]:
     per_layer = [layer.metrics() for layer in layers]
     for layer, m in zip(layers, per_layer):
         out.update(m)
-    keys = {"predictor_loss": "predictor_loss", "sparsity_mean": "sparsity", "recall_mean": "recall",
-            "sparse_fraction": "sparse", "k_mean": "k_mean"}
+    keys = {"predictor_loss": "predictor_loss", "sparsity_mean": "sparsity", "budget_density_mean": "budget_density",
+            "recall_mean": "recall", "sparse_fraction": "sparse", "k_mean": "k_mean"}
     for total, name in keys.items():
         out[f"dsv/{total}"] = _mean([m[f"dsv/layer{layer.layer_number}/{name}"] for layer, m in zip(layers, per_layer)])
     return out

@@ -158,6 +158,8 @@ class LowRankPredictor(nn.Module):
             self.register_buffer(f"{name}_grad", torch.zeros_like(p), persistent=False)
         self.register_buffer("adam_steps", torch.zeros(1, dtype=torch.float32))
         self.register_buffer("grad_count", torch.zeros(1, dtype=torch.float32), persistent=False)
+        self._adam_t: Optional[float] = 0.0  # host mirror of adam_steps (None: read it once from the device)
+        self.register_load_state_dict_post_hook(lambda module, keys: setattr(module, "_adam_t", None))
 
     def _weights(self):
         return [(n, p) for n, p in self.named_parameters(recurse=False)]
@@ -236,13 +238,21 @@ class LowRankPredictor(nn.Module):
         return [getattr(self, f"{n}_grad") for n, _ in self._weights()]
 
     @torch.no_grad()
-    def adam_step(self, lr: float) -> None:
-        """One Adam step on the accumulated (already DP-averaged) gradient, then clear it."""
-        if float(self.grad_count[0]) == 0:
+    def adam_step(self, lr: float, grad_count: Optional[float] = None) -> None:
+        """One Adam step on the accumulated (already DP-summed) gradient, then clear it.
+
+        ``grad_count``: the host value of the ``grad_count`` buffer when the caller has it (the step
+        end fetches every layer's in one copy); ``None`` reads it from the device.
+        """
+        count = float(self.grad_count[0]) if grad_count is None else float(grad_count)
+        if count == 0:
             return
-        scale = 1.0 / float(self.grad_count[0])  # mean over micro-batches
+        scale = 1.0 / count  # mean over micro-batches
+        if self._adam_t is None:  # after a checkpoint load: one read, then the mirror is kept
+            self._adam_t = float(self.adam_steps[0])
         self.adam_steps += 1
-        t = float(self.adam_steps[0])
+        self._adam_t += 1.0
+        t = self._adam_t
         b1, b2 = _ADAM_BETAS
         for name, p in self._weights():
             g = getattr(self, f"{name}_grad") * scale

@@ -12,7 +12,7 @@ import torch
 
 from megatron_dsv.config import DSVConfig
 
-__all__ = ["is_profile_step", "should_switch", "sampled_queries", "smooth"]
+__all__ = ["is_profile_step", "trains_predictor", "should_switch", "sampled_queries", "smooth"]
 
 
 def is_profile_step(step: int, cfg: DSVConfig) -> bool:
@@ -21,6 +21,15 @@ def is_profile_step(step: int, cfg: DSVConfig) -> bool:
     if step < cfg.profile_warmup_steps:
         return step % cfg.profile_interval == 0
     return (step - cfg.profile_warmup_steps) % cfg.profile_interval_after_warmup == 0
+
+
+def trains_predictor(step: int, stage: int, cfg: DSVConfig) -> bool:
+    """Stage 1 trains the predictors every step; stage 2 every ``predictor_train_interval`` steps
+    (0: never)."""
+    if stage == 1:
+        return True
+    n = cfg.predictor_train_interval
+    return n > 0 and step % n == 0
 
 
 def should_switch(cfg: DSVConfig, step: int, mean_loss: Optional[float]) -> bool:

@@ -26,12 +26,18 @@ def dsv_config(**kw):
     return DSVConfig(**base)
 
 
-def force_state(layer, stage=None, sparsity=None):
-    """Set a layer's checkpointed state directly (as a loaded checkpoint would)."""
+def force_state(layer, stage=None, sparsity=None, density=None):
+    """Set a layer's checkpointed state directly (as a loaded checkpoint would). ``density`` (the
+    'recall' rule's budget density) defaults to ``1 - sparsity``: both rules then give the same budgets."""
     if stage is not None:
         layer.stage.fill_(stage)
     if sparsity is not None:
         layer.sparsity.copy_(torch.as_tensor(sparsity, dtype=torch.float32).expand_as(layer.sparsity))
+        layer.profiles.fill_(max(1, int(layer.profiles[0])))
+        if density is None:
+            layer.budget_density.copy_(1.0 - layer.sparsity)
+    if density is not None:
+        layer.budget_density.copy_(torch.as_tensor(density, dtype=torch.float32).expand_as(layer.budget_density))
         layer.profiles.fill_(max(1, int(layer.profiles[0])))
     layer._sync_host()
 
