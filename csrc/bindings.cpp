@@ -36,9 +36,9 @@ int parse_choice(const char* name, const std::string& v, std::initializer_list<c
 }
 
 void topk_estimation(std::uintptr_t q, std::uintptr_t k, std::uintptr_t counts, std::uintptr_t out,
-                     std::uintptr_t keynorm2, int B, int H, int S, int r, int group_size, int block_size,
+                     std::uintptr_t bits, int B, int H, int S, int r, int group_size, int block_size,
                      int kmax, const std::string& dtype, const std::string& proxy,
-                     const std::string& block_score, std::uintptr_t stream) {
+                     const std::string& block_score, std::uintptr_t stream, int sample_stride, int flags) {
   if (B < 1) bad("B", "must be >= 1, got " + std::to_string(B));
   if (H < 1) bad("H", "must be >= 1, got " + std::to_string(H));
   if (S < 1) bad("S", "must be >= 1, got " + std::to_string(S));
@@ -59,15 +59,20 @@ void topk_estimation(std::uintptr_t q, std::uintptr_t k, std::uintptr_t counts, 
   need_ptr("q", q, dt == 0 ? 16 : 4);
   need_ptr("k", k, dt == 0 ? 16 : 4);
   need_ptr("counts", counts, 4);
-  need_ptr("keynorm2", keynorm2, 4);
-  if (kmax > 0) need_ptr("out", out, 4);
+  if (sample_stride < 0 || sample_stride > 64)
+    bad("sample_stride", "must be in [0, 64] (0 = automatic), got " + std::to_string(sample_stride));
+  if (flags < 0 || flags > 1) bad("flags", "must be 0 or 1 (force the exact fallback), got " + std::to_string(flags));
+  if (kmax > 0) {
+    need_ptr("out", out, 4);
+    need_ptr("bits", bits, 4);
+  }
   (void)esz;
   dsv::TopkArgs a{};
   a.q = reinterpret_cast<const void*>(q);
   a.k = reinterpret_cast<const void*>(k);
   a.counts = reinterpret_cast<const int32_t*>(counts);
   a.out = reinterpret_cast<int32_t*>(out);
-  a.keynorm2 = reinterpret_cast<float*>(keynorm2);
+  a.bits = reinterpret_cast<uint32_t*>(bits);
   a.B = B;
   a.H = H;
   a.S = S;
@@ -77,6 +82,9 @@ void topk_estimation(std::uintptr_t q, std::uintptr_t k, std::uintptr_t counts, 
   a.NG = (int)ng;
   a.n_items = (int)n_items;
   a.kmax = kmax;
+  a.nw = (int)((n_items + 31) / 32);
+  a.sample_stride = sample_stride;
+  a.flags = flags;
   a.proxy = px;
   a.block_score = bsc;
   a.dtype = dt;
@@ -89,11 +97,13 @@ void topk_estimation(std::uintptr_t q, std::uintptr_t k, std::uintptr_t counts, 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "megatron_dsv CUDA kernels (pybind11 over raw device pointers and a CUDA stream)";
   m.def("topk_estimation", &topk_estimation, py::arg("q"), py::arg("k"), py::arg("counts"), py::arg("out"),
-        py::arg("keynorm2"), py::arg("B"), py::arg("H"), py::arg("S"), py::arg("r"), py::arg("group_size"),
+        py::arg("bits"), py::arg("B"), py::arg("H"), py::arg("S"), py::arg("r"), py::arg("group_size"),
         py::arg("block_size"), py::arg("kmax"), py::arg("dtype"), py::arg("proxy"), py::arg("block_score"),
-        py::arg("stream"),
+        py::arg("stream"), py::arg("sample_stride") = 0, py::arg("flags") = 0,
         "Fused low-rank scores + per-group top-k. Pointers are tensor.data_ptr() of contiguous CUDA tensors:\n"
         "q, k [B, H, S, r] (dtype), counts int32 [B, H] (clipped budgets), out int32 [B, H, ceil(S/G), kmax],\n"
-        "keynorm2 float32 [B, H] zero-filled scratch. Runs on `stream` (cudaStream_t as int).");
+        "bits int32 [B, H, ceil(S/G), ceil(n_items/32)] scratch. Runs on `stream` (cudaStream_t as int).\n"
+        "sample_stride: 0 = automatic, else every sample_stride-th tile feeds the threshold sample (tests);\n"
+        "flags: 1 = every row takes the exact fallback path (tests).");
   m.def("topk_smem_bytes", &dsv::topk_smem_bytes, "Dynamic shared memory of the selection kernel (bytes).");
 }

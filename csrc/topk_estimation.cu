@@ -1,21 +1,25 @@
 // Fused low-rank QK^T + per-group top-k selection.
 //
-// One CTA = one (batch, head) and TG = 32 consecutive query groups. The group
-// proxies live in registers as mma A fragments; the 16 warps stream the head's
-// keys (r is tiny, so scores are cheap and are recomputed in every pass rather
-// than stored: nothing of size groups x keys ever leaves the SM).
-//   pass 1  histogram of every score into NB linear bins over [-R, R], where
-//           R = |proxy| * max|key| bounds the score (clamped, so only speed
-//           depends on the bound);
-//   search  per group, the bin holding the K-th best item;
-//   pass 2  collect that bin's items (usually ~100) into shared memory and
-//           rank them exactly -> threshold (t, j*): the K-th best item;
-//           if the bin holds more than CAP items, an exact 8-level radix
-//           select over the 64-bit key (score bits, ~index) refines it instead;
-//   pass 3  write every item with (s > t) or (s == t and j <= j*), scanning keys
-//           in order so each list comes out ascending with no sort.
-// Order: higher score first, then lower index; the write predicate selects
-// exactly K items. Scores: tensor-core mma (bf16/fp16) or ordered fp32 FMAs.
+// One CTA = one (batch, head) and TG = 32 consecutive query groups. The group proxies
+// live in registers as mma A fragments; 8 warps stream the head's keys (r is tiny, so
+// scores are recomputed in every pass rather than stored: nothing of size groups x keys
+// is ever kept). The K-th best item of each group is found with ONE full pass in the
+// common case:
+//   range   min/max of a sparse sample of scores -> the row's bin map;
+//   sample  histogram of every F-th 8-item tile (F = 1: exact counts);
+//   window  from the sample, per row: an upper edge eH with (w.h.p.) fewer than K items
+//           above it and a lower edge eL with at least K items at or above it;
+//   main    every score once: bits of items >= eH into a bitmask (one 32-bit word per 32
+//           items), exact count A of those, items in [eL, eH) appended to a per-row window
+//           buffer (global scratch, exact count W);
+//   select  if A <= K <= A + W (and the window fitted), the (K - A) best window items
+//           (exact: histogram + rank of the boundary sub-bin) get their bits set;
+//   compact each row's bitmask -> ascending item ids (popc + warp scan), -1 padding.
+// Rows whose window missed (sampling bad luck, massive ties) take the exact fallback:
+// full histogram, boundary-bin collect (or an 8-level radix select over the 64-bit key
+// (score bits, ~index) when that bin overflows), then a rewrite pass of their bitmask.
+// Order: higher score first, then lower index: exactly K items are selected.
+// Scores: tensor-core mma (bf16/fp16) or ordered fp32 FMAs (bit-equal to the reference).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -29,12 +33,14 @@ namespace {
 
 constexpr int TG = 32;      // query groups per CTA
 constexpr int MT = TG / 16; // m16 row tiles
-constexpr int NWARPS = 16;
+constexpr int NWARPS = 8;
 constexpr int NTHREADS = NWARPS * 32;
-constexpr int NB = 1024;    // level-1 histogram bins
-constexpr int CAP = 512;    // candidates ranked in shared memory per group
-constexpr int U = 4;        // 8-item tiles per warp per write step
+constexpr int NB = 512;     // bins of the sample and fallback histograms
+constexpr int CAP = 256;    // fallback: boundary-bin candidates ranked in shared memory per row
+constexpr int SNB = 256;    // window selection: sub-histogram bins (per warp)
+constexpr int SCAP = 128;   // window selection: boundary sub-bin candidates (per warp)
 constexpr int RB = 256;     // radix bins (fallback)
+constexpr int UH = 4;       // 8-item tiles per chunk: one chunk = one 32-bit bitmask word
 constexpr unsigned FULL = 0xffffffffu;
 
 struct Cand {
@@ -44,15 +50,21 @@ struct Cand {
 
 struct Shared {
   union {
-    uint32_t hist[TG * NB];
-    Cand cand[TG * CAP];
+    uint32_t hist[TG * NB];  // sample / fallback / radix histograms
+    Cand cand[TG * CAP];     // fallback candidates
+    struct {
+      uint32_t h[NWARPS][SNB];
+      Cand c[NWARPS][SCAP];
+      int n[NWARPS];
+    } sel;
   } u;
   float proxy[TG][33];
-  float R[TG], scale[TG], t[TG];
-  int bstar[TG], need[TG], nbin[TG], ccount[TG], jstar[TG], ovf[TG];
+  float lo[TG], scale[TG], eL[TG], eH[TG], t[TG];
+  uint32_t smin[TG], smax[TG];  // ordered keys
+  int A[TG], W[TG], fail[TG], jstar[TG];
+  int bstar[TG], need[TG], nbin[TG], ccount[TG], ovf[TG];
   unsigned long long prefix[TG];
-  int wcnt[2][NWARPS][TG];
-  int any_overflow;
+  int any_fail, any_overflow;
 };
 
 template <typename T> __device__ __forceinline__ float to_f(T x);
@@ -104,11 +116,24 @@ __device__ __forceinline__ uint32_t ordered(float x) {
 __device__ __forceinline__ float unordered(uint32_t o) {
   return __uint_as_float((o & 0x80000000u) ? (o & 0x7fffffffu) : ~o);
 }
-// Monotone non-decreasing in s; the same instructions in every pass.
-__device__ __forceinline__ int bin_of(float s, float R, float scale) {
-  float x = __fmul_rn(__fadd_rn(s, R), scale);
+// The bin map shared by every histogram of a row: monotone non-decreasing in s and the same
+// instructions everywhere, so "bin >= b" is exactly "s >= bin_edge(b)" (found by bisection).
+__device__ __forceinline__ int bin_of(float s, float lo, float scale, int nbins) {
+  float x = __fmul_rn(__fsub_rn(s, lo), scale);
   int b = __float2int_rz(x);
-  return min(max(b, 0), NB - 1);
+  return min(max(b, 0), nbins - 1);
+}
+// Smallest float x with bin_of(x) >= b (-inf for b <= 0, +inf when no float reaches b).
+__device__ float bin_edge(int b, float lo, float scale, int nbins) {
+  if (b <= 0) return -INFINITY;
+  if (b >= nbins || bin_of(INFINITY, lo, scale, nbins) < b) return INFINITY;
+  uint32_t a = ordered(-INFINITY), z = ordered(INFINITY);  // pred(a) false, pred(z) true
+  while (z - a > 1u) {
+    const uint32_t m = a + (z - a) / 2u;
+    if (bin_of(unordered(m), lo, scale, nbins) >= b) z = m;
+    else a = m;
+  }
+  return unordered(z);
 }
 
 // Scores of one 16-row tile layout: v[mt][c] is (row mt*16 + (c>>1)*8 + g, col 2t + (c&1)).
@@ -296,8 +321,6 @@ struct ItemScorer {
   }
 };
 
-constexpr int UH = 4;  // tiles whose key loads are issued together (latency hiding)
-
 // Order-free sweep over all 8-item tiles: warp w takes tiles [w*UH, w*UH+UH), then +NWARPS*UH.
 template <class Sc, class F>
 __device__ __forceinline__ void sweep(const Sc& sc, int NT, int warp, int lane, F&& f) {
@@ -316,39 +339,75 @@ __device__ __forceinline__ void sweep(const Sc& sc, int NT, int warp, int lane, 
   }
 }
 
-// Warp-wide: the bin (of hist[0..NBINS)) holding the need-th largest item, and the
-// count strictly above it. Returns bin via lane-uniform broadcast.
+// Word-aligned sweep: warp w takes chunks c = w, w + NWARPS, ... (items [32c, 32c + 32));
+// f(nt, u, v) per tile, then done(c) after the chunk's four tiles.
+template <class Sc, class F, class D>
+__device__ __forceinline__ void sweep_chunks(const Sc& sc, int NT, int NW, int warp, int lane, F&& f, D&& done) {
+  for (int c = warp; c < NW; c += NWARPS) {
+    typename Sc::Frag fr[UH];
+#pragma unroll
+    for (int u = 0; u < UH; ++u) sc.load((c * UH + u) * 8, fr[u], lane);
+#pragma unroll
+    for (int u = 0; u < UH; ++u) {
+      const int nt = c * UH + u;
+      if (nt < NT) {
+        float v[MT][4];
+        sc.compute(nt * 8, fr[u], v, lane);
+        f(nt, u, v);
+      }
+    }
+    done(c);
+  }
+}
+
+// Warp-wide, h = counts of NBINS bins: the first b in [0, NBINS] with cnt_ge(b) <= c, where
+// cnt_ge(b) = sum of h[b..NBINS) (non-increasing; cnt_ge(NBINS) = 0). Needs c >= 0.
 template <int NBINS>
-__device__ void find_boundary(const uint32_t* h, int need, int lane, int& bin, int& above, int& cnt) {
+__device__ int first_le(const uint32_t* h, long long c, int lane) {
   constexpr int PER = NBINS / 32;
   uint32_t sum = 0;
 #pragma unroll 8
   for (int i = 0; i < PER; ++i) sum += h[lane * PER + ((i + lane) % PER)];
-  uint32_t suf = sum;
+  uint32_t suf = sum;  // cnt_ge(lane * PER)
 #pragma unroll
   for (int off = 1; off < 32; off <<= 1) {
     const uint32_t o = __shfl_down_sync(FULL, suf, off);
     if (lane + off < 32) suf += o;
   }
-  const unsigned bal = __ballot_sync(FULL, suf >= (uint32_t)need);
-  const int L = bal ? 31 - __clz(bal) : 0;
-  int rb = 0, ra = 0, rc = 0;
-  if (lane == L) {
-    uint32_t ab = suf - sum;
-    for (int i = PER - 1; i >= 0; --i) {
-      const uint32_t c = h[lane * PER + i];
-      if (ab + c >= (uint32_t)need || i == 0) {
-        rb = lane * PER + i;
-        ra = (int)ab;
-        rc = (int)c;
+  const unsigned bal = __ballot_sync(FULL, (long long)suf <= c);
+  const int Lf = bal ? __ffs(bal) - 1 : 32;  // first lane whose range starts at or below c
+  if (Lf == 0) return 0;
+  int res = 0;
+  if (lane == Lf - 1) {  // cnt_ge(lane * PER) > c >= cnt_ge((lane + 1) * PER)
+    long long x = suf;
+    res = (lane + 1) * PER;
+    for (int i = 0; i < PER; ++i) {
+      x -= h[lane * PER + i];
+      if (x <= c) {
+        res = lane * PER + i + 1;
         break;
       }
-      ab += c;
     }
   }
-  bin = __shfl_sync(FULL, rb, L);
-  above = __shfl_sync(FULL, ra, L);
-  cnt = __shfl_sync(FULL, rc, L);
+  return __shfl_sync(FULL, res, Lf - 1);
+}
+
+// Warp-wide: the bin (of hist[0..NBINS)) holding the need-th largest item, and the
+// count strictly above it. Returns bin via lane-uniform broadcast.
+template <int NBINS>
+__device__ void find_boundary(const uint32_t* h, int need, int lane, int& bin, int& above, int& cnt) {
+  const int fb = first_le<NBINS>(h, need - 1, lane);  // first bin with fewer than `need` at or above
+  bin = max(fb - 1, 0);
+  uint32_t a = 0;
+  constexpr int PER = NBINS / 32;
+  for (int i = 0; i < PER; ++i) {
+    const int b = lane * PER + i;
+    if (b > bin) a += h[b];
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) a += __shfl_xor_sync(FULL, a, off);
+  above = (int)a;
+  cnt = (int)h[bin];
 }
 
 __device__ __forceinline__ bool better(Cand a, Cand b) { return a.s > b.s || (a.s == b.s && a.idx < b.idx); }
@@ -357,24 +416,40 @@ __device__ __forceinline__ unsigned long long key64(float s, int item) {
   return ((unsigned long long)ordered(s) << 32) | (uint32_t)(~(uint32_t)item);
 }
 
+// Warp-wide: (t, j*) = the r-th best (1-based) of the n candidates c[0..n) -> sm.t/jstar[row].
+__device__ void rank_candidates(const Cand* c, int n, int r, int lane, Shared& sm, int row) {
+  for (int i = lane; i < n; i += 32) {
+    const Cand ci = c[i];
+    int rank = 0;
+    for (int j = 0; j < n; ++j) rank += better(c[j], ci) ? 1 : 0;
+    if (rank == r - 1) {
+      sm.t[row] = ci.s;
+      sm.jstar[row] = ci.idx;
+    }
+  }
+}
+
 template <typename T, int R, int BS>
-__global__ void __launch_bounds__(NTHREADS, 1) topk_kernel(TopkArgs p) {
+__global__ void __launch_bounds__(NTHREADS, 2) topk_kernel(TopkArgs p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Shared& sm = *reinterpret_cast<Shared*>(smem_raw);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const int bh = blockIdx.y;
   const int grp0 = blockIdx.x * TG;
-  const int NG = p.NG, S = p.S, n_items = p.n_items, kmax = p.kmax;
+  const int NG = p.NG, S = p.S, n_items = p.n_items, kmax = p.kmax, NW = p.nw;
   const T* q = static_cast<const T*>(p.q) + (size_t)bh * S * R;
   const T* k = static_cast<const T*>(p.k) + (size_t)bh * S * R;
   const int K = p.counts[bh];
   int32_t* out = p.out + ((size_t)bh * NG + grp0) * kmax;
+  uint32_t* bits = p.bits + ((size_t)bh * NG + grp0) * NW;
   const int rows_here = min(TG, NG - grp0);
+  const int wcap = kmax / 2;  // window items live in the row's own output slots until compaction
 
-  // Padding first (independent of the selection).
-  for (int row = 0; row < rows_here; ++row)
-    for (int j = K + tid; j < kmax; j += NTHREADS) out[(size_t)row * kmax + j] = -1;
-  if (K == 0) return;
+  if (K == 0 || K >= n_items) {  // nothing, or every item in order
+    for (int row = 0; row < rows_here; ++row)
+      for (int j = tid; j < kmax; j += NTHREADS) out[(size_t)row * kmax + j] = j < K ? j : -1;
+    return;
+  }
 
   // Proxies: the reference's order (token-ordered float sum, IEEE divide, round to T).
   for (int e = tid; e < TG * R; e += NTHREADS) {
@@ -393,70 +468,290 @@ __global__ void __launch_bounds__(NTHREADS, 1) topk_kernel(TopkArgs p) {
     }
     sm.proxy[gl][d] = v;
   }
-  if (tid == 0) sm.any_overflow = 0;
-  __syncthreads();
   if (tid < TG) {
-    float n2 = 0.f;
-    for (int d = 0; d < R; ++d) n2 += sm.proxy[tid][d] * sm.proxy[tid][d];
-    float Rg = sqrtf(n2) * sqrtf(p.keynorm2[bh]) * 1.001f;
-    if (BS != 0 && p.block_score == 1) Rg += __logf((float)BS) * 1.001f;
-    sm.R[tid] = Rg;
-    sm.scale[tid] = (Rg > 0.f && Rg < 3.0e38f) ? (float)NB / (2.f * Rg) : 0.f;
-    sm.ovf[tid] = 0;
-    sm.ccount[tid] = 0;
+    sm.smin[tid] = FULL;
+    sm.smax[tid] = 0u;
+    sm.A[tid] = sm.W[tid] = sm.fail[tid] = sm.ccount[tid] = sm.ovf[tid] = 0;
   }
+  if (tid == 0) sm.any_fail = sm.any_overflow = 0;
   __syncthreads();
 
   ItemScorer<T, R, BS> sc;
   sc.ts.init(sm, k, S, lane);
   sc.lse = p.block_score == 1;
   const int NT = (n_items + 7) / 8;
-  const bool take_all = K >= n_items;
 
   bool act[MT][2];
-  float Rr[MT][2], scl[MT][2];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = mt * 16 + h * 8 + g;
-      act[mt][h] = grp0 + row < NG;
-      Rr[mt][h] = sm.R[row];
-      scl[mt][h] = sm.scale[row];
-    }
+    for (int h = 0; h < 2; ++h) act[mt][h] = mt * 16 + h * 8 + g < rows_here;
 
-  float tt[MT][2];
-  int js[MT][2];
-  if (take_all) {
+  // ---- range: min / max of the scores of a few tiles -> each row's bin map
+  {
+    const int F0 = max(1, min(16, NT / 8));
+    uint32_t mn[MT][2], mx[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) tt[mt][h] = -INFINITY, js[mt][h] = 0x7fffffff;
-  } else {
-    // ---- pass 1: histogram
+      for (int h = 0; h < 2; ++h) mn[mt][h] = FULL, mx[mt][h] = 0u;
+    for (int m = warp; m * F0 < NT; m += NWARPS) {
+      const int nt = m * F0;
+      float v[MT][4];
+      sc.tile(nt * 8, v, lane);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          if (nt * 8 + 2 * t + (c & 1) < n_items) {
+            const uint32_t o = ordered(v[mt][c]);
+            mn[mt][c >> 1] = min(mn[mt][c >> 1], o);
+            mx[mt][c >> 1] = max(mx[mt][c >> 1], o);
+          }
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int off = 1; off <= 2; off <<= 1) {
+          mn[mt][h] = min(mn[mt][h], __shfl_xor_sync(FULL, mn[mt][h], off));
+          mx[mt][h] = max(mx[mt][h], __shfl_xor_sync(FULL, mx[mt][h], off));
+        }
+        if (t == 0 && act[mt][h]) {
+          atomicMin(&sm.smin[mt * 16 + h * 8 + g], mn[mt][h]);
+          atomicMax(&sm.smax[mt * 16 + h * 8 + g], mx[mt][h]);
+        }
+      }
+  }
+  for (int e = tid; e < TG * NB; e += NTHREADS) sm.u.hist[e] = 0u;
+  __syncthreads();
+  if (tid < TG) {
+    float lo = 0.f, scale = 0.f;
+    if (tid < rows_here) {
+      lo = unordered(sm.smin[tid]);
+      const float width = __fsub_rn(unordered(sm.smax[tid]), lo);
+      scale = width > 0.f && width < 3.0e38f ? __fdiv_rn((float)NB, width) : 0.f;
+      if (!(scale < 3.0e38f)) scale = 0.f;
+    }
+    sm.lo[tid] = lo;
+    sm.scale[tid] = scale;
+  }
+  __syncthreads();
+  float lor[MT][2], slr[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) lor[mt][h] = sm.lo[mt * 16 + h * 8 + g], slr[mt][h] = sm.scale[mt * 16 + h * 8 + g];
+
+  // ---- sample histogram over every F-th tile (F = 1: exact counts)
+  int F = p.sample_stride;
+  if (F <= 0) {
+    F = 1;
+    if (BS == 0 && n_items >= 16384)
+      while (F < 8 && K >= 768 * 2 * F) F *= 2;
+  }
+  for (int m = warp; m * F < NT; m += NWARPS) {
+    const int nt = m * F;
+    float v[MT][4];
+    sc.tile(nt * 8, v, lane);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int h = c >> 1;
+        if (act[mt][h] && nt * 8 + 2 * t + (c & 1) < n_items)
+          atomicAdd(&sm.u.hist[(mt * 16 + h * 8 + g) * NB + bin_of(v[mt][c], lor[mt][h], slr[mt][h], NB)], 1u);
+      }
+  }
+  __syncthreads();
+  {
+    const int m_last = (NT - 1) / F;  // only tile NT-1 can be partial
+    const int n_s = (m_last + 1) * 8 - (m_last * F == NT - 1 ? NT * 8 - n_items : 0);
+    const float Texp = (float)K * (float)n_s / (float)n_items;  // sampled items expected above the K-th
+    const float marg = F == 1 ? 0.f : 3.5f * sqrtf(Texp) + 3.f;
+    const long long hiC = (long long)floorf(Texp - marg), loC = (long long)ceilf(Texp + marg);
+    for (int row = warp; row < rows_here; row += NWARPS) {
+      const uint32_t* h = &sm.u.hist[row * NB];
+      const int bH = hiC < 0 ? NB : first_le<NB>(h, hiC, lane);
+      const int bL = max(first_le<NB>(h, loC - 1, lane) - 1, 0);
+      if (lane == 0) {
+        sm.eH[row] = bin_edge(bH, sm.lo[row], sm.scale[row], NB);
+        sm.eL[row] = bin_edge(bL, sm.lo[row], sm.scale[row], NB);
+      }
+    }
+  }
+  __syncthreads();
+
+  // ---- main pass: bits of items >= eH, exact counts, window [eL, eH) into the output row
+  {
+    float eH[MT][2], eL[MT][2];
+    int cnt[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = mt * 16 + h * 8 + g;
+        eH[mt][h] = act[mt][h] ? sm.eH[row] : INFINITY;
+        eL[mt][h] = act[mt][h] ? sm.eL[row] : INFINITY;
+        cnt[mt][h] = 0;
+      }
+    uint32_t wb[MT][2];
+    sweep_chunks(
+        sc, NT, NW, warp, lane,
+        [&](int nt, int u, float(&v)[MT][4]) {
+          if (u == 0) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) wb[mt][0] = wb[mt][1] = 0u;
+          }
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+              const int h = c >> 1, j = 2 * t + (c & 1), item = nt * 8 + j;
+              const float s = v[mt][c];
+              if (item < n_items) {
+                if (s >= eH[mt][h]) {
+                  wb[mt][h] |= 1u << (u * 8 + j);
+                  ++cnt[mt][h];
+                } else if (s >= eL[mt][h]) {
+                  const int row = mt * 16 + h * 8 + g;
+                  const int pos = atomicAdd(&sm.W[row], 1);
+                  if (pos < wcap) {
+                    int32_t* o = out + (size_t)row * kmax + 2 * pos;
+                    o[0] = __float_as_int(s);
+                    o[1] = item;
+                  }
+                }
+              }
+            }
+        },
+        [&](int c) {
+          if (c * UH >= NT) return;
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              wb[mt][h] |= __shfl_xor_sync(FULL, wb[mt][h], 1);
+              wb[mt][h] |= __shfl_xor_sync(FULL, wb[mt][h], 2);
+            }
+          const uint32_t my = t == 0 ? wb[0][0] : t == 1 ? wb[0][1] : t == 2 ? wb[1][0] : wb[1][1];
+          const int myrow = (t >> 1) * 16 + (t & 1) * 8 + g;
+          if (myrow < rows_here) bits[(size_t)myrow * NW + c] = my;
+        });
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        int x = cnt[mt][h];
+        x += __shfl_xor_sync(FULL, x, 1);
+        x += __shfl_xor_sync(FULL, x, 2);
+        if (t == 0 && act[mt][h]) atomicAdd(&sm.A[mt * 16 + h * 8 + g], x);
+      }
+  }
+  __syncthreads();
+  if (tid < rows_here) {
+    const int A = sm.A[tid], W = sm.W[tid];
+    const bool f = (p.flags & 1) || A > K || A + W < K || W > wcap;
+    sm.fail[tid] = f;
+    sm.need[tid] = K - A;
+    if (f) atomicOr(&sm.any_fail, 1);
+  }
+  __syncthreads();
+
+  // ---- select the (K - A) best window items of each row; set their bits
+  for (int row = warp; row < rows_here; row += NWARPS) {
+    if (sm.fail[row]) continue;
+    const int W = sm.W[row], need = sm.need[row];
+    if (need == 0) continue;
+    const int32_t* wr = out + (size_t)row * kmax;
+    float ts = -INFINITY;
+    int tj = 0x7fffffff;
+    if (need < W) {
+      uint32_t mn = FULL, mx = 0u;
+      for (int i = lane; i < W; i += 32) {
+        const uint32_t o = ordered(__int_as_float(__ldcg(wr + 2 * i)));
+        mn = min(mn, o);
+        mx = max(mx, o);
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) {
+        mn = min(mn, __shfl_xor_sync(FULL, mn, off));
+        mx = max(mx, __shfl_xor_sync(FULL, mx, off));
+      }
+      const float wlo = unordered(mn), width = __fsub_rn(unordered(mx), wlo);
+      float ss = width > 0.f ? __fdiv_rn((float)SNB, width) : 0.f;
+      if (!(ss < 3.0e38f)) ss = 0.f;
+      uint32_t* sh = sm.u.sel.h[warp];
+      for (int b = lane; b < SNB; b += 32) sh[b] = 0u;
+      if (lane == 0) sm.u.sel.n[warp] = 0;
+      __syncwarp();
+      for (int i = lane; i < W; i += 32)
+        atomicAdd(&sh[bin_of(__int_as_float(__ldcg(wr + 2 * i)), wlo, ss, SNB)], 1u);
+      __syncwarp();
+      int bs, above, cnt;
+      find_boundary<SNB>(sh, need, lane, bs, above, cnt);
+      if (cnt > SCAP) {  // clustered or tied scores: exact fallback for this row
+        if (lane == 0) {
+          sm.fail[row] = 1;
+          atomicOr(&sm.any_fail, 1);
+        }
+        __syncwarp();
+        continue;
+      }
+      for (int i = lane; i < W; i += 32) {
+        const float s = __int_as_float(__ldcg(wr + 2 * i));
+        if (bin_of(s, wlo, ss, SNB) == bs) {
+          const int pos = atomicAdd(&sm.u.sel.n[warp], 1);
+          sm.u.sel.c[warp][pos] = Cand{s, __ldcg(wr + 2 * i + 1)};
+        }
+      }
+      __syncwarp();
+      rank_candidates(sm.u.sel.c[warp], cnt, need - above, lane, sm, row);
+      __syncwarp();
+      ts = sm.t[row];
+      tj = sm.jstar[row];
+    }
+    for (int i = lane; i < W; i += 32) {
+      const float s = __int_as_float(__ldcg(wr + 2 * i));
+      const int j = __ldcg(wr + 2 * i + 1);
+      if (s > ts || (s == ts && j <= tj)) atomicOr(&bits[(size_t)row * NW + (j >> 5)], 1u << (j & 31));
+    }
+    __syncwarp();
+  }
+  __syncthreads();
+
+  if (sm.any_fail) {
+    // ---- exact fallback for the rows whose window missed: full histogram, boundary bin
+    bool fb[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) fb[mt][h] = act[mt][h] && sm.fail[mt * 16 + h * 8 + g];
     for (int e = tid; e < TG * NB; e += NTHREADS) sm.u.hist[e] = 0u;
     __syncthreads();
-    sweep(sc, NT, warp, lane, [&](int nt, float (&v)[MT][4]) {
+    sweep(sc, NT, warp, lane, [&](int nt, float(&v)[MT][4]) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-          const int h = c >> 1, row = mt * 16 + h * 8 + g, item = nt * 8 + 2 * t + (c & 1);
-          if (act[mt][h] && item < n_items) atomicAdd(&sm.u.hist[row * NB + bin_of(v[mt][c], Rr[mt][h], scl[mt][h])], 1u);
+          const int h = c >> 1, item = nt * 8 + 2 * t + (c & 1);
+          if (fb[mt][h] && item < n_items)
+            atomicAdd(&sm.u.hist[(mt * 16 + h * 8 + g) * NB + bin_of(v[mt][c], lor[mt][h], slr[mt][h], NB)], 1u);
         }
     });
     __syncthreads();
     for (int row = warp; row < rows_here; row += NWARPS) {
+      if (!sm.fail[row]) continue;
       int bin, above, cnt;
       find_boundary<NB>(&sm.u.hist[row * NB], K, lane, bin, above, cnt);
       if (lane == 0) {
         sm.bstar[row] = bin;
         sm.need[row] = K - above;
         sm.nbin[row] = cnt;
-        if (cnt > CAP) {
-          sm.ovf[row] = 1;
-          atomicOr(&sm.any_overflow, 1);
-        }
+        sm.ccount[row] = 0;
+        sm.ovf[row] = cnt > CAP;
+        if (cnt > CAP) atomicOr(&sm.any_overflow, 1);
       }
     }
     __syncthreads();
@@ -470,37 +765,26 @@ __global__ void __launch_bounds__(NTHREADS, 1) topk_kernel(TopkArgs p) {
         bst[mt][h] = sm.bstar[row];
         ov[mt][h] = sm.ovf[row] != 0;
       }
-    // ---- pass 2: collect the boundary bin (hist is dead: its memory holds candidates)
-    sweep(sc, NT, warp, lane, [&](int nt, float (&v)[MT][4]) {
+    sweep(sc, NT, warp, lane, [&](int nt, float(&v)[MT][4]) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
           const int h = c >> 1, row = mt * 16 + h * 8 + g, item = nt * 8 + 2 * t + (c & 1);
-          if (act[mt][h] && !ov[mt][h] && item < n_items && bin_of(v[mt][c], Rr[mt][h], scl[mt][h]) == bst[mt][h]) {
+          if (fb[mt][h] && !ov[mt][h] && item < n_items &&
+              bin_of(v[mt][c], lor[mt][h], slr[mt][h], NB) == bst[mt][h]) {
             const int pos = atomicAdd(&sm.ccount[row], 1);
             if (pos < CAP) sm.u.cand[row * CAP + pos] = Cand{v[mt][c], item};
           }
         }
     });
     __syncthreads();
-    for (int row = warp; row < rows_here; row += NWARPS) {
-      if (sm.ovf[row]) continue;
-      const int n = min(sm.ccount[row], CAP), need = sm.need[row];
-      const Cand* cd = &sm.u.cand[row * CAP];
-      for (int i = lane; i < n; i += 32) {
-        const Cand ci = cd[i];
-        int rank = 0;
-        for (int j = 0; j < n; ++j) rank += better(cd[j], ci) ? 1 : 0;
-        if (rank == need - 1) {
-          sm.t[row] = ci.s;
-          sm.jstar[row] = ci.idx;
-        }
-      }
-    }
+    for (int row = warp; row < rows_here; row += NWARPS)
+      if (sm.fail[row] && !sm.ovf[row])
+        rank_candidates(&sm.u.cand[row * CAP], min(sm.ccount[row], CAP), sm.need[row], lane, sm, row);
     __syncthreads();
-    // ---- fallback: exact radix select on (score bits, ~index) inside the boundary bin
     if (sm.any_overflow) {
+      // exact radix select on (score bits, ~index) inside the boundary bin
       if (tid < TG) sm.prefix[tid] = 0ull;
       for (int level = 0; level < 8; ++level) {
         const int shift = 56 - 8 * level;
@@ -511,24 +795,22 @@ __global__ void __launch_bounds__(NTHREADS, 1) topk_kernel(TopkArgs p) {
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
           for (int h = 0; h < 2; ++h) pre[mt][h] = sm.prefix[mt * 16 + h * 8 + g];
-        for (int nt = warp; nt < NT; nt += NWARPS) {
-          float v[MT][4];
-          sc.tile(nt * 8, v, lane);
+        sweep(sc, NT, warp, lane, [&](int nt, float(&v)[MT][4]) {
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
               const int h = c >> 1, row = mt * 16 + h * 8 + g, item = nt * 8 + 2 * t + (c & 1);
-              if (!(act[mt][h] && ov[mt][h] && item < n_items)) continue;
-              if (bin_of(v[mt][c], Rr[mt][h], scl[mt][h]) != bst[mt][h]) continue;
+              if (!(fb[mt][h] && ov[mt][h] && item < n_items)) continue;
+              if (bin_of(v[mt][c], lor[mt][h], slr[mt][h], NB) != bst[mt][h]) continue;
               const unsigned long long key = key64(v[mt][c], item);
               if (level > 0 && (key >> (shift + 8)) != (pre[mt][h] >> (shift + 8))) continue;
               atomicAdd(&sm.u.hist[row * RB + (int)((key >> shift) & 255ull)], 1u);
             }
-        }
+        });
         __syncthreads();
         for (int row = warp; row < rows_here; row += NWARPS) {
-          if (!sm.ovf[row]) continue;
+          if (!(sm.fail[row] && sm.ovf[row])) continue;
           int bin, above, cnt;
           find_boundary<RB>(&sm.u.hist[row * RB], sm.need[row], lane, bin, above, cnt);
           if (lane == 0) {
@@ -538,129 +820,91 @@ __global__ void __launch_bounds__(NTHREADS, 1) topk_kernel(TopkArgs p) {
         }
         __syncthreads();
       }
-      if (tid < TG && sm.ovf[tid]) {
+      if (tid < rows_here && sm.fail[tid] && sm.ovf[tid]) {
         sm.t[tid] = unordered((uint32_t)(sm.prefix[tid] >> 32));
         sm.jstar[tid] = (int)(~(uint32_t)sm.prefix[tid]);
       }
       __syncthreads();
     }
+    // ---- rewrite the fallback rows' bitmasks: (s > t) or (s == t and item <= j*)
+    float tt[MT][2];
+    int js[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = mt * 16 + h * 8 + g;
-        tt[mt][h] = sm.t[row];
-        js[mt][h] = sm.jstar[row];
+        tt[mt][h] = fb[mt][h] ? sm.t[row] : INFINITY;
+        js[mt][h] = fb[mt][h] ? sm.jstar[row] : -1;
       }
-  }
-
-  // ---- pass 3: ordered write. Warp w owns tiles [step*NWARPS*U + w*U, +U).
-  int run[MT][2] = {};
-  const unsigned lt = (1u << lane) - 1u, qm = 0xfu << (4 * g);
-  for (int step = 0, buf = 0; step * NWARPS * U < NT; ++step, buf ^= 1) {
-    const int nt0 = step * NWARPS * U + warp * U;
-    uint32_t bits = 0;
-    typename ItemScorer<T, R, BS>::Frag fr[U];
+    uint32_t wb[MT][2];
+    sweep_chunks(
+        sc, NT, NW, warp, lane,
+        [&](int nt, int u, float(&v)[MT][4]) {
+          if (u == 0) {
 #pragma unroll
-    for (int u = 0; u < U; ++u) sc.load((nt0 + u) * 8, fr[u], lane);
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int nt = nt0 + u;
-      if (nt < NT) {
-        float v[MT][4];
-        sc.compute(nt * 8, fr[u], v, lane);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            const int h = c >> 1, item = nt * 8 + 2 * t + (c & 1);
-            const float s = v[mt][c];
-            const bool sel = act[mt][h] && item < n_items && (s > tt[mt][h] || (s == tt[mt][h] && item <= js[mt][h]));
-            bits |= (uint32_t)sel << ((u * MT + mt) * 4 + c);
+            for (int mt = 0; mt < MT; ++mt) wb[mt][0] = wb[mt][1] = 0u;
           }
-      }
-    }
-    int wc[MT][2] = {};
 #pragma unroll
-    for (int u = 0; u < U; ++u)
+          for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
+            for (int c = 0; c < 4; ++c) {
+              const int h = c >> 1, j = 2 * t + (c & 1), item = nt * 8 + j;
+              const float s = v[mt][c];
+              const bool sel = item < n_items && (s > tt[mt][h] || (s == tt[mt][h] && item <= js[mt][h]));
+              wb[mt][h] |= (uint32_t)sel << (u * 8 + j);
+            }
+        },
+        [&](int c) {
+          if (c * UH >= NT) return;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int sh = (u * MT + mt) * 4 + 2 * h;
-          const unsigned b0 = __ballot_sync(FULL, (bits >> sh) & 1u), b1 = __ballot_sync(FULL, (bits >> (sh + 1)) & 1u);
-          wc[mt][h] += __popc(b0 & qm) + __popc(b1 & qm);
-        }
-    if (t == 0)
+          for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) sm.wcnt[buf][warp][mt * 16 + h * 8 + g] = wc[mt][h];
+            for (int h = 0; h < 2; ++h) {
+              wb[mt][h] |= __shfl_xor_sync(FULL, wb[mt][h], 1);
+              wb[mt][h] |= __shfl_xor_sync(FULL, wb[mt][h], 2);
+            }
+          const uint32_t my = t == 0 ? wb[0][0] : t == 1 ? wb[0][1] : t == 2 ? wb[1][0] : wb[1][1];
+          const int myrow = (t >> 1) * 16 + (t & 1) * 8 + g;
+          if (myrow < rows_here && sm.fail[myrow]) bits[(size_t)myrow * NW + c] = my;
+        });
     __syncthreads();
-    int base[MT][2];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = mt * 16 + h * 8 + g;
-        int before = 0, total = 0;
-        for (int w2 = 0; w2 < NWARPS; ++w2) {
-          const int c = sm.wcnt[buf][w2][row];
-          total += c;
-          before += w2 < warp ? c : 0;
-        }
-        base[mt][h] = run[mt][h] + before;
-        run[mt][h] += total;
-      }
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int sh = (u * MT + mt) * 4 + 2 * h;
-          const unsigned s0 = (bits >> sh) & 1u, s1 = (bits >> (sh + 1)) & 1u;
-          const unsigned b0 = __ballot_sync(FULL, s0), b1 = __ballot_sync(FULL, s1);
-          int pos = base[mt][h] + __popc(b0 & qm & lt) + __popc(b1 & qm & lt);
-          const int row = mt * 16 + h * 8 + g, item = (nt0 + u) * 8 + 2 * t;
-          int32_t* o = out + (size_t)row * kmax;
-          if (s0 && pos < K) o[pos] = item;
-          pos += (int)s0;
-          if (s1 && pos < K) o[pos] = item + 1;
-          base[mt][h] += __popc(b0 & qm) + __popc(b1 & qm);
-        }
   }
-}
 
-template <typename T, int R>
-__global__ void keynorm_kernel(const T* __restrict__ k, int S, float* __restrict__ out) {
-  const int bh = blockIdx.y;
-  const T* kb = k + (size_t)bh * S * R;
-  float m = 0.f;
-  for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < S; j += gridDim.x * blockDim.x) {
-    float n2 = 0.f;
+  // ---- compaction: bitmask -> ascending item ids, then -1 padding
+  for (int row = warp; row < rows_here; row += NWARPS) {
+    const uint32_t* br = bits + (size_t)row * NW;
+    int32_t* o = out + (size_t)row * kmax;
+    int base = 0;
+    for (int c0 = 0; c0 < NW; c0 += 32) {
+      const int c = c0 + lane;
+      uint32_t w = c < NW ? __ldcg(br + c) : 0u;
+      const int n = __popc(w);
+      int incl = n;
 #pragma unroll
-    for (int d = 0; d < R; ++d) {
-      const float x = to_f(kb[(size_t)j * R + d]);
-      n2 += x * x;
+      for (int off = 1; off < 32; off <<= 1) {
+        const int y = __shfl_up_sync(FULL, incl, off);
+        if (lane >= off) incl += y;
+      }
+      int pos = base + incl - n;
+      while (w) {
+        const int b = __ffs(w) - 1;
+        w &= w - 1u;
+        if (pos < K) o[pos] = c * 32 + b;
+        ++pos;
+      }
+      base += __shfl_sync(FULL, incl, 31);
     }
-    m = fmaxf(m, n2);
+    for (int j = K + lane; j < kmax; j += 32) o[j] = -1;
   }
-  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL, m, off));
-  if ((threadIdx.x & 31) == 0) atomicMax(reinterpret_cast<int*>(out + bh), __float_as_int(m));
 }
 
 template <typename T, int R, int BS>
 cudaError_t launch_typed(const TopkArgs& a, cudaStream_t st) {
-  const int bh = a.B * a.H;
-  dim3 ng(min(64, (a.S + 255) / 256), bh);
-  keynorm_kernel<T, R><<<ng, 256, 0, st>>>(static_cast<const T*>(a.k), a.S, a.keynorm2);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return e;
   auto kern = topk_kernel<T, R, BS>;
-  e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sizeof(Shared));
+  cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sizeof(Shared));
   if (e != cudaSuccess) return e;
-  dim3 grid((a.NG + TG - 1) / TG, bh);
+  dim3 grid((a.NG + TG - 1) / TG, a.B * a.H);
   kern<<<grid, NTHREADS, sizeof(Shared), st>>>(a);
   return cudaGetLastError();
 }

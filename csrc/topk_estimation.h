@@ -13,13 +13,15 @@ struct TopkArgs {
   const void* k;          // [B, H, S, r] contiguous, dtype
   const int32_t* counts;  // [B, H] clipped budgets (0 <= count <= n_items)
   int32_t* out;           // [B, H, NG, kmax]
-  float* keynorm2;        // [B, H] scratch, zeroed by the caller
+  uint32_t* bits;         // [B, H, NG, nw] scratch: selection bitmask, nw = ceil(n_items / 32)
   int B, H, S, r, G;
   int block_size;         // 0 (tokens), 64 or 128
-  int NG, n_items, kmax;
+  int NG, n_items, kmax, nw;
   int proxy;              // 0 mean, 1 middle
   int block_score;        // 0 max, 1 log-sum-exp
   int dtype;              // TopkDType
+  int sample_stride;      // 0: chosen per (batch, head) from its budget; >= 1: forced (tests)
+  int flags;              // bit 0: every row takes the exact fallback (tests)
 };
 
 // Launches on `stream` (a cudaStream_t). Returns 0 or a cudaError_t code.

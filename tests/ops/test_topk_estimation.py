@@ -225,10 +225,11 @@ def test_binding_validates():
         from megatron_dsv import _C
     except ImportError:
         pytest.skip("megatron_dsv._C not built here")
-    base = dict(q=256, k=256, counts=256, out=256, keynorm2=256, B=1, H=1, S=64, r=16, group_size=8,
+    base = dict(q=256, k=256, counts=256, out=256, bits=256, B=1, H=1, S=64, r=16, group_size=8,
                 block_size=0, kmax=4, dtype="bfloat16", proxy="mean", block_score="max", stream=0)
     for key, bad in [("r", 12), ("block_size", 32), ("dtype", "float64"), ("proxy", "x"), ("block_score", "x"),
-                     ("S", 0), ("group_size", 0), ("kmax", 65), ("q", 0), ("k", 258)]:
+                     ("S", 0), ("group_size", 0), ("kmax", 65), ("q", 0), ("k", 258), ("bits", 0),
+                     ("sample_stride", -1), ("flags", 2)]:
         with pytest.raises(ValueError, match=key.split("_")[0]):
             _C.topk_estimation(**{**base, key: bad})
 
@@ -324,3 +325,50 @@ def test_gpu_massive_ties_take_radix_fallback(dtype, kind, monkeypatch):
         monkeypatch.setenv("DSV_TOPK_BACKEND", backend)
         got = estimate_topk(q, k, budgets, 32)
         assert torch.equal(ref[0], got[0]), backend
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("path", ["sampled-window", "forced-fallback"])
+@pytest.mark.parametrize("S,bs", [(9001, 0), (4099, 64)])
+def test_gpu_kernel_paths(dtype, path, S, bs):
+    """The CUDA kernel's sampled-window path (forced at small S) and its exact fallback (forced for
+    every row) select exactly what naive selects, on continuous and on heavily tied inputs."""
+    from megatron_dsv.ops.topk_estimation.cuda_impl import cuda_extension, estimate_topk_cuda
+
+    if cuda_extension() is None:
+        pytest.skip("megatron_dsv._C is not built")
+    kw = dict(sample_stride=8) if path == "sampled-window" else dict(force_fallback=True)
+    nit = S if bs == 0 else -(-S // bs)
+    budgets = torch.tensor([[nit // 10, max(1, nit // 50), nit // 3, nit - 1]], device="cuda")
+    torch.manual_seed(5)
+    cont = (torch.randn(1, 4, S, 16, device="cuda").to(dtype), torch.randn(1, 4, S, 16, device="cuda").to(dtype))
+    ints = (_ints((1, 4, S, 16), dtype, "cuda", seed=31), _ints((1, 4, S, 16), dtype, "cuda", lo=-1, hi=2, seed=32))
+    for q, k in (cont, ints):
+        ref = estimate_topk_naive(q, k, budgets, 32, bs)
+        got = estimate_topk_cuda(q, k, budgets, 32, bs, **kw)
+        assert torch.equal(ref[1], got[1])
+        if q is ints[0]:
+            assert torch.equal(ref[0], got[0])  # exact scores: identical lists
+        else:
+            _near_tie_equal(q, k, ref[0], got[0], ref[1], 32, bs, "mean", "max", who=path)
+
+
+@pytest.mark.gpu
+def test_gpu_scratch_chunking_and_bad_stride():
+    """Many heads with a tiny budget: the bitmask scratch is chunked over (batch, head) and the
+    result still equals naive; a bad sample_stride is a clear error."""
+    from megatron_dsv.ops.topk_estimation.cuda_impl import _SCRATCH_FLOOR, cuda_extension, estimate_topk_cuda
+
+    if cuda_extension() is None:
+        pytest.skip("megatron_dsv._C is not built")
+    S, H = 16384, 8
+    per_bh = -(-S // 32) * -(-S // 32) * 4
+    assert per_bh * H > _SCRATCH_FLOOR  # otherwise no chunking happens
+    q = _ints((1, H, S, 8), torch.float16, "cuda", seed=41)
+    k = _ints((1, H, S, 8), torch.float16, "cuda", seed=42)
+    ref = estimate_topk_naive(q, k, 3, 32)
+    got = estimate_topk_cuda(q, k, 3, 32)
+    assert torch.equal(ref[0], got[0])
+    with pytest.raises(ValueError, match="sample_stride"):
+        estimate_topk_cuda(q, k, 3, 32, sample_stride=65)
