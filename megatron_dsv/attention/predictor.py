@@ -37,7 +37,10 @@ rows of low-rank vs. true pre-softmax scores over all keys. On unit rows
 cosine is computed through the ``r x r`` Gram matrix of ``k_lr`` (:func:`_row_cosines`),
 never forming the ``rows x S`` low-rank scores: the first H200 measurement (0.8B preset,
 S = 8K) found the explicit form costing ~29 ms per layer per step. :func:`predictor_loss` is
-the explicit definition, kept as the reference the tests compare against.
+the explicit definition, kept as the reference the tests compare against. The true score rows
+are one matmul of the sampled q rows with the keys *in the model dtype* (fp32 accumulation;
+GQA heads stacked, keys never repeated or widened to fp32), which for bf16 inputs moves the
+loss by ~1e-5 relative and its gradient by ~1e-3 (tested).
 """
 
 from __future__ import annotations
@@ -73,55 +76,92 @@ def predictor_loss(lr_scores: torch.Tensor, true_scores: torch.Tensor, cos_weigh
     return cos_weight * (1.0 - cos) + mse_weight * mse
 
 
-def _unit_true_rows(q_rows: torch.Tensor, k_full: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """L2-normalised true score rows ``[B, H, stop-start, S]`` (fp32, no grad)."""
-    true = torch.matmul(q_rows[:, :, start:stop], k_full.transpose(-1, -2))
-    return torch.nn.functional.normalize(true, dim=-1, eps=1e-12)
+def _scores_fp32(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
+    """``a @ b_t`` in float32: fp32 operands as they are; bf16/fp16 operands on the tensor cores with
+    fp32 accumulation and an fp32 result where torch offers it (``bmm(out_dtype=)`` on CUDA), else
+    the model-dtype product widened (CPU, older torch)."""
+    if a.dtype == torch.float32:
+        return torch.matmul(a, b_t.float())
+    if a.is_cuda and _FP32_OUT_BMM[0]:
+        try:
+            *lead, m, d = a.shape
+            out = torch.bmm(a.reshape(-1, m, d), b_t.reshape(-1, d, b_t.shape[-1]), out_dtype=torch.float32)
+            return out.view(*lead, m, b_t.shape[-1])
+        except (TypeError, RuntimeError, NotImplementedError):
+            _FP32_OUT_BMM[0] = False  # this torch has no fp32-output bmm: widen from now on
+    return torch.matmul(a, b_t).float()
+
+
+_FP32_OUT_BMM = [True]
+
+
+def _true_rows(q_rows: torch.Tensor, k: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """True score rows ``[B, H, stop-start, S]`` in fp32 (no grad) from q rows ``[B, H, rows, D]`` and
+    keys ``[B, Hkv, S, D]`` in the model dtype. GQA: the ``H / Hkv`` query heads of one key head are
+    stacked into one matmul, so keys are never repeated or widened to fp32."""
+    B, H, _, D = q_rows.shape
+    hkv, S = k.shape[1], k.shape[2]
+    part = q_rows[:, :, start:stop]
+    n = part.shape[2]
+    grouped = part.reshape(B, hkv, (H // hkv) * n, D)  # head h = g * rep + j, as repeat_interleave
+    return _scores_fp32(grouped, k.transpose(-1, -2)).view(B, H, n, S)
+
+
+def _row_norms(true: torch.Tensor) -> torch.Tensor:
+    """``max(||row||, eps)`` ``[..., rows, 1]``: F.normalize's denominator."""
+    return torch.linalg.vector_norm(true, dim=-1, keepdim=True).clamp_min(1e-12)
 
 
 class _ProjectUnitRows(torch.autograd.Function):
     """``M = unit(q_rows k^T) @ k_lr`` (``[B, H, rows, r]``), chunked over rows.
 
-    The true score rows are recomputed in backward instead of stored, so memory stays at
-    one ``[B, H, chunk, S]`` block however long the sequence.
+    Computed as ``(true @ k_lr) / |true|``: the rows x S block is read once by the norm and once by
+    the matmul, never divided elementwise. The true score rows are recomputed in backward instead of
+    stored when there is more than one chunk, so memory stays at one ``[B, H, chunk, S]`` block
+    however long the sequence.
     """
 
     @staticmethod
-    def forward(ctx, k_lr, q_rows, k_full):
-        B, H, S, _ = k_full.shape
+    def forward(ctx, k_lr, q_rows, k):
+        B, H, S, _ = k_lr.shape
         chunk = max(1, _CHUNK_ELEMS // max(1, B * H * S))
         rows = q_rows.shape[2]
-        ctx.chunk = chunk
+        ctx.chunk, ctx.one_block = chunk, rows <= chunk
         if rows <= chunk:  # one block: keep it for backward rather than recompute it
-            unit = _unit_true_rows(q_rows, k_full, 0, rows)
-            ctx.save_for_backward(unit)
-            return torch.matmul(unit, k_lr)
-        out = [torch.matmul(_unit_true_rows(q_rows, k_full, i, i + chunk), k_lr) for i in range(0, rows, chunk)]
-        ctx.save_for_backward(q_rows, k_full)
+            true = _true_rows(q_rows, k, 0, rows)
+            norm = _row_norms(true)
+            ctx.save_for_backward(true, norm)
+            return torch.matmul(true, k_lr) / norm
+        out = []
+        for i in range(0, rows, chunk):
+            true = _true_rows(q_rows, k, i, i + chunk)
+            out.append(torch.matmul(true, k_lr) / _row_norms(true))
+        ctx.save_for_backward(q_rows, k)
         return torch.cat(out, dim=2)
 
     @staticmethod
     def backward(ctx, d_m):
-        if len(ctx.saved_tensors) == 1:
-            return torch.matmul(ctx.saved_tensors[0].transpose(-1, -2), d_m), None, None
-        q_rows, k_full = ctx.saved_tensors
+        if ctx.one_block:
+            true, norm = ctx.saved_tensors
+            return torch.matmul(true.transpose(-1, -2), d_m / norm), None, None
+        q_rows, k = ctx.saved_tensors
         d_k = None
         for i in range(0, q_rows.shape[2], ctx.chunk):
-            part = torch.matmul(_unit_true_rows(q_rows, k_full, i, i + ctx.chunk).transpose(-1, -2),
-                                d_m[:, :, i:i + ctx.chunk])
+            true = _true_rows(q_rows, k, i, i + ctx.chunk)
+            part = torch.matmul(true.transpose(-1, -2), d_m[:, :, i:i + ctx.chunk] / _row_norms(true))
             d_k = part if d_k is None else d_k + part
         return d_k, None, None
 
 
-def _row_cosines(q_lr: torch.Tensor, k_lr: torch.Tensor, q_rows: torch.Tensor, k_full: torch.Tensor) -> torch.Tensor:
+def _row_cosines(q_lr: torch.Tensor, k_lr: torch.Tensor, q_rows: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Cosine between each sampled query's low-rank score row ``q_lr k_lr^T`` and its true row.
 
     With ``b`` the unit true row: ``lr . b = q_lr . (b k_lr)`` and
     ``|lr|^2 = q_lr^T (k_lr^T k_lr) q_lr``, so only ``[rows, r]`` and ``[r, r]`` tensors carry
     gradients; the ``rows x S`` low-rank scores are never formed. Equals the row cosine of
-    :func:`predictor_loss` (tested).
+    :func:`predictor_loss` (tested). ``q_rows`` / ``k`` (``[B, Hkv, S, D]``) in the model dtype.
     """
-    m = _ProjectUnitRows.apply(k_lr, q_rows, k_full)  # [B, H, rows, r]
+    m = _ProjectUnitRows.apply(k_lr, q_rows, k)  # [B, H, rows, r]
     gram = torch.matmul(k_lr.transpose(-1, -2), k_lr)  # [B, H, r, r]
     num = (q_lr * m).sum(-1)
     den_sq = (torch.matmul(q_lr, gram) * q_lr).sum(-1)
@@ -213,9 +253,8 @@ class LowRankPredictor(nn.Module):
         hidden = hidden.detach() if hidden is not None else None
         B, H, S, _ = q.shape
         rows = query_index.numel()
-        q_rows = q.index_select(2, query_index).float()
-        k = k.float()  # once: the projection and the true scores both read fp32 keys
-        k_full = k if k.shape[1] == H else k.repeat_interleave(H // k.shape[1], dim=1)
+        # True scores in the model dtype (fp32 accumulation): no fp32 or GQA-repeated copy of the keys.
+        q_rows = q.index_select(2, query_index)
         cfg = self.cfg
         # On unit rows MSE = 2 (1 - cos) / S, so the paper's loss is one weight times (1 - cos).
         weight = cfg.predictor_loss_cos_weight + 2.0 * cfg.predictor_loss_mse_weight / S
@@ -223,10 +262,11 @@ class LowRankPredictor(nn.Module):
             leaves = {n: p.detach().requires_grad_(True) for n, p in self._weights()}
             if self.mode == "qk":
                 q_lr, k_lr = self.project(q_rows, k, None, leaves)
-            else:
-                q_lr = self.project(q, k, hidden.index_select(0, query_index), leaves)[0]
-                k_lr = self.project(q, k, hidden, leaves)[1]
-            cos = _row_cosines(q_lr, k_lr, q_rows, k_full)
+            else:  # project only the half each side needs: q_lr of the sampled rows, k_lr of all tokens
+                w, r = leaves["w"], self.rank
+                q_lr = torch.einsum("sbk,hkr->bhsr", hidden.index_select(0, query_index).float(), w[..., :r])
+                k_lr = torch.einsum("sbk,hkr->bhsr", hidden.float(), w[..., r:])
+            cos = _row_cosines(q_lr, k_lr, q_rows, k)
             loss = weight * (1.0 - cos).sum() / (B * H * rows)
             grads = torch.autograd.grad(loss, list(leaves.values()))
         for (name, _), g in zip(self._weights(), grads):
