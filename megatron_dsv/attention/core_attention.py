@@ -14,8 +14,11 @@ What one forward does (q, k, v as ``[B, H, S, D]``):
 * training with grad enabled: the predictor loss on sampled queries (1 in
   ``predictor_query_stride``) adds to the predictor's private gradient (see
   ``predictor.py`` for why the predictor trains outside the main optimizer);
-  on profiler steps the exact per-head sparsity and the recall of the lists the
-  dispatcher would use are measured on the same sampled queries;
+  on profiler steps the exact per-head sparsity, the budget density the budget rule asks
+  for (``budget_rule='recall'``: the list length where the recall curve of the estimator's
+  lists reaches ``recall_target``) and the recall of the lists the dispatcher would use are
+  measured on the same sampled queries; stage 2 trains the predictor every
+  ``predictor_train_interval`` steps;
 * stage 1, or a layer the dispatcher keeps dense: dense attention
   (:func:`megatron_dsv.ops.dense.dense_attention`, cuDNN first on GPU);
 * stage 2 and a sparse layer: low-rank estimation (``estimate_topk``) then the sparse kernel;
