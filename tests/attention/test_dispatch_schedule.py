@@ -107,8 +107,17 @@ def test_sampling_and_smoothing():
     (dict(stage_switch_rule="steps"), "stage_switch_steps"), (dict(theta=1.0), "theta"),
     (dict(sparsity_momentum=1.0), "sparsity_momentum"), (dict(query_group_shape=(3, 3, 3)), "query_group_shape"),
     (dict(predictor_rank=12), "predictor_rank"), (dict(k_min=0), "k_min"),
+    (dict(budget_rule="tokens"), "budget_rule"), (dict(recall_target=0.0), "recall_target"),
+    (dict(recall_target=1.5), "recall_target"), (dict(predictor_train_interval=-1), "predictor_train_interval"),
+    (dict(predictor_train_interval=1.5), "predictor_train_interval"),
 ])
 def test_bad_config_errors(kw, name):
     with pytest.raises(ValueError, match=name):
         DSVConfig(**kw)
     assert math.isfinite(DSVConfig().stage_switch_loss)
+
+
+def test_budget_knob_defaults():
+    c = DSVConfig()
+    assert (c.budget_rule, c.recall_target, c.predictor_train_interval) == ("recall", 0.96, 1)
+    assert DSVConfig(recall_target=1.0, predictor_train_interval=0).recall_target == 1.0

@@ -35,10 +35,13 @@ def _recall_at(q, k, q_lr, k_lr, budgets, G, block, qidx, proxy="mean", block_sc
     return critical_mass_recall(q, k, idx, counts, G, block, 0.9, None, qidx)
 
 
-@pytest.mark.parametrize("G,block,proxy,block_score", [(16, 0, "mean", "max"), (16, 64, "mean", "max"),
-                                                       (32, 64, "middle", "lse"), (1, 0, "mean", "max")],
-                         ids=["G16-token", "G16-block64", "G32-block64-middle-lse", "G1-token"])
-@pytest.mark.parametrize("target", [0.5, 0.9, 0.97])
+_CASES = [(16, 0, "mean", "max"), (16, 64, "mean", "max"), (32, 64, "middle", "lse")]
+
+
+@pytest.mark.parametrize("G,block,proxy,block_score,target",
+                         [c + (t,) for c in _CASES for t in (0.5, 0.9, 0.97)] + [(1, 0, "mean", "max", 0.9)],
+                         ids=[f"{n}-{t}" for n in ("G16-token", "G16-block64", "G32-block64-middle-lse")
+                              for t in (0.5, 0.9, 0.97)] + ["G1-token-0.9"])
 def test_budget_is_smallest_reaching_target(G, block, proxy, block_score, target):
     q, k, q_lr, k_lr = _planted(hkv=1)  # GQA: 2 query heads share one key head
     qidx = torch.arange(3, 640, 7)
