@@ -430,7 +430,7 @@ __device__ void rank_candidates(const Cand* c, int n, int r, int lane, Shared& s
 }
 
 template <typename T, int R, int BS>
-__global__ void __launch_bounds__(NTHREADS, 2) topk_kernel(TopkArgs p) {
+__global__ void __launch_bounds__(NTHREADS, BS == 0 ? 3 : 2) topk_kernel(TopkArgs p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Shared& sm = *reinterpret_cast<Shared*>(smem_raw);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
@@ -586,7 +586,6 @@ __global__ void __launch_bounds__(NTHREADS, 2) topk_kernel(TopkArgs p) {
   // ---- main pass: bits of items >= eH, exact counts, window [eL, eH) into the output row
   {
     float eH[MT][2], eL[MT][2];
-    int cnt[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -594,60 +593,64 @@ __global__ void __launch_bounds__(NTHREADS, 2) topk_kernel(TopkArgs p) {
         const int row = mt * 16 + h * 8 + g;
         eH[mt][h] = act[mt][h] ? sm.eH[row] : INFINITY;
         eL[mt][h] = act[mt][h] ? sm.eL[row] : INFINITY;
-        cnt[mt][h] = 0;
       }
-    uint32_t wb[MT][2];
-    sweep_chunks(
-        sc, NT, NW, warp, lane,
-        [&](int nt, int u, float(&v)[MT][4]) {
-          if (u == 0) {
+    // Lane (g, t) owns row (t >> 1) * 16 + (t & 1) * 8 + g of every bitmask word it stores.
+    const int myrow = (t >> 1) * 16 + (t & 1) * 8 + g;
+    int mycount = 0;
+    for (int c = warp; c < NW; c += NWARPS) {
+      typename ItemScorer<T, R, BS>::Frag fr[UH];
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) wb[mt][0] = wb[mt][1] = 0u;
+      for (int u = 0; u < UH; ++u) sc.load((c * UH + u) * 8, fr[u], lane);
+      uint32_t wb[MT][2] = {};  // bit u*8 + (item & 1); shifted by 2t at the end of the chunk
+#pragma unroll
+      for (int u = 0; u < UH; ++u) {
+        const int nt = c * UH + u;
+        if (nt >= NT) break;
+        float v[MT][4];
+        sc.compute(nt * 8, fr[u], v, lane);
+        const int rem = n_items - nt * 8 - 2 * t;  // items 2t, 2t+1 of this tile exist?
+        const bool ok[2] = {rem > 0, rem > 1};
+        uint32_t wf = 0u;  // this lane's window items of the tile: bit mt * 4 + c
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int cc = 0; cc < 4; ++cc) {
+            const int h = cc >> 1;
+            const float s = v[mt][cc];
+            const bool above = ok[cc & 1] && s >= eH[mt][h];
+            const bool inwin = ok[cc & 1] && !above && s >= eL[mt][h];
+            wb[mt][h] |= above ? (1u << (u * 8 + (cc & 1))) : 0u;
+            wf |= inwin ? (1u << (mt * 4 + cc)) : 0u;
           }
+        while (wf) {  // rare: ~3% of the items
+          const int b = __ffs(wf) - 1;
+          wf &= wf - 1u;
+          float s = v[0][0];
 #pragma unroll
-          for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-              const int h = c >> 1, j = 2 * t + (c & 1), item = nt * 8 + j;
-              const float s = v[mt][c];
-              if (item < n_items) {
-                if (s >= eH[mt][h]) {
-                  wb[mt][h] |= 1u << (u * 8 + j);
-                  ++cnt[mt][h];
-                } else if (s >= eL[mt][h]) {
-                  const int row = mt * 16 + h * 8 + g;
-                  const int pos = atomicAdd(&sm.W[row], 1);
-                  if (pos < wcap) {
-                    int32_t* o = out + (size_t)row * kmax + 2 * pos;
-                    o[0] = __float_as_int(s);
-                    o[1] = item;
-                  }
-                }
-              }
-            }
-        },
-        [&](int c) {
-          if (c * UH >= NT) return;
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              wb[mt][h] |= __shfl_xor_sync(FULL, wb[mt][h], 1);
-              wb[mt][h] |= __shfl_xor_sync(FULL, wb[mt][h], 2);
-            }
-          const uint32_t my = t == 0 ? wb[0][0] : t == 1 ? wb[0][1] : t == 2 ? wb[1][0] : wb[1][1];
-          const int myrow = (t >> 1) * 16 + (t & 1) * 8 + g;
-          if (myrow < rows_here) bits[(size_t)myrow * NW + c] = my;
-        });
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        int x = cnt[mt][h];
-        x += __shfl_xor_sync(FULL, x, 1);
-        x += __shfl_xor_sync(FULL, x, 2);
-        if (t == 0 && act[mt][h]) atomicAdd(&sm.A[mt * 16 + h * 8 + g], x);
+          for (int x = 1; x < MT * 4; ++x)
+            if (b == x) s = v[x >> 2][x & 3];
+          const int row = (b >> 2) * 16 + ((b >> 1) & 1) * 8 + g;
+          const int pos = atomicAdd(&sm.W[row], 1);
+          if (pos < wcap) {
+            int32_t* o = out + (size_t)row * kmax + 2 * pos;
+            o[0] = __float_as_int(s);
+            o[1] = nt * 8 + 2 * t + (b & 1);
+          }
+        }
       }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          wb[mt][h] <<= 2 * t;
+          wb[mt][h] |= __shfl_xor_sync(FULL, wb[mt][h], 1);
+          wb[mt][h] |= __shfl_xor_sync(FULL, wb[mt][h], 2);
+        }
+      const uint32_t my = t == 0 ? wb[0][0] : t == 1 ? wb[0][1] : t == 2 ? wb[1][0] : wb[1][1];
+      if (myrow < rows_here) bits[(size_t)myrow * NW + c] = my;
+      mycount += __popc(my);
+    }
+    if (myrow < rows_here) atomicAdd(&sm.A[myrow], mycount);
   }
   __syncthreads();
   if (tid < rows_here) {

@@ -362,7 +362,7 @@ def test_gpu_scratch_chunking_and_bad_stride():
 
     if cuda_extension() is None:
         pytest.skip("megatron_dsv._C is not built")
-    S, H = 16384, 8
+    S, H = 16384, 32
     per_bh = -(-S // 32) * -(-S // 32) * 4
     assert per_bh * H > _SCRATCH_FLOOR  # otherwise no chunking happens
     q = _ints((1, H, S, 8), torch.float16, "cuda", seed=41)
