@@ -11,6 +11,7 @@ handle, so it links only against the CUDA runtime, never torch's C++ ABI.
 A missing nvcc never fails the install unless DSV_FORCE_CUDA_BUILD=1.
 """
 
+import concurrent.futures
 import os
 import shutil
 import subprocess
@@ -78,7 +79,7 @@ class NvccBuildExt(build_ext):
                     f"-I{cuda_home / 'include'}", f"-I{ROOT / 'csrc'}"]
         build_tmp = Path(self.build_temp) / "csrc"
         build_tmp.mkdir(parents=True, exist_ok=True)
-        objects = []
+        jobs = []
         for src in sorted(ext.sources):
             obj = build_tmp / (Path(src).name + ".o")
             if src.endswith(".cu"):
@@ -87,9 +88,13 @@ class NvccBuildExt(build_ext):
             else:
                 cmd = [os.environ.get("CXX", "c++"), "-c", src, "-o", str(obj), "-O3", "-std=c++17",
                        "-fPIC", "-fvisibility=hidden", *includes]
-            print(" ".join(cmd))
-            subprocess.check_call(cmd)
-            objects.append(str(obj))
+            jobs.append((cmd, str(obj)))
+        # one nvcc per translation unit, in parallel (the kernels are split by dtype for this)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+            for cmd, _ in jobs:
+                print(" ".join(cmd))
+            list(pool.map(lambda job: subprocess.check_call(job[0]), jobs))
+        objects = [obj for _, obj in jobs]
         out = Path(self.get_ext_fullpath(ext.name))
         out.parent.mkdir(parents=True, exist_ok=True)
         libdirs = [cuda_home / "lib64", cuda_home / "lib", cuda_home / "targets" / "x86_64-linux" / "lib"]
@@ -102,7 +107,7 @@ class NvccBuildExt(build_ext):
 def _extensions():
     if _flag("DSV_SKIP_CUDA_BUILD"):
         return []
-    sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").glob("*.c[up]*"))
+    sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").iterdir() if p.suffix in (".cu", ".cpp"))
     if not sources:
         return []
     if _cuda_home() is None and not _flag("DSV_FORCE_CUDA_BUILD"):

@@ -27,17 +27,22 @@ def main(argv=None):
     ap.add_argument("--sparsity", type=float, default=0.9)
     ap.add_argument("--launches", type=int, default=3)
     ap.add_argument("--time", action="store_true", help="also time with CUDA events")
+    ap.add_argument("--sample-stride", type=int, default=0, help="force the kernel's sample stride (0 = auto)")
+    ap.add_argument("--force-fallback", action="store_true", help="every row takes the exact fallback")
+    ap.add_argument("--flags", type=int, default=0, help="debug stops: 2 = after the main pass, 4 = before compaction")
     a = ap.parse_args(argv)
     torch.manual_seed(0)
     q = torch.randn(1, a.H, a.S, a.r, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, a.H, a.S, a.r, device="cuda", dtype=torch.bfloat16)
     unit = a.block or 1
     K = int(math.ceil((1 - a.sparsity) * a.S / unit / 128) * 128) if unit == 1 else int(math.ceil((1 - a.sparsity) * a.S / unit))
+    kw = dict(sample_stride=a.sample_stride, force_fallback=a.force_fallback, debug_flags=a.flags)
     for _ in range(a.launches):
-        estimate_topk_cuda(q, k, K, a.G, a.block)
+        estimate_topk_cuda(q, k, K, a.G, a.block, **kw)
     torch.cuda.synchronize()
     if a.time:
-        print(f"S={a.S} G={a.G} block={a.block} K={K}: {bench_ms(lambda: estimate_topk_cuda(q, k, K, a.G, a.block)):.3f} ms")
+        ms = bench_ms(lambda: estimate_topk_cuda(q, k, K, a.G, a.block, **kw))
+        print(f"S={a.S} G={a.G} block={a.block} K={K} {kw}: {ms:.3f} ms")
 
 
 if __name__ == "__main__":

@@ -61,7 +61,8 @@ void topk_estimation(std::uintptr_t q, std::uintptr_t k, std::uintptr_t counts, 
   need_ptr("counts", counts, 4);
   if (sample_stride < 0 || sample_stride > 64)
     bad("sample_stride", "must be in [0, 64] (0 = automatic), got " + std::to_string(sample_stride));
-  if (flags < 0 || flags > 1) bad("flags", "must be 0 or 1 (force the exact fallback), got " + std::to_string(flags));
+  if (flags < 0 || flags > 7)
+    bad("flags", "must be in [0, 7] (1: force the exact fallback; 2, 4: timing stops), got " + std::to_string(flags));
   if (kmax > 0) {
     need_ptr("out", out, 4);
     need_ptr("bits", bits, 4);
@@ -104,6 +105,7 @@ PYBIND11_MODULE(_C, m) {
         "q, k [B, H, S, r] (dtype), counts int32 [B, H] (clipped budgets), out int32 [B, H, ceil(S/G), kmax],\n"
         "bits int32 [B, H, ceil(S/G), ceil(n_items/32)] scratch. Runs on `stream` (cudaStream_t as int).\n"
         "sample_stride: 0 = automatic, else every sample_stride-th tile feeds the threshold sample (tests);\n"
-        "flags: 1 = every row takes the exact fallback path (tests).");
+        "flags: 1 = every row takes the exact fallback path (tests); 2 / 4 stop after the main pass / before the\n"
+        "compaction (timing of the kernel's stages only: the lists are then incomplete).");
   m.def("topk_smem_bytes", &dsv::topk_smem_bytes, "Dynamic shared memory of the selection kernel (bytes).");
 }

@@ -21,7 +21,8 @@ struct TopkArgs {
   int block_score;        // 0 max, 1 log-sum-exp
   int dtype;              // TopkDType
   int sample_stride;      // 0: chosen per (batch, head) from its budget; >= 1: forced (tests)
-  int flags;              // bit 0: every row takes the exact fallback (tests)
+  int flags;              // bit 0: every row takes the exact fallback (tests); bits 1, 2: stop after
+                          // the main pass / before the compaction (timing only: lists incomplete)
 };
 
 // Launches on `stream` (a cudaStream_t). Returns 0 or a cudaError_t code.

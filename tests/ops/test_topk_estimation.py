@@ -229,7 +229,7 @@ def test_binding_validates():
                 block_size=0, kmax=4, dtype="bfloat16", proxy="mean", block_score="max", stream=0)
     for key, bad in [("r", 12), ("block_size", 32), ("dtype", "float64"), ("proxy", "x"), ("block_score", "x"),
                      ("S", 0), ("group_size", 0), ("kmax", 65), ("q", 0), ("k", 258), ("bits", 0),
-                     ("sample_stride", -1), ("flags", 2)]:
+                     ("sample_stride", -1), ("flags", 8)]:
         with pytest.raises(ValueError, match=key.split("_")[0]):
             _C.topk_estimation(**{**base, key: bad})
 

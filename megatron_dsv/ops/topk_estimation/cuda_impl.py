@@ -30,13 +30,15 @@ _SCRATCH_FLOOR = 16 << 20  # bytes of bitmask scratch always allowed per launch
 
 
 def estimate_topk_cuda(q_lr, k_lr, budgets, group_size, block_size=0, proxy="mean", block_score="max", *,
-                       sample_stride=0, force_fallback=False):
+                       sample_stride=0, force_fallback=False, debug_flags=0):
     """Same contract as :func:`estimate_topk`, on the CUDA kernel.
 
     Extra memory: the output lists plus a selection bitmask of ``ceil(n_items / 32)`` words per
     query group. (Batch, head) pairs are launched in chunks so that the bitmask never exceeds the
     output's size (or 16 MiB): peak extra memory <= 2x the lists. ``sample_stride`` (0 = the
-    kernel's choice) and ``force_fallback`` exist for tests of the kernel's internal paths.
+    kernel's choice) and ``force_fallback`` exist for tests of the kernel's internal paths;
+    ``debug_flags`` 2 / 4 stop the kernel after its main pass / before its compaction (stage
+    timing only: the lists are then incomplete).
     """
     P = check_problem(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score)
     if not q_lr.is_cuda:
@@ -68,5 +70,5 @@ def estimate_topk_cuda(q_lr, k_lr, budgets, group_size, block_size=0, proxy="mea
             ext.topk_estimation(qf[i0].data_ptr(), kf[i0].data_ptr(), cf[i0:i1].data_ptr(), of[i0].data_ptr(),
                                 bits.data_ptr(), 1, i1 - i0, P.S, P.r, P.group_size, P.block_size, P.kmax,
                                 _DTYPE_NAMES[q.dtype], P.proxy, P.block_score, stream, sample_stride,
-                                int(bool(force_fallback)))
+                                int(bool(force_fallback)) | int(debug_flags))
     return out, counts
