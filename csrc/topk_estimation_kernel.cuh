@@ -69,6 +69,9 @@ struct Shared {
   int any_fail, any_overflow;
 };
 
+static_assert(sizeof(uint32_t) * TG * NB >= sizeof(int32_t) * NWARPS * 1024,
+              "the compaction's staging buffers live in Shared::u");
+
 template <typename T> __device__ __forceinline__ float to_f(T x);
 template <> __device__ __forceinline__ float to_f<float>(float x) { return x; }
 template <> __device__ __forceinline__ float to_f<__half>(__half x) { return __half2float(x); }
@@ -877,8 +880,10 @@ __global__ void __launch_bounds__(NTHREADS, BS == 0 ? 3 : 2) topk_kernel(TopkArg
     __syncthreads();
   }
 
-  // ---- compaction: bitmask -> ascending item ids, then -1 padding
+  // ---- compaction: bitmask -> ascending item ids, then -1 padding. Each warp expands 32 words
+  // (up to 1024 ids) into a shared staging buffer, then writes them with coalesced stores.
   if (p.flags & 4) return;  // timing: everything but the compaction
+  int32_t* stage = reinterpret_cast<int32_t*>(sm.u.hist) + warp * 1024;  // u is dead here
   for (int row = warp; row < rows_here; row += NWARPS) {
     const uint32_t* br = bits + (size_t)row * NW;
     int32_t* o = out + (size_t)row * kmax;
@@ -893,14 +898,18 @@ __global__ void __launch_bounds__(NTHREADS, BS == 0 ? 3 : 2) topk_kernel(TopkArg
         const int y = __shfl_up_sync(FULL, incl, off);
         if (lane >= off) incl += y;
       }
-      int pos = base + incl - n;
+      const int total = __shfl_sync(FULL, incl, 31);
+      int pos = incl - n;
       while (w) {
         const int b = __ffs(w) - 1;
         w &= w - 1u;
-        if (pos < K) o[pos] = c * 32 + b;
-        ++pos;
+        stage[pos++] = c * 32 + b;
       }
-      base += __shfl_sync(FULL, incl, 31);
+      __syncwarp();
+      for (int i = lane; i < total; i += 32)
+        if (base + i < K) o[base + i] = stage[i];
+      __syncwarp();
+      base += total;
     }
     for (int j = K + lane; j < kmax; j += 32) o[j] = -1;
   }
