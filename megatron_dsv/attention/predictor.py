@@ -168,6 +168,43 @@ def _row_cosines(q_lr: torch.Tensor, k_lr: torch.Tensor, q_rows: torch.Tensor, k
     return num / den_sq.clamp_min(1e-24).sqrt()
 
 
+def _unit_rows_times_keys(q_rows: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``U = unit(q_rows k^T) @ k`` (``[B, H, rows, D]``, fp32, no grad), chunked over rows.
+
+    With ``k_lr = k Wk``, ``unit(true) @ k_lr = U Wk``: the qk predictor's loss needs only ``U`` and
+    ``k^T k``, both tensor-core products in the model dtype with fp32 accumulation, and autograd
+    then sees only ``[rows, D]``-sized tensors (no fp32 GEMM over the sequence).
+    """
+    B, H, rows, D = q_rows.shape
+    hkv, S = k.shape[1], k.shape[2]
+    chunk = max(1, _CHUNK_ELEMS // max(1, B * H * S))
+    out = []
+    for i in range(0, rows, chunk):
+        true = _true_rows(q_rows, k, i, i + chunk)  # [B, H, n, S] fp32
+        n = true.shape[2]
+        grouped = true.to(k.dtype).reshape(B, hkv, (H // hkv) * n, S)  # heads as in _true_rows
+        out.append(_scores_fp32(grouped, k).view(B, H, n, D) / _row_norms(true))
+    return torch.cat(out, dim=2)
+
+
+def _qk_row_cosines(q_rows: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor) -> torch.Tensor:
+    """:func:`_row_cosines` for the qk predictor (``q_lr = q Wq``, ``k_lr = k Wk`` per head), by
+    associativity: ``lr . b = q_lr . (U Wk)`` and ``|lr|^2 = q_lr^T Wk^T (k^T k) Wk q_lr`` (tested
+    equal). ``q_rows`` ``[B, H, rows, D]``, ``k`` ``[B, Hkv, S, D]`` in the model dtype."""
+    H, hkv = q_rows.shape[1], k.shape[1]
+    with torch.no_grad():
+        u = _unit_rows_times_keys(q_rows, k)  # [B, H, rows, D]
+        gk = _scores_fp32(k.transpose(-1, -2), k)  # k^T k [B, Hkv, D, D]
+        if hkv != H:
+            gk = gk.repeat_interleave(H // hkv, dim=1)  # D x D per head: small
+    q_lr = torch.einsum("bhsd,hdr->bhsr", q_rows.float(), wq)
+    m = torch.einsum("bhsd,hdr->bhsr", u, wk)
+    gram = torch.einsum("hdr,bhde,hes->bhrs", wk, gk, wk)  # k_lr^T k_lr
+    num = (q_lr * m).sum(-1)
+    den_sq = (torch.matmul(q_lr, gram) * q_lr).sum(-1)
+    return num / den_sq.clamp_min(1e-24).sqrt()
+
+
 class LowRankPredictor(nn.Module):
     """fp32 low-rank predictor for ``heads`` local query heads (TP-sharded along dim 0)."""
 
@@ -260,13 +297,13 @@ class LowRankPredictor(nn.Module):
         weight = cfg.predictor_loss_cos_weight + 2.0 * cfg.predictor_loss_mse_weight / S
         with torch.enable_grad():
             leaves = {n: p.detach().requires_grad_(True) for n, p in self._weights()}
-            if self.mode == "qk":
-                q_lr, k_lr = self.project(q_rows, k, None, leaves)
+            if self.mode == "qk":  # no projection of the keys at all (see _qk_row_cosines)
+                cos = _qk_row_cosines(q_rows, k, leaves["wq"], leaves["wk"])
             else:  # project only the half each side needs: q_lr of the sampled rows, k_lr of all tokens
                 w, r = leaves["w"], self.rank
                 q_lr = torch.einsum("sbk,hkr->bhsr", hidden.index_select(0, query_index).float(), w[..., :r])
                 k_lr = torch.einsum("sbk,hkr->bhsr", hidden.float(), w[..., r:])
-            cos = _row_cosines(q_lr, k_lr, q_rows, k)
+                cos = _row_cosines(q_lr, k_lr, q_rows, k)
             loss = weight * (1.0 - cos).sum() / (B * H * rows)
             grads = torch.autograd.grad(loss, list(leaves.values()))
         for (name, _), g in zip(self._weights(), grads):
