@@ -1,0 +1,126 @@
+"""Plots of the committed GPU results (PNG next to each JSON in benchmarks/results/).
+
+    python benchmarks/plot_results.py [--results benchmarks/results]
+
+- ``topk_estimation-*.png``: selection time against S (log-log) per backend and granularity, with
+  the same-run dense fwd+bwd of the layer and 2.5% of it (the issue's budget for selection).
+- ``sparse_attention-*.png``: sparse over cuDNN speedup against sparsity, forward and backward.
+- ``recall-*.png``: per layer, recall of the theta critical mass, exact sparsity and the budget
+  density the dispatcher used.
+Only files that exist are plotted; nothing is measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _load(path):
+    with open(path) as f:
+        data = json.load(f)
+    return data.get("meta", {}), data.get("rows", [])
+
+
+def _title(meta, what):
+    return f"{what} - {meta.get('gpu', '?')}, torch {meta.get('torch', '?')}, commit {meta.get('commit', '?')}"
+
+
+def plot_topk(path):
+    meta, rows = _load(path)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series = {}
+    for r in rows:
+        if "ms_select" in r:
+            series.setdefault(f"{r['backend']} {r['granularity']}", []).append((r["S"], r["ms_select"]))
+    for name, pts in sorted(series.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=name)
+    dense = sorted({(r["S"], r["ms_dense_fwd"] + r["ms_dense_bwd"]) for r in rows if "ms_dense_fwd" in r})
+    if dense:
+        ax.plot([d[0] for d in dense], [d[1] for d in dense], "k--", label="dense fwd+bwd (cuDNN)")
+        ax.plot([d[0] for d in dense], [0.025 * d[1] for d in dense], "k:", label="2.5% of dense")
+    G = rows[0].get("G", "?") if rows else "?"
+    ax.set(xscale="log", yscale="log", xlabel="sequence length S", ylabel="ms",
+           title=_title(meta, f"top-k estimation, G={G}"))
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    return fig
+
+
+def plot_sparse(path):
+    meta, rows = _load(path)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series = {}
+    for r in rows:
+        if "speedup_fwd" in r and r.get("G", r.get("group_size")) == 128:
+            key = (r["S"], r["granularity"])
+            series.setdefault(key, []).append((r["sparsity"], r["speedup_fwd"], r.get("speedup_bwd")))
+    for (S, gran), pts in sorted(series.items()):
+        pts.sort()
+        line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"S={S} {gran} fwd")
+        if all(p[2] is not None for p in pts):
+            ax.plot([p[0] for p in pts], [p[2] for p in pts], "s--", color=line.get_color(), label=f"S={S} {gran} bwd")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set(xlabel="sparsity", ylabel="speedup over cuDNN (same run)", title=_title(meta, "sparse attention, G=128"))
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(True, alpha=0.3)
+    return fig
+
+
+def plot_recall(path):
+    meta, rows = _load(path)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for inp in sorted({r.get("predictor_input", "?") for r in rows}):
+        mine = sorted((r for r in rows if r.get("predictor_input") == inp), key=lambda r: r["layer"])
+        layers = [r["layer"] for r in mine]
+        ax.plot(layers, [r["recall"] for r in mine], "o-", label=f"recall ({inp})")
+        ax.plot(layers, [r["sparsity"] for r in mine], "s--", label=f"exact sparsity at theta ({inp})")
+        if all("budget_density" in r for r in mine):
+            ax.plot(layers, [r["budget_density"] for r in mine], "^:", label=f"budget density ({inp})")
+    if rows:
+        r0 = rows[0]
+        what = (f"recall, {r0.get('preset')} S={r0.get('S')} {r0.get('granularity')} "
+                f"cube {r0.get('cube')} rule {r0.get('budget_rule', 'sparsity')}")
+    else:
+        what = "recall"
+    ax.axhline(0.95, color="k", lw=0.8, ls=":")
+    ax.set(xlabel="layer", ylim=(0, 1.02), title=_title(meta, what))
+    ax.title.set_fontsize(8)
+    ax.legend(fontsize=8)
+    ax.grid(True, alpha=0.3)
+    return fig
+
+
+PLOTTERS = {"topk_estimation": plot_topk, "sparse_attention-h200": plot_sparse, "recall": plot_recall}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = ap.parse_args(argv)
+    written = []
+    for path in sorted(glob.glob(os.path.join(args.results, "*.json"))):
+        name = os.path.basename(path)
+        fn = next((f for prefix, f in PLOTTERS.items() if name.startswith(prefix)), None)
+        if fn is None:
+            continue
+        fig = fn(path)
+        out = path[:-5] + ".png"
+        fig.tight_layout()
+        fig.savefig(out, dpi=110)
+        plt.close(fig)
+        written.append(out)
+        print(f"wrote {out}")
+    return written
+
+
+if __name__ == "__main__":
+    main()
