@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dsv.attention.core_attention import DSVCoreAttention
+from megatron_dsv.attention.predictor import adam_step_many
 from megatron_dsv.attention.schedule import should_switch
 
 __all__ = ["dsv_layers", "dsv_on_step_end", "dsv_metrics", "dsv_stage"]
@@ -158,8 +159,9 @@ def dsv_on_step_end(model, iteration: Optional[int] = None, dp_group=None) -> in
         return 1
     step = iteration if iteration is not None else layers[0].step_host + 1
     stage = 2 if in_stage2 or should_switch(layers[0].dsv_config, step, mean_loss) else 1
-    for layer, (pending, grad_count) in zip(layers, per_layer):
-        layer.predictor.adam_step(layer.predictor_lr(), grad_count)
+    adam_step_many([layer.predictor for layer in layers], [layer.predictor_lr() for layer in layers],
+                   [grad_count for _, grad_count in per_layer])
+    for layer, (pending, _) in zip(layers, per_layer):
         layer.finish_step(pending, step, stage)
     return stage
 

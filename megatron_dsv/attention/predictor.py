@@ -46,14 +46,14 @@ loss by ~1e-5 relative and its gradient by ~1e-3 (tested).
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from megatron_dsv.config import DSVConfig
 
-__all__ = ["LowRankPredictor", "predictor_loss", "predictor_flops_per_token"]
+__all__ = ["LowRankPredictor", "adam_step_many", "predictor_loss", "predictor_flops_per_token"]
 
 _CHUNK_ELEMS = 1 << 24  # true-score elements per chunk of the predictor loss (64 MB fp32)
 _ADAM_BETAS = (0.9, 0.999)
@@ -321,22 +321,47 @@ class LowRankPredictor(nn.Module):
         ``grad_count``: the host value of the ``grad_count`` buffer when the caller has it (the step
         end fetches every layer's in one copy); ``None`` reads it from the device.
         """
-        count = float(self.grad_count[0]) if grad_count is None else float(grad_count)
+        adam_step_many([self], [lr], [grad_count])
+
+
+@torch.no_grad()
+def adam_step_many(predictors: Sequence["LowRankPredictor"], lrs: Sequence[float],
+                   grad_counts: Sequence[Optional[float]]) -> None:
+    """One Adam step for each predictor (mean of its accumulated gradient over ``grad_count``
+    micro-batches; skipped when 0), then clear the gradients. All layers' tensors go through
+    multi-tensor (``torch._foreach_*``) kernels: ~10 launches per step for the whole model instead
+    of ~10 per weight. ``grad_counts`` entries: host values, or ``None`` to read the buffer."""
+    b1, b2 = _ADAM_BETAS
+    params, grads, ms, vs, scales, bc2, steps = [], [], [], [], [], [], []
+    active = []
+    for pred, lr, count in zip(predictors, lrs, grad_counts):
+        count = float(pred.grad_count[0]) if count is None else float(count)
         if count == 0:
-            return
-        scale = 1.0 / count  # mean over micro-batches
-        if self._adam_t is None:  # after a checkpoint load: one read, then the mirror is kept
-            self._adam_t = float(self.adam_steps[0])
-        self.adam_steps += 1
-        self._adam_t += 1.0
-        t = self._adam_t
-        b1, b2 = _ADAM_BETAS
-        for name, p in self._weights():
-            g = getattr(self, f"{name}_grad") * scale
-            m, v = getattr(self, f"{name}_exp_avg"), getattr(self, f"{name}_exp_avg_sq")
-            m.mul_(b1).add_(g, alpha=1 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1 - b2)
-            denom = (v / (1 - b2 ** t)).sqrt_().add_(_ADAM_EPS)
-            p.addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
-            getattr(self, f"{name}_grad").zero_()
-        self.grad_count.zero_()
+            continue
+        if pred._adam_t is None:  # after a checkpoint load: one read, then the mirror is kept
+            pred._adam_t = float(pred.adam_steps[0])
+        pred._adam_t += 1.0
+        t = pred._adam_t
+        active.append(pred)
+        for name, p in pred._weights():
+            params.append(p)
+            grads.append(getattr(pred, f"{name}_grad"))
+            ms.append(getattr(pred, f"{name}_exp_avg"))
+            vs.append(getattr(pred, f"{name}_exp_avg_sq"))
+            scales.append(1.0 / count)
+            bc2.append(1 - b2 ** t)
+            steps.append(-lr / (1 - b1 ** t))
+    if not active:
+        return
+    g = torch._foreach_mul(grads, scales)
+    torch._foreach_mul_(ms, b1)
+    torch._foreach_add_(ms, g, alpha=1 - b1)
+    torch._foreach_mul_(vs, b2)
+    torch._foreach_addcmul_(vs, g, g, value=1 - b2)
+    denom = torch._foreach_div(vs, bc2)
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, _ADAM_EPS)
+    torch._foreach_addcdiv_(params, ms, denom, steps)
+    torch._foreach_zero_(grads)
+    torch._foreach_add_([pred.adam_steps for pred in active], 1.0)
+    torch._foreach_zero_([pred.grad_count for pred in active])
