@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One GPU session: install megatron-core from carried wheels (if any), build the CUDA extension,
 # run the GPU tests, the embedded-default training job and the end-to-end benchmarks.
-# Usage: bash tools/gpu_check.sh OUT_DIR [stage ...]   stages: build tests train recall topk (default: all)
+# Usage: bash tools/gpu_check.sh OUT_DIR [stage ...]   stages: build tests train recall predictor topk (default: all)
 # Each stage logs to OUT_DIR/<stage>.log and a failing stage does not stop the others.
 set -u
 out=${1:?usage: gpu_check.sh OUT_DIR [stage ...]}; shift
-stages=${*:-build tests train recall topk}
+stages=${*:-build tests train recall predictor topk}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -32,11 +32,13 @@ for s in $stages; do
              tests/training tests/ops/test_topk_estimation.py -k "not slow" ;;
     train) run train 240 python3 -m megatron_dsv.train --output-dir /tmp/dsv_default
            cp /tmp/dsv_default/samples/*.gif "$out/" 2>/dev/null ;;
-    recall) run recall 420 python3 benchmarks/bench_recall.py --preset 0.8b --grid 8 64 64 --cube 4 4 8 \
-              --steps 160 --batch 1 --speedup-table benchmarks/results/sparse_attention-h200-20261130.json \
-              --out-dir "$out" ;;
-    topk) run topk 180 python3 benchmarks/bench_topk_estimation.py --group-size 128 --block-size 128 \
-            --backends cuda,torch_topk --out "$out" ;;
-    *) echo "unknown stage $s (build tests train recall topk)"; exit 2 ;;
+    recall) run recall 300 python3 benchmarks/bench_recall.py --preset 0.8b --grid 16 64 64 --batch 1 \
+              --steps 120 --predictor-input qk --profile-every 10 \
+              --speedup-table benchmarks/results/sparse_attention-h200-20261130.json --out-dir "$out" ;;
+    predictor) run predictor 120 python3 benchmarks/profile_predictor.py ;;
+    topk) run topk 300 sh -c "python3 benchmarks/bench_topk_estimation.py --triton-max-s 16384 --out '$out' && \
+            python3 benchmarks/bench_topk_estimation.py --group-size 128 --block-size 128 \
+              --backends cuda,torch_topk --out '$out'" ;;
+    *) echo "unknown stage $s (build tests train recall predictor topk)"; exit 2 ;;
   esac
 done

@@ -1,0 +1,68 @@
+"""Time one layer's predictor training call and Adam step on the GPU, with a torch.profiler table.
+
+    python benchmarks/profile_predictor.py [--S 16384 --H 12 --D 96 --input qk]
+
+The default shape is the 0.8B preset at 16x64x64 latents (the recall benchmark's). Run it alone:
+another process on the host's CPUs (a build, say) inflates the launch-bound figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from megatron_dsv.attention.predictor import LowRankPredictor, adam_step_many  # noqa: E402
+from megatron_dsv.attention.schedule import sampled_queries  # noqa: E402
+from megatron_dsv.config import DSVConfig  # noqa: E402
+
+
+def _ms(fn, n):
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - t) / n
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--S", type=int, default=16384)
+    ap.add_argument("--H", type=int, default=12)
+    ap.add_argument("--D", type=int, default=96)
+    ap.add_argument("--hidden", type=int, default=1152)
+    ap.add_argument("--layers", type=int, default=28, help="predictors in the multi-tensor Adam step")
+    ap.add_argument("--input", choices=("qk", "hidden"), default="qk")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    cfg = DSVConfig(predictor_input=a.input)
+    preds = [LowRankPredictor(cfg, a.H, a.D, a.hidden, n + 1).cuda() for n in range(a.layers)]
+    q = torch.randn(1, a.H, a.S, a.D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, a.H, a.S, a.D, device="cuda", dtype=torch.bfloat16)
+    hidden = torch.randn(a.S, 1, a.hidden, device="cuda", dtype=torch.bfloat16) if a.input == "hidden" else None
+    qi = sampled_queries(a.S, cfg.predictor_query_stride, 3, "cuda")
+    step = lambda: preds[0].accumulate_grad(q, k, hidden, qi, a.D ** -0.5)  # noqa: E731
+    for _ in range(3):
+        step()
+    print(f"accumulate_grad: {_ms(step, 20):.3f} ms per layer per step (S={a.S}, H={a.H}, D={a.D}, "
+          f"{qi.numel()} sampled rows, {a.input})")
+    for p in preds:
+        p.grad_count.fill_(1.0)
+    adam = lambda: adam_step_many(preds, [1e-4] * len(preds), [1.0] * len(preds))  # noqa: E731
+    print(f"adam_step_many over {a.layers} layers: {_ms(adam, 20):.3f} ms per step")
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
