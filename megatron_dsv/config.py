@@ -94,7 +94,8 @@ class DSVConfig:
     too small for key blocks shared by a query cube (benchmarks/NOTES_recall.md: 0.60-0.81 recall on
     the H200 at 4x4x8 cubes x 128-key blocks). 'recall': at each profile step the recall curve of the
     lists the estimator would build is measured per head and ``K_h`` is where it reaches
-    ``recall_target``; the smoothed budget density ``K_h / S`` then decides sparse vs dense."""
+    ``recall_target``; the budget density ``K_h / S`` (rising at once, falling with ``sparsity_momentum``)
+    then decides sparse vs dense."""
     recall_target: float = _knob(0.96, "Budget rule 'recall': recall of the critical mass each head's lists "
                                  "must reach on the profiled queries (0 < target <= 1).")
     """Target recall of the theta-critical mass for the 'recall' budget rule."""

@@ -345,7 +345,10 @@ class DSVCoreAttention(MegatronModule):
         if sp_n > 0:
             first, m = not self.profiled_host, self.dsv_config.sparsity_momentum
             self._sparsity_cpu = smooth(self._sparsity_cpu, pending[4:4 + H] / sp_n, m, first)
-            self._density_cpu = smooth(self._density_cpu, pending[4 + 2 * H:] / sp_n, m, first)
+            # the budget rises at once and falls with the momentum: a smoothed value that lags a
+            # growing need would undershoot the recall target until it catches up
+            needed = pending[4 + 2 * H:] / sp_n
+            self._density_cpu = torch.maximum(smooth(self._density_cpu, needed, m, first), needed)
             _write(self.sparsity, self._sparsity_cpu)
             _write(self.budget_density, self._density_cpu)
             self.profiles += 1
