@@ -50,7 +50,7 @@ from megatron_dsv.attention.schedule import is_profile_step, sampled_queries, sm
 from megatron_dsv.config import DSVConfig
 from megatron_dsv.ops.dense import dense_attention
 from megatron_dsv.ops.sparse_attention.flex import flex_supported
-from megatron_dsv.ops.topk_estimation.oracle import recall_curve, smallest_k_reaching
+from megatron_dsv.ops.topk_estimation.oracle import profile_stats, smallest_k_reaching
 
 __all__ = ["DSVCoreAttention", "SUPPORTED_MASK_TYPES", "PER_HEAD_STATE"]
 
@@ -291,23 +291,29 @@ class DSVCoreAttention(MegatronModule):
         The logged recall is measured on those lists with the oracle, never read off the curve.
         """
         cfg, H, S = self.dsv_config, self.num_heads, k.shape[2]
-        k_full = k.repeat_interleave(H // k.shape[1], dim=1)
-        measured = _ops.head_sparsity(q, k_full, cfg.theta, self.softmax_scale, qidx).float().mean(0)
         projected = self.predictor.project(q, k, hidden, dtype=q.dtype)
-        if cfg.budget_rule == "recall":
-            density = self._recall_density(q, k_full, projected, qidx)
-        else:
-            density = 1.0 - measured
+        recall_rule = cfg.budget_rule == "recall"
+        curve_args = dict(q_lr=projected[0], k_lr=projected[1], group_size=cfg.group_size,
+                          block_size=cfg.block_size, proxy=cfg.group_proxy,
+                          block_score=cfg.block_score) if recall_rule else None
+        stats = dict(theta=cfg.theta, softmax_scale=self.softmax_scale, query_index=qidx)
+        if budgets is None and self.profiled_host:
+            budgets = (density_budgets(self._density_cpu, S, cfg) if recall_rule
+                       else head_budgets(self._sparsity_cpu, S, cfg))[0]
+        if budgets is not None:  # the lists are known before the pass: one pass measures everything
+            lists = self._estimate(q, k, hidden, budgets, projected)
+            sparsity, curve, recall = profile_stats(q, k, **stats, curve=curve_args,
+                                                    lists=(lists[0], lists[1], cfg.group_size, cfg.block_size))
+        else:  # first profile: the budgets come from this very measurement, then a second pass
+            sparsity, curve, _ = profile_stats(q, k, **stats, curve=curve_args)
+        measured = sparsity.float().mean(0)
+        density = self._recall_density(curve, S) if recall_rule else 1.0 - measured
         if budgets is None:
-            if cfg.budget_rule == "recall":
-                basis = self._density_cpu if self.profiled_host else density.cpu()
-                budgets = density_budgets(basis, S, cfg)[0]
-            else:
-                basis = self._sparsity_cpu if self.profiled_host else measured.cpu()
-                budgets = head_budgets(basis, S, cfg)[0]
-        lists = self._estimate(q, k, hidden, budgets, projected)
-        recall = _ops.critical_mass_recall(q, k_full, lists[0], lists[1], cfg.group_size, cfg.block_size,
-                                           cfg.theta, self.softmax_scale, qidx).float().mean(0)
+            budgets = (density_budgets(density.cpu(), S, cfg) if recall_rule
+                       else head_budgets(measured.cpu(), S, cfg))[0]
+            lists = self._estimate(q, k, hidden, budgets, projected)
+            recall = profile_stats(q, k, **stats, lists=(lists[0], lists[1], cfg.group_size, cfg.block_size))[2]
+        recall = recall.float().mean(0)
         dev = self.pending.device
         self.pending[2] += 1
         self.pending[3] += 1
@@ -316,14 +322,12 @@ class DSVCoreAttention(MegatronModule):
         self.pending[4 + 2 * H:] += density.to(dev)
         return lists
 
-    def _recall_density(self, q, k_full, projected, qidx) -> torch.Tensor:
-        """Per head (float32 ``[H]``, device): the list length, in tokens / S, where the recall curve of
-        the estimator's lists (averaged over the batch's sampled queries) reaches ``recall_target``."""
-        cfg, S = self.dsv_config, k_full.shape[2]
-        curve = recall_curve(q, k_full, projected[0], projected[1], cfg.group_size, cfg.block_size, cfg.theta,
-                             self.softmax_scale, qidx, cfg.group_proxy, cfg.block_score).mean(0)
+    def _recall_density(self, curve: torch.Tensor, S: int) -> torch.Tensor:
+        """Per head (float32 ``[H]``, device): the list length, in tokens / S, where the recall curve
+        ``[B, H, n_items]`` of the estimator's lists (averaged over the batch) reaches ``recall_target``."""
+        cfg = self.dsv_config
         unit = cfg.block_size or 1
-        items = smallest_k_reaching(curve, cfg.recall_target, min_items=-(-cfg.k_min // unit))
+        items = smallest_k_reaching(curve.mean(0), cfg.recall_target, min_items=-(-cfg.k_min // unit))
         return ((items * unit).clamp(max=S).double() / S).float()
 
     # ---- step-end logic (called by hooks.dsv_on_step_end, after the collectives) --------------

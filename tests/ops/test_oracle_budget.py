@@ -95,3 +95,27 @@ def test_min_items_and_bad_arguments():
         recall_curve(q, k, q_lr, k_lr, 16, 32)
     with pytest.raises(ValueError, match="proxy"):
         recall_curve(q, k, q_lr, k_lr, 16, 0, proxy="first")
+
+
+@pytest.mark.parametrize("block", [0, 64], ids=["token", "block64"])
+def test_profile_stats_one_pass_equals_the_three_functions(block):
+    """The profiler's single pass gives exactly what head_sparsity, recall_curve and
+    critical_mass_recall give separately (small chunks: several chunks per call)."""
+    from megatron_dsv.ops.topk_estimation import head_sparsity
+    from megatron_dsv.ops.topk_estimation.oracle import profile_stats
+
+    q, k, q_lr, k_lr = _planted(hkv=1)
+    k_full = k.repeat_interleave(2, dim=1)
+    qidx = torch.arange(1, 640, 5)
+    G, chunk = 16, 640 * 4 * 7
+    idx, counts = estimate_topk_naive(q_lr, k_lr, torch.tensor([3, 5]) if block else torch.tensor([90, 200]), G, block)
+    curve_args = dict(q_lr=q_lr, k_lr=k_lr, group_size=G, block_size=block, proxy="mean", block_score="max")
+    sp, curve, rec = profile_stats(q, k_full, 0.9, None, qidx, curve=curve_args, lists=(idx, counts, G, block),
+                                   chunk_elems=chunk)
+    assert torch.equal(sp, head_sparsity(q, k_full, 0.9, None, qidx, chunk))
+    assert torch.equal(curve, recall_curve(q, k_full, q_lr, k_lr, G, block, 0.9, None, qidx, chunk_elems=chunk))
+    assert torch.equal(rec, critical_mass_recall(q, k_full, idx, counts, G, block, 0.9, None, qidx, chunk))
+    only = profile_stats(q, k_full, 0.9, None, qidx, chunk_elems=chunk)
+    assert torch.equal(only[0], sp) and only[1] is None and only[2] is None
+    with pytest.raises(ValueError, match="kv_indices"):
+        profile_stats(q, k_full, 0.9, None, qidx, lists=(idx[:, :, :3], counts, G, block))

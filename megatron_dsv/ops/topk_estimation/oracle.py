@@ -12,8 +12,8 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
-__all__ = ["critical_counts", "head_sparsity", "critical_mass_recall", "recall_curve", "smallest_k_reaching",
-           "budget_for_recall"]
+__all__ = ["critical_counts", "head_sparsity", "critical_mass_recall", "recall_curve", "profile_stats",
+           "smallest_k_reaching", "budget_for_recall"]
 
 
 def _check(q, k, theta, query_index):
@@ -57,24 +57,124 @@ def _prob_chunks(q, k, theta, softmax_scale, qi, chunk_elems) -> Iterator[Tuple[
         yield pos, probs, crit
 
 
+class _Counts:
+    """Per sampled query: the critical-set size (int32 [B, H, Nq])."""
+
+    def __init__(self):
+        self.parts = []
+
+    def add(self, pos, probs, crit):
+        self.parts.append(crit.sum(-1).to(torch.int32))
+
+    def result(self, q, n):
+        if not self.parts:
+            return torch.zeros(q.shape[0], q.shape[1], 0, dtype=torch.int32, device=q.device)
+        return torch.cat(self.parts, dim=-1)
+
+
+class _ListRecall:
+    """Mean over sampled queries of the critical mass inside the query's group list (float32 [B, H])."""
+
+    def __init__(self, q, kv_indices, kv_counts, group_size: int, block_size: int):
+        B, H, S, _ = q.shape
+        if block_size < 0:
+            raise ValueError(f"critical_mass_recall: `block_size` must be >= 0, got {block_size}")
+        if group_size < 1:
+            raise ValueError(f"critical_mass_recall: `group_size` must be >= 1, got {group_size}")
+        NG = -(-S // group_size)
+        if kv_indices.dim() != 4 or tuple(kv_indices.shape[:3]) != (B, H, NG):
+            raise ValueError(f"critical_mass_recall: `kv_indices` must be [B, H, {NG}, Kmax], "
+                             f"got {tuple(kv_indices.shape)}")
+        counts = torch.as_tensor(kv_counts, device=q.device)
+        if counts.dim() == 1:
+            counts = counts.unsqueeze(0).expand(B, H)
+        self.S, self.group_size, self.block_size, self.lists = S, group_size, block_size, kv_indices
+        self.n_items = S if block_size == 0 else -(-S // block_size)
+        self.valid = torch.arange(kv_indices.shape[-1], device=q.device) < counts[..., None, None]  # [B, H, 1, Kmax]
+        self.total = torch.zeros(B, H, dtype=torch.float64, device=q.device)
+
+    def add(self, pos, probs, crit):
+        lists = self.lists[:, :, pos // self.group_size].long()  # [B, H, n, Kmax]
+        ok = self.valid & (lists >= 0)
+        sel = torch.zeros(*lists.shape[:3], self.n_items + 1, dtype=torch.bool, device=lists.device)
+        sel.scatter_(-1, torch.where(ok, lists, self.n_items), True)
+        sel = sel[..., :self.n_items]
+        if self.block_size:
+            sel = sel.repeat_interleave(self.block_size, dim=-1)[..., :self.S]
+        cmass = (probs * crit).sum(-1)
+        hit = (probs * (crit & sel)).sum(-1)
+        self.total += (hit / cmass.clamp_min(1e-30)).double().sum(-1)
+
+    def result(self, q, n):
+        return (self.total / max(1, n)).float()
+
+
+class _RecallCurve:
+    """Mean recall of the estimator's lists at every list length (float64 [B, H, n_items])."""
+
+    def __init__(self, q, q_lr, k_lr, group_size: int, block_size: int, proxy: str, block_score: str):
+        from .naive import group_proxies  # the estimator's own score definition
+
+        B, H, S, _ = q.shape
+        if (not isinstance(q_lr, torch.Tensor) or not isinstance(k_lr, torch.Tensor)
+                or tuple(q_lr.shape[:3]) != (B, H, S) or q_lr.shape != k_lr.shape):
+            raise ValueError(f"recall_curve: `q_lr` and `k_lr` must both be [B, H, S, r] = [{B}, {H}, {S}, r], "
+                             f"got {tuple(getattr(q_lr, 'shape', ()))} and {tuple(getattr(k_lr, 'shape', ()))}")
+        if group_size < 1:
+            raise ValueError(f"recall_curve: `group_size` must be >= 1, got {group_size}")
+        if block_size not in (0, 64, 128):
+            raise ValueError(f"recall_curve: `block_size` must be one of (0, 64, 128), got {block_size}")
+        if proxy not in ("mean", "middle"):
+            raise ValueError(f"recall_curve: `proxy` must be one of ('mean', 'middle'), got {proxy!r}")
+        if block_score not in ("max", "lse"):
+            raise ValueError(f"recall_curve: `block_score` must be one of ('max', 'lse'), got {block_score!r}")
+        self.k_lr, self.group_size, self.block_size, self.block_score = k_lr, group_size, block_size, block_score
+        self.proxies = group_proxies(q_lr, group_size, proxy)  # [B, H, NG, r]
+        n_items = S if block_size == 0 else -(-S // block_size)
+        self.total = torch.zeros(B, H, n_items, dtype=torch.float64, device=q.device)
+
+    def add(self, pos, probs, crit):
+        from .naive import item_scores
+
+        mass = _item_mass((probs * crit).double(), self.block_size)  # [B, H, n, n_items]
+        scores = item_scores(self.proxies[:, :, pos // self.group_size], self.k_lr, self.block_size,
+                             self.block_score)
+        # stable descending sort: among equal scores the lower index comes first, as in the estimator
+        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+        cum = torch.cumsum(torch.gather(mass, -1, order), dim=-1)
+        self.total += (cum / cum[..., -1:].clamp_min(1e-300)).sum(2)  # x / x == 1: the curve ends at exactly 1
+
+    def result(self, q, n):
+        return self.total / max(1, n)
+
+
+def _one_pass(q, k, theta, softmax_scale, query_index, chunk_elems, accumulators) -> list:
+    """Run the chunked softmax / critical-set pass once and feed every accumulator."""
+    qi = _check(q, k, theta, query_index)
+    for pos, probs, crit in _prob_chunks(q, k, theta, softmax_scale, qi, chunk_elems):
+        for acc in accumulators:
+            acc.add(pos, probs, crit)
+    return [acc.result(q, qi.numel()) for acc in accumulators]
+
+
 def critical_counts(q, k, theta: float = 0.9, softmax_scale: Optional[float] = None,
                     query_index: Optional[torch.Tensor] = None, chunk_elems: int = 1 << 24) -> torch.Tensor:
     """int32 [B, H, Nq]: per (sampled) query, the fewest keys whose softmax mass reaches theta.
 
     q [B, H, S, D], k [B, Hkv, S, D] (GQA: Hkv divides H); query_index: positions to
     evaluate (default all S)."""
-    qi = _check(q, k, theta, query_index)
-    parts = [crit.sum(-1).to(torch.int32) for _, _, crit in _prob_chunks(q, k, theta, softmax_scale, qi, chunk_elems)]
-    if not parts:
-        return torch.zeros(q.shape[0], q.shape[1], 0, dtype=torch.int32, device=q.device)
-    return torch.cat(parts, dim=-1)
+    return _one_pass(q, k, theta, softmax_scale, query_index, chunk_elems, [_Counts()])[0]
 
 
 def head_sparsity(q, k, theta: float = 0.9, softmax_scale: Optional[float] = None,
                   query_index: Optional[torch.Tensor] = None, chunk_elems: int = 1 << 24) -> torch.Tensor:
     """float32 [B, H]: 1 - mean(critical_counts) / S."""
     c = critical_counts(q, k, theta, softmax_scale, query_index, chunk_elems)
-    return (1.0 - c.float().mean(-1) / q.shape[2]).float()
+    return _sparsity_of(c, q.shape[2])
+
+
+def _sparsity_of(counts: torch.Tensor, S: int) -> torch.Tensor:
+    return (1.0 - counts.float().mean(-1) / S).float()
 
 
 def critical_mass_recall(q, k, kv_indices, kv_counts, group_size: int, block_size: int = 0, theta: float = 0.9,
@@ -83,34 +183,9 @@ def critical_mass_recall(q, k, kv_indices, kv_counts, group_size: int, block_siz
     """float32 [B, H]: mean over (sampled) queries of mass(critical keys inside the query's
     group list) / mass(critical keys). Lists: int32 [B, H, ceil(S/G), Kmax] token ids
     (block_size 0) or key-block ids (block_size > 0), first kv_counts[b, h] entries valid."""
-    qi = _check(q, k, theta, query_index)
-    B, H, S, _ = q.shape
-    if block_size < 0:
-        raise ValueError(f"critical_mass_recall: `block_size` must be >= 0, got {block_size}")
-    if group_size < 1:
-        raise ValueError(f"critical_mass_recall: `group_size` must be >= 1, got {group_size}")
-    NG = -(-S // group_size)
-    if kv_indices.dim() != 4 or tuple(kv_indices.shape[:3]) != (B, H, NG):
-        raise ValueError(f"critical_mass_recall: `kv_indices` must be [B, H, {NG}, Kmax], got {tuple(kv_indices.shape)}")
-    counts = torch.as_tensor(kv_counts, device=q.device)
-    if counts.dim() == 1:
-        counts = counts.unsqueeze(0).expand(B, H)
-    n_items = S if block_size == 0 else -(-S // block_size)
-    kmax = kv_indices.shape[-1]
-    valid = torch.arange(kmax, device=q.device) < counts[..., None, None]  # [B, H, 1, Kmax]
-    total = torch.zeros(B, H, dtype=torch.float64, device=q.device)
-    for pos, probs, crit in _prob_chunks(q, k, theta, softmax_scale, qi, chunk_elems):
-        lists = kv_indices[:, :, pos // group_size].long()  # [B, H, n, Kmax]
-        ok = valid & (lists >= 0)
-        sel = torch.zeros(*lists.shape[:3], n_items + 1, dtype=torch.bool, device=q.device)
-        sel.scatter_(-1, torch.where(ok, lists, n_items), True)
-        sel = sel[..., :n_items]
-        if block_size:
-            sel = sel.repeat_interleave(block_size, dim=-1)[..., :S]
-        cmass = (probs * crit).sum(-1)
-        hit = (probs * (crit & sel)).sum(-1)
-        total += (hit / cmass.clamp_min(1e-30)).double().sum(-1)
-    return (total / max(1, qi.numel())).float()
+    _check(q, k, theta, query_index)
+    acc = _ListRecall(q, kv_indices, kv_counts, group_size, block_size)
+    return _one_pass(q, k, theta, softmax_scale, query_index, chunk_elems, [acc])[0]
 
 
 def _item_mass(cmass: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -138,32 +213,32 @@ def recall_curve(q, k, q_lr, k_lr, group_size: int, block_size: int = 0, theta: 
     Memory: one chunk of sampled rows x S (``chunk_elems``), never S x S. Each curve is
     non-decreasing and ends at exactly 1.
     """
-    from .naive import group_proxies, item_scores  # the estimator's own score definition
+    _check(q, k, theta, query_index)
+    acc = _RecallCurve(q, q_lr, k_lr, group_size, block_size, proxy, block_score)
+    return _one_pass(q, k, theta, softmax_scale, query_index, chunk_elems, [acc])[0]
 
-    qi = _check(q, k, theta, query_index)
-    B, H, S, _ = q.shape
-    if tuple(q_lr.shape[:3]) != (B, H, S) or q_lr.shape != k_lr.shape:
-        raise ValueError(f"recall_curve: `q_lr` and `k_lr` must both be [B, H, S, r] = [{B}, {H}, {S}, r], "
-                         f"got {tuple(q_lr.shape)} and {tuple(k_lr.shape)}")
-    if group_size < 1:
-        raise ValueError(f"recall_curve: `group_size` must be >= 1, got {group_size}")
-    if block_size not in (0, 64, 128):
-        raise ValueError(f"recall_curve: `block_size` must be one of (0, 64, 128), got {block_size}")
-    if proxy not in ("mean", "middle"):
-        raise ValueError(f"recall_curve: `proxy` must be one of ('mean', 'middle'), got {proxy!r}")
-    if block_score not in ("max", "lse"):
-        raise ValueError(f"recall_curve: `block_score` must be one of ('max', 'lse'), got {block_score!r}")
-    n_items = S if block_size == 0 else -(-S // block_size)
-    proxies = group_proxies(q_lr, group_size, proxy)  # [B, H, NG, r]
-    total = torch.zeros(B, H, n_items, dtype=torch.float64, device=q.device)
-    for pos, probs, crit in _prob_chunks(q, k, theta, softmax_scale, qi, chunk_elems):
-        mass = _item_mass((probs * crit).double(), block_size)  # [B, H, n, n_items]
-        scores = item_scores(proxies[:, :, pos // group_size], k_lr, block_size, block_score)
-        # stable descending sort: among equal scores the lower index comes first, as in the estimator
-        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
-        cum = torch.cumsum(torch.gather(mass, -1, order), dim=-1)
-        total += (cum / cum[..., -1:].clamp_min(1e-300)).sum(2)  # x / x == 1: the curve ends at exactly 1
-    return total / max(1, qi.numel())
+
+def profile_stats(q, k, theta: float, softmax_scale: Optional[float], query_index: Optional[torch.Tensor], *,
+                  curve: Optional[dict] = None, lists: Optional[tuple] = None,
+                  chunk_elems: int = 1 << 24) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The profiler's measurements from ONE softmax / critical-set pass over the sampled rows:
+    ``(head_sparsity [B, H], recall_curve or None, critical_mass_recall or None)``.
+
+    ``curve``: the keyword arguments of :func:`recall_curve` after ``k`` (``q_lr``, ``k_lr``,
+    ``group_size``, ``block_size``, ``proxy``, ``block_score``); ``lists``: ``(kv_indices, kv_counts,
+    group_size, block_size)`` as for :func:`critical_mass_recall`. Each result equals its function's.
+    """
+    _check(q, k, theta, query_index)
+    accs = [_Counts()]
+    if curve is not None:
+        accs.append(_RecallCurve(q, curve["q_lr"], curve["k_lr"], curve["group_size"], curve["block_size"],
+                                 curve.get("proxy", "mean"), curve.get("block_score", "max")))
+    if lists is not None:
+        accs.append(_ListRecall(q, *lists))
+    out = _one_pass(q, k, theta, softmax_scale, query_index, chunk_elems, accs)
+    sparsity = _sparsity_of(out[0], q.shape[2])
+    rest = iter(out[1:])
+    return sparsity, next(rest) if curve is not None else None, next(rest) if lists is not None else None
 
 
 def smallest_k_reaching(curve: torch.Tensor, target: float, min_items: int = 1) -> torch.Tensor:
