@@ -1,6 +1,8 @@
 // Host entry points of the top-k estimation kernel: dtype dispatch (the kernels are
 // instantiated per dtype in topk_estimation_{f32,f16,bf16}.cu).
-#include "topk_estimation_kernel.cuh"
+#include <cuda_runtime.h>
+
+#include "topk_estimation_common.cuh"
 
 namespace dsv {
 
