@@ -48,3 +48,21 @@ def test_defaults_are_the_embedded_demo():
     assert args.preset == "tiny" and args.use_dsv_attention and args.dsv_stage_switch_steps == 150
     assert args.train_iters == 300 and args.save.endswith("outputs/default/checkpoints") and args.sample
     assert not parse_args(["--no-dsv"]).use_dsv_attention
+
+
+def test_embedded_default_runs_sparse_at_the_demo_sparsity():
+    """The default job's DSV settings dispatch its layers sparse at the sparsity its 512-token videos
+    reach (0.52-0.61 measured), with the budgets the demo uses; the library's recall rule at the
+    densities those videos need (~0.9 for 0.96 recall) would keep them dense."""
+    from dataclasses import replace
+
+    from megatron_dsv.arguments import dsv_config_from_args
+    from megatron_dsv.attention.dispatcher import SpeedupTable, plan_layer
+
+    cfg = dsv_config_from_args(parse_args([]))
+    assert cfg.budget_rule == "sparsity" and cfg.sparsity_threshold == 0.4
+    table = SpeedupTable.from_config(cfg, head_dim=64)
+    sparsity, density = torch.full((2,), 0.55), torch.full((2,), 0.9)
+    sparse, budgets, tokens = plan_layer(sparsity, density, 512, cfg, table)
+    assert sparse and int(tokens.max()) < 512
+    assert not plan_layer(sparsity, density, 512, replace(cfg, budget_rule="recall"), table)[0]
