@@ -113,6 +113,24 @@ __device__ void rank_candidates(const Cand* c, int n, int r, int lane, Shared& s
   }
 }
 
+// Lane (g, t) of a quad stores the bitmask words of row quad_row(t, g) (MT == 2: four rows per quad).
+__device__ __forceinline__ int quad_row(int t, int g) { return (t >> 1) * 16 + (t & 1) * 8 + g; }
+
+// One 32-item bitmask word per row from the quad's partial words (wb[mt][h]: this lane's bits of row
+// mt*16 + h*8 + g, at their final positions once shifted left by `shift`): OR across the quad, then
+// the word of row quad_row(t, g).
+__device__ __forceinline__ uint32_t quad_row_word(uint32_t (&wb)[MT][2], int t, int shift) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      wb[mt][h] <<= shift;
+      wb[mt][h] |= __shfl_xor_sync(FULL, wb[mt][h], 1);
+      wb[mt][h] |= __shfl_xor_sync(FULL, wb[mt][h], 2);
+    }
+  return t == 0 ? wb[0][0] : t == 1 ? wb[0][1] : t == 2 ? wb[1][0] : wb[1][1];
+}
+
 template <typename T, int R, int BS>
 __global__ void __launch_bounds__(NTHREADS, BS == 0 ? 3 : 2) topk_kernel(TopkArgs p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -278,8 +296,7 @@ __global__ void __launch_bounds__(NTHREADS, BS == 0 ? 3 : 2) topk_kernel(TopkArg
         eH[mt][h] = act[mt][h] ? sm.eH[row] : INFINITY;
         eL[mt][h] = act[mt][h] ? sm.eL[row] : INFINITY;
       }
-    // Lane (g, t) owns row (t >> 1) * 16 + (t & 1) * 8 + g of every bitmask word it stores.
-    const int myrow = (t >> 1) * 16 + (t & 1) * 8 + g;
+    const int myrow = quad_row(t, g);  // the row of every bitmask word this lane stores
     int mycount = 0;
     for (int c = warp; c < NW; c += NWARPS) {
       typename ItemScorer<T, R, BS>::Frag fr[UH];
@@ -322,15 +339,7 @@ __global__ void __launch_bounds__(NTHREADS, BS == 0 ? 3 : 2) topk_kernel(TopkArg
           }
         }
       }
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          wb[mt][h] <<= 2 * t;
-          wb[mt][h] |= __shfl_xor_sync(FULL, wb[mt][h], 1);
-          wb[mt][h] |= __shfl_xor_sync(FULL, wb[mt][h], 2);
-        }
-      const uint32_t my = t == 0 ? wb[0][0] : t == 1 ? wb[0][1] : t == 2 ? wb[1][0] : wb[1][1];
+      const uint32_t my = quad_row_word(wb, t, 2 * t);
       if (myrow < rows_here) bits[(size_t)myrow * NW + c] = my;
       mycount += __popc(my);
     }
@@ -545,15 +554,8 @@ __global__ void __launch_bounds__(NTHREADS, BS == 0 ? 3 : 2) topk_kernel(TopkArg
         },
         [&](int c) {
           if (c * UH >= NT) return;
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              wb[mt][h] |= __shfl_xor_sync(FULL, wb[mt][h], 1);
-              wb[mt][h] |= __shfl_xor_sync(FULL, wb[mt][h], 2);
-            }
-          const uint32_t my = t == 0 ? wb[0][0] : t == 1 ? wb[0][1] : t == 2 ? wb[1][0] : wb[1][1];
-          const int myrow = (t >> 1) * 16 + (t & 1) * 8 + g;
+          const uint32_t my = quad_row_word(wb, t, 0);
+          const int myrow = quad_row(t, g);
           if (myrow < rows_here && sm.fail[myrow]) bits[(size_t)myrow * NW + c] = my;
         });
     __syncthreads();

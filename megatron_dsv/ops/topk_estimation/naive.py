@@ -43,17 +43,22 @@ def token_scores(p: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return s + 0.0  # -0.0 -> +0.0
 
 
+def block_view(x: torch.Tensor, block_size: int, fill: float) -> torch.Tensor:
+    """``x [..., S]`` as ``[..., ceil(S / block_size), block_size]``, the last block padded with ``fill``."""
+    S = x.shape[-1]
+    nb = -(-S // block_size)
+    pad = nb * block_size - S
+    if pad:
+        x = torch.cat([x, x.new_full((*x.shape[:-1], pad), fill)], dim=-1)
+    return x.reshape(*x.shape[:-1], nb, block_size)
+
+
 def item_scores(p, k, block_size: int, block_score: str) -> torch.Tensor:
     """Scores of tokens (block_size 0) or key blocks: float32 [..., n, num_items]."""
     s = token_scores(p, k)
     if block_size == 0:
         return s
-    S = s.shape[-1]
-    nb = -(-S // block_size)
-    pad = nb * block_size - S
-    if pad:
-        s = torch.cat([s, s.new_full((*s.shape[:-1], pad), float("-inf"))], dim=-1)
-    s = s.reshape(*s.shape[:-1], nb, block_size)
+    s = block_view(s, block_size, float("-inf"))
     out = s.amax(-1) if block_score == "max" else torch.logsumexp(s, dim=-1)
     return out + 0.0
 

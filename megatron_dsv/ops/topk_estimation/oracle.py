@@ -148,9 +148,9 @@ class _RecallCurve:
         return self.total / max(1, n)
 
 
-def _one_pass(q, k, theta, softmax_scale, query_index, chunk_elems, accumulators) -> list:
-    """Run the chunked softmax / critical-set pass once and feed every accumulator."""
-    qi = _check(q, k, theta, query_index)
+def _one_pass(q, k, theta, softmax_scale, qi, chunk_elems, accumulators) -> list:
+    """Run the chunked softmax / critical-set pass once over the (checked) query positions ``qi``
+    and feed every accumulator."""
     for pos, probs, crit in _prob_chunks(q, k, theta, softmax_scale, qi, chunk_elems):
         for acc in accumulators:
             acc.add(pos, probs, crit)
@@ -163,7 +163,8 @@ def critical_counts(q, k, theta: float = 0.9, softmax_scale: Optional[float] = N
 
     q [B, H, S, D], k [B, Hkv, S, D] (GQA: Hkv divides H); query_index: positions to
     evaluate (default all S)."""
-    return _one_pass(q, k, theta, softmax_scale, query_index, chunk_elems, [_Counts()])[0]
+    qi = _check(q, k, theta, query_index)
+    return _one_pass(q, k, theta, softmax_scale, qi, chunk_elems, [_Counts()])[0]
 
 
 def head_sparsity(q, k, theta: float = 0.9, softmax_scale: Optional[float] = None,
@@ -183,21 +184,18 @@ def critical_mass_recall(q, k, kv_indices, kv_counts, group_size: int, block_siz
     """float32 [B, H]: mean over (sampled) queries of mass(critical keys inside the query's
     group list) / mass(critical keys). Lists: int32 [B, H, ceil(S/G), Kmax] token ids
     (block_size 0) or key-block ids (block_size > 0), first kv_counts[b, h] entries valid."""
-    _check(q, k, theta, query_index)
+    qi = _check(q, k, theta, query_index)
     acc = _ListRecall(q, kv_indices, kv_counts, group_size, block_size)
-    return _one_pass(q, k, theta, softmax_scale, query_index, chunk_elems, [acc])[0]
+    return _one_pass(q, k, theta, softmax_scale, qi, chunk_elems, [acc])[0]
 
 
 def _item_mass(cmass: torch.Tensor, block_size: int) -> torch.Tensor:
     """Critical mass per item: per key (block_size 0) or summed over each key block."""
     if block_size == 0:
         return cmass
-    S = cmass.shape[-1]
-    nb = -(-S // block_size)
-    pad = nb * block_size - S
-    if pad:
-        cmass = torch.cat([cmass, cmass.new_zeros(*cmass.shape[:-1], pad)], dim=-1)
-    return cmass.reshape(*cmass.shape[:-1], nb, block_size).sum(-1)
+    from .naive import block_view
+
+    return block_view(cmass, block_size, 0.0).sum(-1)
 
 
 def recall_curve(q, k, q_lr, k_lr, group_size: int, block_size: int = 0, theta: float = 0.9,
@@ -213,9 +211,9 @@ def recall_curve(q, k, q_lr, k_lr, group_size: int, block_size: int = 0, theta: 
     Memory: one chunk of sampled rows x S (``chunk_elems``), never S x S. Each curve is
     non-decreasing and ends at exactly 1.
     """
-    _check(q, k, theta, query_index)
+    qi = _check(q, k, theta, query_index)
     acc = _RecallCurve(q, q_lr, k_lr, group_size, block_size, proxy, block_score)
-    return _one_pass(q, k, theta, softmax_scale, query_index, chunk_elems, [acc])[0]
+    return _one_pass(q, k, theta, softmax_scale, qi, chunk_elems, [acc])[0]
 
 
 def profile_stats(q, k, theta: float, softmax_scale: Optional[float], query_index: Optional[torch.Tensor], *,
@@ -228,14 +226,14 @@ def profile_stats(q, k, theta: float, softmax_scale: Optional[float], query_inde
     ``group_size``, ``block_size``, ``proxy``, ``block_score``); ``lists``: ``(kv_indices, kv_counts,
     group_size, block_size)`` as for :func:`critical_mass_recall`. Each result equals its function's.
     """
-    _check(q, k, theta, query_index)
+    qi = _check(q, k, theta, query_index)
     accs = [_Counts()]
     if curve is not None:
         accs.append(_RecallCurve(q, curve["q_lr"], curve["k_lr"], curve["group_size"], curve["block_size"],
                                  curve.get("proxy", "mean"), curve.get("block_score", "max")))
     if lists is not None:
         accs.append(_ListRecall(q, *lists))
-    out = _one_pass(q, k, theta, softmax_scale, query_index, chunk_elems, accs)
+    out = _one_pass(q, k, theta, softmax_scale, qi, chunk_elems, accs)
     sparsity = _sparsity_of(out[0], q.shape[2])
     rest = iter(out[1:])
     return sparsity, next(rest) if curve is not None else None, next(rest) if lists is not None else None
