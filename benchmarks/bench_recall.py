@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import sys
 import time
@@ -87,28 +88,84 @@ class _Timers:
         setattr(obj, name, timed)
 
 
-def _train(model, data, steps, dtype, device, first_step=0):
-    """Plain training steps; returns each step's wall time in ms (synchronised at step ends only)."""
+def _train(model, data, steps, dtype, device, first_step=0, args=None, log=None):
+    """Plain training steps; returns each step's wall time in ms (synchronised at step ends only).
+
+    AdamW at ``args.lr`` with a linear warm-up over ``args.warmup`` steps and gradient clipping at 1.
+    ``log(step, loss)``, when given, is called after every step's timing (it may sync the device).
+    """
     from megatron_dsv.models.video_dit import flow_matching_loss
 
-    opt = getattr(model, "_bench_opt", None) or torch.optim.AdamW(model.parameters(), lr=1e-4)
+    lr = getattr(args, "lr", 1e-4)
+    warmup = getattr(args, "warmup", 0)
+    opt = getattr(model, "_bench_opt", None) or torch.optim.AdamW(model.parameters(), lr=lr)
     model._bench_opt = opt
     g = torch.Generator().manual_seed(first_step)
     times = []
     for it in range(first_step, first_step + steps):
-        batch = [data[(it * data.batch + i) % len(data)] for i in range(data.batch)]
-        latents = torch.stack([b["latents"] for b in batch]).to(device, dtype)
-        labels = torch.tensor([b["label"] for b in batch], device=device)
+        for group in opt.param_groups:
+            group["lr"] = lr * min(1.0, (it + 1) / warmup) if warmup else lr
+        latents, labels = data.batch_at(it)
         _sync()
         t0 = time.perf_counter()
         loss = flow_matching_loss(model, latents, labels, generator=g)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         dsv_on_step_end(model, it + 1)
         _sync()
         times.append(1e3 * (time.perf_counter() - t0))
+        if log is not None:
+            log(it, loss.detach(), times[-1])
     return times
+
+
+class _DeviceSamples:
+    """The dataset rendered once and kept on the device: steps do not wait for the CPU renderer."""
+
+    def __init__(self, ds, device, dtype):
+        items = [ds[i] for i in range(len(ds))]
+        self.latents = torch.stack([x["latents"] for x in items]).to(device, dtype)
+        self.labels = torch.stack([x["label"] for x in items]).to(device)
+        self.batch = 1
+
+    def batch_at(self, it: int):
+        idx = [(it * self.batch + i) % len(self.labels) for i in range(self.batch)]
+        return self.latents[idx], self.labels[idx]
+
+
+_TRAJECTORY_ROWS: list = []  # every run's, so a run stopped by SIGTERM (a timeout) still writes them
+
+
+class _Trajectory:
+    """Per-layer DSV metrics after every profiled step (the ``recall_trajectory`` JSON) and a
+    Megatron-style progress line every ``every`` steps."""
+
+    def __init__(self, model, dsv, every: int, tag: str):
+        self.model, self.dsv, self.every, self.tag = model, dsv, every, tag
+        self.rows, self.ms = _TRAJECTORY_ROWS, []
+
+    def __call__(self, step, loss, ms):
+        self.ms.append(ms)
+        metrics = None
+        if is_profile_step(step, self.dsv):
+            metrics = dsv_metrics(self.model)
+            for layer in dsv_layers(self.model):
+                p = f"dsv/layer{layer.layer_number}/"
+                self.rows.append(dict(bench="recall_trajectory", predictor_input=self.tag, step=step + 1,
+                                      layer=layer.layer_number, stage=dsv_stage(self.model),
+                                      **{k: metrics[p + k] for k in ("sparsity_measured", "sparsity", "budget_density",
+                                                                     "recall", "sparse", "predictor_loss")}))
+        if (step + 1) % self.every == 0:
+            metrics = metrics or dsv_metrics(self.model)
+            layers = dsv_layers(self.model)
+            mean = lambda key: sum(metrics[f"dsv/layer{l.layer_number}/{key}"] for l in layers) / len(layers)  # noqa: E731
+            n_sparse = sum(int(metrics[f"dsv/layer{l.layer_number}/sparse"]) for l in layers)
+            print(f" [{self.tag}] iteration {step + 1:6d} | ms/step {_median(self.ms[-self.every:]):8.1f} | "
+                  f"loss {float(loss):.4f} | stage {dsv_stage(self.model)} | sparsity {mean('sparsity'):.3f} "
+                  f"(last {mean('sparsity_measured'):.3f}) | density {mean('budget_density'):.3f} | "
+                  f"recall {mean('recall'):.3f} | sparse layers {n_sparse}/{len(layers)}", flush=True)
 
 
 def _median(xs):
@@ -122,18 +179,27 @@ def _set_method_work(layers, on: bool):
         layer.profiling = on
 
 
+def _set_dense(layers, dense: bool):
+    for layer in layers:
+        layer.force_dense = dense
+
+
 def _overhead_ab(model, layers, data, args, dsv, dtype, device, first_step):
-    """A/B of the method's own work on stage-2 steps (module docstring); returns a dict of columns."""
-    arm = {"a": [], "b": []}
+    """A/B of the method's own work on stage-2 steps (module docstring), plus arm C: the same steps
+    all dense with the method off (the dense baseline of the stage-2 speedup); returns columns."""
+    arm = {"a": [], "b": [], "c": []}
     step, half = first_step, max(1, args.timing_steps // 2)
-    for _ in range(2):  # alternate rounds: drift in clocks or allocator state hits both arms
-        for name in ("a", "b"):
+    for _ in range(2):  # alternate rounds: drift in clocks or allocator state hits every arm
+        for name in ("a", "b", "c"):
             _set_method_work(layers, name == "a")
-            times = _train(model, data, half, dtype, device, first_step=step)
+            _set_dense(layers, name == "c")
+            times = _train(model, data, half, dtype, device, first_step=step, args=args)
             arm[name] += [(step + i, t) for i, t in enumerate(times)]
             step += half
     _set_method_work(layers, True)
+    _set_dense(layers, False)
     base = _median([t for _, t in arm["b"]])
+    dense = _median([t for _, t in arm["c"]])
     trained = [t for s, t in arm["a"] if trains_predictor(s, 2, dsv) and not is_profile_step(s, dsv)]
     idle = [t for s, t in arm["a"] if not trains_predictor(s, 2, dsv) and not is_profile_step(s, dsv)]
     profiled = [t for s, t in arm["a"] if is_profile_step(s, dsv)]
@@ -143,7 +209,8 @@ def _overhead_ab(model, layers, data, args, dsv, dtype, device, first_step):
     prof_extra = (_median(profiled) - (_median(trained) if trained else base)) if profiled else float("nan")
     freq = 1.0 / interval if interval else 0.0
     per_step = freq * train_ms + (1 - freq) * idle_ms + prof_extra / DSVConfig().profile_interval_after_warmup
-    return dict(ms_step=base, ms_step_dsv_off=base, ms_step_train=_median(trained) if trained else None,
+    return dict(ms_step=base, ms_step_dsv_off=base, ms_step_dense=dense, stage2_step_speedup=dense / base,
+                ms_step_train=_median(trained) if trained else None,
                 ms_step_idle=_median(idle) if idle else None, ms_step_profile=_median(profiled) if profiled else None,
                 ab_steps_per_arm=len(arm["a"]), predictor_overhead_ms=per_step,
                 predictor_overhead_pct_all_layers=100.0 * per_step / base), step
@@ -159,8 +226,10 @@ def run(args, predictor_input: str):
     overrides = dict(latent_frames=args.grid[0], latent_height=args.grid[1], latent_width=args.grid[2])
     if args.preset == "tiny":
         overrides.update(heads=2, head_dim=64)  # tiny's head_dim 32 has no sparse kernel
+    if args.layers:
+        overrides.update(layers=args.layers)
     cfg = VideoDiTConfig.from_preset(args.preset, **overrides)
-    stage1 = args.steps // 2
+    stage1 = args.steps // 2 if args.stage1_steps is None else args.stage1_steps
     dsv = DSVConfig(predictor_input=predictor_input, stage_switch_rule="steps", stage_switch_steps=stage1,
                     profile_interval=args.profile_every, profile_warmup_steps=10**9,
                     predictor_query_stride=args.query_stride, predictor_lr=args.predictor_lr,
@@ -170,19 +239,22 @@ def run(args, predictor_input: str):
     torch.manual_seed(args.seed)
     model = build_video_dit(cfg, dsv_config=dsv, dtype=dtype).to(device)
     model.train()
-    data = SyntheticVideoDataset(max(64, args.batch * 4), channels=cfg.in_channels, frames=args.grid[0],
-                                 height=args.grid[1], width=args.grid[2], seed=args.seed,
-                                 num_classes=min(cfg.num_classes, 8))  # synthetic: 4 shapes x 2 motions
+    data = _DeviceSamples(SyntheticVideoDataset(args.samples, channels=cfg.in_channels, frames=args.grid[0],
+                                                height=args.grid[1], width=args.grid[2], seed=args.seed,
+                                                num_classes=min(cfg.num_classes, 8),  # 4 shapes x 2 motions
+                                                background=args.background), device, dtype)
     data.batch = args.batch
-    _train(model, data, args.steps, dtype, device)
-    assert dsv_stage(model) == 2
+    trajectory = _Trajectory(model, dsv, args.log_every, predictor_input)
+    _train(model, data, args.steps, dtype, device, args=args, log=trajectory)
+    if dsv_stage(model) != 2:
+        raise SystemExit(f"--stage1-steps ({stage1}) must be < --steps ({args.steps}): the bench measures stage 2")
     layers = dsv_layers(model)
     ab, next_step = _overhead_ab(model, layers, data, args, dsv, dtype, device, args.steps)
     metrics = dsv_metrics(model)
     # per-layer timings with a device sync around every predictor / profiler call (extra columns)
     timers = _Timers(layers)
     n = args.timing_steps
-    _train(model, data, n, dtype, device, first_step=next_step)
+    _train(model, data, n, dtype, device, first_step=next_step, args=args)
     S = cfg.token_grid()[0] * cfg.token_grid()[1] * cfg.token_grid()[2]
     flops = predictor_flops_per_token(predictor_input, cfg.heads, cfg.head_dim, cfg.hidden, dsv.predictor_rank)
     profiles = max(1, sum(1 for s in range(next_step, next_step + n) if is_profile_step(s, dsv)))
@@ -196,7 +268,8 @@ def run(args, predictor_input: str):
             S=S, H=cfg.heads, D=cfg.head_dim, B=args.batch, hidden=cfg.hidden, rank=dsv.predictor_rank,
             granularity=dsv.granularity, kv_block=dsv.kv_block_size, cube="x".join(map(str, dsv.query_group_shape)),
             budget_rule=dsv.budget_rule, recall_target=dsv.recall_target, train_interval=dsv.predictor_train_interval,
-            steps=args.steps, seed=args.seed, stage=dsv_stage(model), recall=metrics[p + "recall"],
+            layers=cfg.layers, background=args.background, samples=args.samples, lr=args.lr, warmup=args.warmup, stage1_steps=stage1, steps=args.steps,
+            sparsity_measured=metrics[p + "sparsity_measured"], seed=args.seed, stage=dsv_stage(model), recall=metrics[p + "recall"],
             sparsity=metrics[p + "sparsity"], budget_density=metrics[p + "budget_density"],
             sparse=bool(metrics[p + "sparse"]), k_mean=metrics[p + "k_mean"],
             predictor_loss=metrics[p + "predictor_loss"], predictor_flops_per_token=flops,
@@ -207,6 +280,10 @@ def run(args, predictor_input: str):
     for r in rows:
         r["predictor_overhead_pct_all_layers_synced"] = 100.0 * total_ms / ab["ms_step"]
     return rows
+
+
+def _stop_on_sigterm(signum, frame):
+    raise SystemExit(f"stopped by signal {signum}")
 
 
 def main(argv=None):
@@ -222,10 +299,18 @@ def main(argv=None):
     ap.add_argument("--recall-target", type=float, default=lib.recall_target)
     ap.add_argument("--train-interval", type=int, default=lib.predictor_train_interval,
                     help="stage-2 predictor training period (DSVConfig.predictor_train_interval)")
-    ap.add_argument("--steps", type=int, default=200, help="training steps (half in stage 1)")
+    ap.add_argument("--steps", type=int, default=200, help="training steps before the timed ones")
+    ap.add_argument("--stage1-steps", type=int, default=None, help="steps in stage 1 (default: half of --steps)")
+    ap.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate of the model")
+    ap.add_argument("--warmup", type=int, default=0, help="linear learning-rate warm-up steps")
+    ap.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
+    ap.add_argument("--log-every", type=int, default=50, help="progress line period (steps)")
     ap.add_argument("--timing-steps", type=int, default=20, help="steps per A/B arm (two rounds each)")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--samples", type=int, default=64, help="synthetic videos (rendered once, cycled)")
+    ap.add_argument("--background", choices=["gradient", "texture"], default="gradient",
+                    help="synthetic videos' background (SyntheticVideoDataset)")
     ap.add_argument("--query-stride", type=int, default=DSVConfig().predictor_query_stride,
                     help="sample 1 query in this many (default: the library default)")
     ap.add_argument("--profile-every", type=int, default=5)
@@ -240,7 +325,12 @@ def main(argv=None):
         args.profile_every = 2
     _init_dist()
     inputs = ["qk", "hidden"] if args.predictor_input == "both" else [args.predictor_input]
-    rows = [row for name in inputs for row in run(args, name)]
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    try:
+        rows = [row for name in inputs for row in run(args, name)]
+    finally:  # the trajectory so far is worth keeping even when the run is cut short
+        if _TRAJECTORY_ROWS:
+            print("wrote", write_results("recall_trajectory", _TRAJECTORY_ROWS, args.out_dir))
     for r in rows:
         print(f"{r['predictor_input']:>6} layer {r['layer']:2d}  recall {r['recall']:.3f}  sparsity {r['sparsity']:.3f}  "
               f"density {r['budget_density']:.3f}  sparse {int(r['sparse'])}  loss {r['predictor_loss']:.4f}  "
@@ -251,6 +341,8 @@ def main(argv=None):
         print(f"{name:>6} all layers: mean recall {sum(r['recall'] for r in mine) / len(mine):.3f}, predictor + "
               f"profiler {mine[0]['predictor_overhead_pct_all_layers']:.1f}% of a {mine[0]['ms_step']:.1f} ms step "
               f"(A/B; synced per-layer sum {mine[0]['predictor_overhead_pct_all_layers_synced']:.1f}%)")
+        print(f"{name:>6} stage-2 step {mine[0]['ms_step']:.1f} ms vs {mine[0]['ms_step_dense']:.1f} ms all dense "
+              f"(x{mine[0]['stage2_step_speedup']:.2f})")
     print("wrote", write_results("recall", rows, args.out_dir))
 
 

@@ -7,6 +7,8 @@
 - ``sparse_attention-*.png``: sparse over cuDNN speedup against sparsity, forward and backward.
 - ``recall-*.png``: per layer, recall of the theta critical mass, exact sparsity and the budget
   density the dispatcher used.
+- ``recall_trajectory-*.png``: over training steps, mean over layers of the exact sparsity (last
+  profile), the budget density, the recall of the built lists and the share of layers running sparse.
 Only files that exist are plotted; nothing is measured here.
 """
 
@@ -99,7 +101,35 @@ def plot_recall(path):
     return fig
 
 
-PLOTTERS = {"topk_estimation": plot_topk, "sparse_attention-h200": plot_sparse, "recall": plot_recall}
+def plot_trajectory(path):
+    meta, rows = _load(path)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for inp in sorted({r.get("predictor_input", "?") for r in rows}):
+        by_step = {}
+        for r in rows:
+            if r.get("predictor_input") == inp:
+                by_step.setdefault(r["step"], []).append(r)
+        steps = sorted(by_step)
+        mean = lambda key: [sum(float(r[key]) for r in by_step[s]) / len(by_step[s]) for s in steps]  # noqa: E731
+        ax.plot(steps, mean("sparsity_measured"), "-", label=f"exact sparsity at theta ({inp})")
+        ax.plot(steps, mean("budget_density"), ":", label=f"budget density ({inp})")
+        ax.plot(steps, mean("recall"), "-", label=f"recall of the built lists ({inp})")
+        ax.plot(steps, mean("sparse"), "--", label=f"share of layers sparse ({inp})")
+        switch = next((s for s in steps if by_step[s][0].get("stage") == 2), None)
+        if switch is not None:
+            ax.axvline(switch, color="gray", lw=0.8)
+    ax.axhline(0.95, color="k", lw=0.8, ls=":")
+    ax.set(xlabel="training step (mean over layers; grey: first stage-2 profile)", ylim=(0, 1.02),
+           title=_title(meta, "DSV over training"))
+    ax.title.set_fontsize(8)
+    ax.legend(fontsize=7)
+    ax.grid(True, alpha=0.3)
+    return fig
+
+
+# first matching prefix wins: the longer one first
+PLOTTERS = {"topk_estimation": plot_topk, "sparse_attention-h200": plot_sparse,
+            "recall_trajectory": plot_trajectory, "recall": plot_recall}
 
 
 def main(argv=None):

@@ -1,4 +1,5 @@
-"""Time one layer's predictor training call and Adam step on the GPU, with a torch.profiler table.
+"""Time one layer's predictor training call, the Adam step and the profiler's oracle pass on the
+GPU, each with a torch.profiler table.
 
     python benchmarks/profile_predictor.py [--S 16384 --H 12 --D 96 --input qk]
 
@@ -56,10 +57,31 @@ def main(argv=None):
         p.grad_count.fill_(1.0)
     adam = lambda: adam_step_many(preds, [1e-4] * len(preds), [1.0] * len(preds))  # noqa: E731
     print(f"adam_step_many over {a.layers} layers: {_ms(adam, 20):.3f} ms per step")
+
+    _table(step)
+    # the profile step's extra work per layer: the projections, the lists and one oracle pass
+    # (sparsity + recall curve + recall of the built lists), as DSVCoreAttention._profile runs it
+    from megatron_dsv.ops.topk_estimation import estimate_topk
+    from megatron_dsv.ops.topk_estimation.oracle import profile_stats
+
+    lib = DSVConfig()
+    q_lr, k_lr = preds[0].project(q, k, hidden, dtype=q.dtype)
+    budgets = torch.full((a.H,), max(1, a.S // 10 // (lib.block_size or 1)), dtype=torch.int64)  # items, 90% sparse
+    lists = estimate_topk(q_lr, k_lr, budgets, lib.group_size, lib.block_size)
+    curve = dict(q_lr=q_lr, k_lr=k_lr, group_size=lib.group_size, block_size=lib.block_size)
+    prof_step = lambda: profile_stats(q, k, lib.theta, a.D ** -0.5, qi, curve=curve,  # noqa: E731
+                                      lists=(lists[0], lists[1], lib.group_size, lib.block_size))
+    prof_step()
+    print(f"profile_stats (one oracle pass, curve + list recall, block {lib.block_size}, G {lib.group_size}): "
+          f"{_ms(prof_step, 5):.3f} ms per layer per profiled step")
+    _table(prof_step)
+
+
+def _table(fn):
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step()
+        fn()
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
 

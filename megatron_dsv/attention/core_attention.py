@@ -159,9 +159,11 @@ class DSVCoreAttention(MegatronModule):
         self.last_k = torch.zeros(H, dtype=torch.float32)
         self.last_sparse = False
         self._hidden = None  # set by DSVSelfAttention for predictor_input='hidden', only during its forward
-        # Benchmarks switch these off for an A/B of the method's own cost (bench_recall.py); not state.
+        # Run-time switches, not state: benchmarks turn the method's own work off for an A/B of its cost,
+        # and force_dense runs the layer dense whatever the dispatcher says (bench_recall.py's baseline).
         self.predictor_training = True
         self.profiling = True
+        self.force_dense = False
         self._decisions = {}
         self._sync_host()
         self._register_load_state_dict_pre_hook(self._fill_missing_budget_density)
@@ -181,6 +183,7 @@ class DSVCoreAttention(MegatronModule):
         self.step_host = int(self.step[0])
         self.profiled_host = int(self.profiles[0]) > 0
         self._sparsity_cpu = self.sparsity.detach().float().cpu()
+        self._measured_cpu = self._sparsity_cpu.clone()  # the last profile's unsmoothed sparsity
         self._density_cpu = self.budget_density.detach().float().cpu()
         self._recall_cpu = self.recall.detach().float().cpu()
         self._loss_host = float(self.predictor_loss[0])
@@ -261,12 +264,13 @@ class DSVCoreAttention(MegatronModule):
 
     def decide(self, S: int):
         """``(sparse, budgets, tokens)`` for sequence length S (cached until the state changes)."""
-        key = (S, self.training)
+        key = (S, self.training, self.force_dense)
         if key not in self._decisions:
             cfg = self.dsv_config
             ok, budgets, tokens = plan_layer(self._sparsity_cpu, self._density_cpu, S, cfg, self.speedup_table,
                                              self.training)
-            sparse = self.stage_host == 2 and self.profiled_host and self.kernel_ok and S >= cfg.group_size and ok
+            sparse = (self.stage_host == 2 and self.profiled_host and self.kernel_ok and S >= cfg.group_size and ok
+                      and not self.force_dense)
             if not sparse:
                 tokens = torch.full_like(tokens, S)
             self._decisions[key] = (sparse, budgets, tokens.float())
@@ -348,7 +352,8 @@ class DSVCoreAttention(MegatronModule):
             self.predictor_loss.fill_(self._loss_host)
         if sp_n > 0:
             first, m = not self.profiled_host, self.dsv_config.sparsity_momentum
-            self._sparsity_cpu = smooth(self._sparsity_cpu, pending[4:4 + H] / sp_n, m, first)
+            self._measured_cpu = pending[4:4 + H] / sp_n
+            self._sparsity_cpu = smooth(self._sparsity_cpu, self._measured_cpu, m, first)
             # the budget rises at once and falls with the momentum: a smoothed value that lags a
             # growing need would undershoot the recall target until it catches up
             needed = pending[4 + 2 * H:] / sp_n
@@ -374,7 +379,8 @@ class DSVCoreAttention(MegatronModule):
         """Flat per-layer and per-head scalars (host floats) under ``dsv/layer{n}/``."""
         p = f"dsv/layer{self.layer_number}/"
         sp, dens, rec = self._sparsity_cpu, self._density_cpu, self._recall_cpu  # host mirrors: no sync
-        out = {p + "sparsity": float(sp.mean()), p + "budget_density": float(dens.mean()),
+        out = {p + "sparsity": float(sp.mean()), p + "sparsity_measured": float(self._measured_cpu.mean()),
+               p + "budget_density": float(dens.mean()),
                p + "sparse": float(self.last_sparse), p + "recall": float(rec.mean()),
                p + "k_mean": float(self.last_k.mean()), p + "predictor_loss": self._loss_host,
                p + "kernel_ok": float(self.kernel_ok)}

@@ -1,6 +1,10 @@
 """Synthetic videos: moving, rotating, coloured shapes with class labels (no downloads).
 
-Each sample is one shape on a soft two-colour gradient background. The class picks the
+Each sample is one shape on a background: a soft two-colour gradient (``background="gradient"``,
+the default) or a two-colour procedural texture the camera pans across (``"texture"``: a sum of
+oriented sinusoids with wavelengths of 1/16 to 1/4 of the frame, drifting at a constant velocity
+per video, so, as in real footage, a patch is predicted by its neighbours and by the matching
+patch of the previous frame rather than by the frame's average). The class picks the
 shape and the motion: ``shape = SHAPES[label % 4]``, ``motion = MOTIONS[label // 4]``
 (so ``num_classes <= 8``; with 4 classes the class is the shape and the motion is "bounce").
 Position, size, colour, speed, direction and spin are drawn from a generator seeded by
@@ -20,10 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-__all__ = ["SyntheticVideoDataset", "SHAPES", "MOTIONS", "render_video"]
+__all__ = ["SyntheticVideoDataset", "SHAPES", "MOTIONS", "BACKGROUNDS", "render_video"]
 
 SHAPES = ("pacman", "square", "triangle", "cross")
 MOTIONS = ("bounce", "orbit")
+BACKGROUNDS = ("gradient", "texture")
+_TEXTURE_WAVES = 6
 _SUPERSAMPLE = 2
 
 
@@ -75,8 +81,27 @@ def _trajectory(motion: str, g: torch.Generator, frames: int, radius: float):
     return pos, spin
 
 
-def render_video(label: int, frames: int, height: int, width: int, g: torch.Generator) -> torch.Tensor:
+def _texture(xx: torch.Tensor, yy: torch.Tensor, g: torch.Generator, frames: int) -> torch.Tensor:
+    """Blend weight in [0, 1], ``[T, H, W]``: sinusoids of random orientation, wavelength (1/16 to
+    1/4 of the frame) and phase, shifted by a pan of 0.5-1.5% of the frame per frame."""
+    u = torch.rand(5, _TEXTURE_WAVES, generator=g)
+    theta = 2 * math.pi * u[0]
+    freq = 2 * math.pi * (4.0 + 12.0 * u[1])  # cycles per frame width: 4 to 16
+    phase, amp = 2 * math.pi * u[2], 0.5 + u[3]
+    pan_dir = 2 * math.pi * float(u[4, 0])
+    speed = 0.005 + 0.01 * float(u[4, 1])
+    t = torch.arange(frames, dtype=torch.float32)[:, None, None]
+    px, py = xx[None] + t * speed * math.cos(pan_dir), yy[None] + t * speed * math.sin(pan_dir)
+    field = sum(amp[i] * torch.sin(freq[i] * (px * torch.cos(theta[i]) + py * torch.sin(theta[i])) + phase[i])
+                for i in range(_TEXTURE_WAVES))
+    return torch.sigmoid(2.0 * field / float(amp.sum()) * math.sqrt(_TEXTURE_WAVES))
+
+
+def render_video(label: int, frames: int, height: int, width: int, g: torch.Generator,
+                 background: str = "gradient") -> torch.Tensor:
     """RGB + mask video ``[4, T, H, W]`` in [0, 1] for class ``label``, randomness from ``g``."""
+    if background not in BACKGROUNDS:
+        raise ValueError(f"background must be one of {list(BACKGROUNDS)}, got {background!r}")
     shape, motion = SHAPES[label % len(SHAPES)], MOTIONS[label // len(SHAPES)]
     H, W = height * _SUPERSAMPLE, width * _SUPERSAMPLE
     radius = 0.14 + 0.08 * float(torch.rand((), generator=g))
@@ -87,8 +112,11 @@ def render_video(label: int, frames: int, height: int, width: int, g: torch.Gene
     ys = (torch.arange(H, dtype=torch.float32) + 0.5) / H
     xs = (torch.arange(W, dtype=torch.float32) + 0.5) / W
     yy, xx = torch.meshgrid(ys, xs, indexing="ij")
-    grad = ((xx + yy) / 2)[None]  # diagonal background gradient
-    background = bg0[:, None, None] * (1 - grad) + bg1[:, None, None] * grad  # [3, H, W]
+    if background == "texture":
+        blend = _texture(xx, yy, g, frames)[None]  # [1, T, H, W]
+    else:
+        blend = ((xx + yy) / 2)[None, None].expand(1, frames, H, W)  # diagonal gradient
+    back = bg0[:, None, None, None] * (1 - blend) + bg1[:, None, None, None] * blend  # [3, T, H, W]
     out = torch.empty(4, frames, H, W)
     for f in range(frames):
         a = 2 * math.pi * angle0 + spin * f
@@ -96,7 +124,7 @@ def render_video(label: int, frames: int, height: int, width: int, g: torch.Gene
         u = dx * math.cos(a) + dy * math.sin(a)  # rotate the frame into shape coordinates
         v = -dx * math.sin(a) + dy * math.cos(a)
         mask = _inside(shape, u, v, radius).float()
-        out[:3, f] = background * (1 - mask) + fg[:, None, None] * mask
+        out[:3, f] = back[:, f] * (1 - mask) + fg[:, None, None] * mask
         out[3, f] = mask
     return F.avg_pool3d(out, kernel_size=(1, _SUPERSAMPLE, _SUPERSAMPLE))
 
@@ -121,7 +149,7 @@ class SyntheticVideoDataset(Dataset):
     """Procedural shape videos; ``ds[i] = {"latents": float32 [C, T, H, W] in [-1, 1], "label": int64 []}``."""
 
     def __init__(self, num_samples: int, channels: int = 4, frames: int = 8, height: int = 16, width: int = 16,
-                 num_classes: int = 4, seed: int = 0):
+                 num_classes: int = 4, seed: int = 0, background: str = "gradient"):
         for name, value, low in (("num_samples", num_samples, 1), ("channels", channels, 1), ("frames", frames, 1),
                                  ("height", height, 4), ("width", width, 4)):
             if not isinstance(value, int) or value < low:
@@ -129,7 +157,10 @@ class SyntheticVideoDataset(Dataset):
         max_classes = len(SHAPES) * len(MOTIONS)
         if not isinstance(num_classes, int) or not 1 <= num_classes <= max_classes:
             raise ValueError(f"num_classes must be an int in [1, {max_classes}] (shape x motion), got {num_classes!r}")
+        if background not in BACKGROUNDS:
+            raise ValueError(f"background must be one of {list(BACKGROUNDS)}, got {background!r}")
         self.num_samples, self.channels, self.num_classes, self.seed = num_samples, channels, num_classes, int(seed)
+        self.background = background
         self.frames, self.height, self.width = frames, height, width
 
     def __len__(self) -> int:
@@ -142,6 +173,6 @@ class SyntheticVideoDataset(Dataset):
         # Per-sample generator: the sample does not depend on which worker or in what order it is drawn.
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + index) % (2 ** 63))
         label = int(torch.randint(self.num_classes, (), generator=g))
-        rgbm = render_video(label, self.frames, self.height, self.width, g)
+        rgbm = render_video(label, self.frames, self.height, self.width, g, self.background)
         latents = _to_channels(rgbm, self.channels) * 2.0 - 1.0
         return {"latents": latents.contiguous(), "label": torch.tensor(label, dtype=torch.long)}

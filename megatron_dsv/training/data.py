@@ -117,7 +117,8 @@ def build_dataset(args, model_cfg):
 
     c, t, h, w = latent_shape(model_cfg)
     return SyntheticVideoDataset(args.synthetic_samples, channels=c, frames=t, height=h, width=w,
-                                 num_classes=max(1, int(model_cfg.num_classes)), seed=args.data_seed)
+                                 num_classes=max(1, int(model_cfg.num_classes)), seed=args.data_seed,
+                                 background=args.synthetic_background)
 
 
 def latent_shape(model_cfg) -> tuple:

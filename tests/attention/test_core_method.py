@@ -76,7 +76,14 @@ def test_stage_switch_on_step_rule_and_sparse_forward(make_layer):
     m = dsv_metrics(layer)
     assert layer.last_sparse and m["dsv/layer1/sparse"] == 1.0
     assert 16 <= m["dsv/k_mean"] < 512
+    layer.force_dense = True  # the run-time switch (bench_recall's dense arm) overrides the dispatcher
+    _step(layer, 4, 5)
+    assert not layer.last_sparse and dsv_metrics(layer)["dsv/layer1/k_mean"] == 512
+    layer.force_dense = False
+    _step(layer, 5, 6)
+    assert layer.last_sparse
     assert set(m) >= {"dsv/stage", "dsv/predictor_loss", "dsv/sparsity_mean", "dsv/layer1/sparsity",
+                      "dsv/layer1/sparsity_measured",
                       "dsv/layer1/recall", "dsv/layer1/k_mean", "dsv/layer1/head0/sparsity", "dsv/layer1/head1/k"}
 
 

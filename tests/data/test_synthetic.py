@@ -38,6 +38,27 @@ def test_all_classes_appear():
     assert {int(ds[i]["label"]) for i in range(64)} == set(range(8))
 
 
+def test_texture_background_pans_and_keeps_the_shape():
+    kw = dict(channels=4, frames=6, height=32, width=32, seed=2)
+    flat, tex = SyntheticVideoDataset(4, **kw)[0], SyntheticVideoDataset(4, background="texture", **kw)[0]
+    assert flat["label"] == tex["label"]  # the background draws come after the label
+    assert torch.equal(SyntheticVideoDataset(4, background="texture", **kw)[0]["latents"], tex["latents"])
+    x, y = tex["latents"], flat["latents"]
+    assert x.min() >= -1 and x.max() <= 1
+    outside = (x[3] <= -1) & (y[3] <= -1)  # background pixels in both videos
+    # the texture varies at the scale of a few pixels; the gradient barely does
+    both = outside[:, :, 1:] & outside[:, :, :-1]  # horizontal neighbours, both background
+
+    def roughness(v):
+        return (v[:3, :, :, 1:] - v[:3, :, :, :-1]).abs()[:, both].mean()
+
+    assert roughness(x) > 5 * roughness(y)
+    # the camera pans: a background pixel changes between frames even where the shape never is
+    never = outside.all(0)
+    assert (x[:3, 0][:, never] - x[:3, -1][:, never]).abs().mean() > 0.02
+    assert torch.equal(x[3], y[3])  # same shape, same motion
+
+
 def test_errors():
     with pytest.raises(ValueError, match="num_classes"):
         SyntheticVideoDataset(4, num_classes=9)
@@ -47,3 +68,5 @@ def test_errors():
         SyntheticVideoDataset(0)
     with pytest.raises(IndexError):
         SyntheticVideoDataset(2)[2]
+    with pytest.raises(ValueError, match="background"):
+        SyntheticVideoDataset(2, background="noise")
