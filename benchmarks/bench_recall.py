@@ -16,8 +16,10 @@ method's own work, measured two ways:
   ``(median A training step - median B) / predictor_train_interval + (median A profiled step -
   median A training step) / profile_interval_after_warmup`` (the library's stage-2 cadence), as a
   % of median B; the medians are columns (``ms_step_dsv_off``, ``ms_step_train``, ``ms_step_profile``).
-* ``*_synced`` columns: each layer's ``accumulate_grad`` and ``_profile`` timed with a device sync
-  around every call (an upper bound: the syncs serialise what the GPU would overlap).
+* ``*_synced`` columns: each layer's ``predictor.collect`` (the forward's share of predictor
+  training; the batched loss/gradient pass of the step end is not per layer) and ``_profile``
+  timed with a device sync around every call (an upper bound: the syncs serialise what the GPU
+  would overlap).
 
     PYTHONPATH=. python benchmarks/bench_recall.py --quick            # CPU check (~1 min)
     PYTHONPATH=. python benchmarks/bench_recall.py --preset 0.8b --grid 8 32 32 --steps 300   # H200
@@ -71,7 +73,7 @@ class _Timers:
     def __init__(self, layers):
         self.ms = defaultdict(float)
         for layer in layers:
-            self._wrap(layer.predictor, "accumulate_grad", (layer.layer_number, "predictor"))
+            self._wrap(layer.predictor, "collect", (layer.layer_number, "predictor"))
             self._wrap(layer, "_profile", (layer.layer_number, "profile"))
 
     def _wrap(self, obj, name, key):

@@ -1,5 +1,6 @@
-"""Time one layer's predictor training call, the Adam step and the profiler's oracle pass on the
-GPU, each with a torch.profiler table.
+"""Time the predictors' training (each layer's ``collect`` in the forward plus the step end's
+batched ``train_predictors``), the Adam step and the profiler's oracle pass on the GPU, with
+torch.profiler tables.
 
     python benchmarks/profile_predictor.py [--S 16384 --H 12 --D 96 --input qk]
 
@@ -17,7 +18,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from megatron_dsv.attention.predictor import LowRankPredictor, adam_step_many  # noqa: E402
+from megatron_dsv.attention.predictor import LowRankPredictor, adam_step_many, train_predictors  # noqa: E402
 from megatron_dsv.attention.schedule import sampled_queries  # noqa: E402
 from megatron_dsv.config import DSVConfig  # noqa: E402
 
@@ -48,15 +49,27 @@ def main(argv=None):
     k = torch.randn(1, a.H, a.S, a.D, device="cuda", dtype=torch.bfloat16)
     hidden = torch.randn(a.S, 1, a.hidden, device="cuda", dtype=torch.bfloat16) if a.input == "hidden" else None
     qi = sampled_queries(a.S, cfg.predictor_query_stride, 3, "cuda")
-    step = lambda: preds[0].accumulate_grad(q, k, hidden, qi, a.D ** -0.5)  # noqa: E731
+    collect = lambda: preds[0].collect(q, k, hidden, qi)  # noqa: E731
+
+    def train_all():  # one step's predictor work: every layer collects, then the batched pass
+        for p in preds:
+            p.collect(q, k, hidden, qi)
+        train_predictors(preds)
+
     for _ in range(3):
-        step()
-    print(f"accumulate_grad: {_ms(step, 20):.3f} ms per layer per step (S={a.S}, H={a.H}, D={a.D}, "
+        train_all()
+    ms_collect = _ms(lambda: (collect(), preds[0]._stash.clear()), 20)
+    print(f"collect: {ms_collect:.3f} ms per layer per step (S={a.S}, H={a.H}, D={a.D}, "
           f"{qi.numel()} sampled rows, {a.input})")
+    ms_all = _ms(train_all, 20)
+    print(f"collect x {a.layers} layers + train_predictors: {ms_all:.3f} ms per step "
+          f"(batched pass ~{ms_all - a.layers * ms_collect:.3f} ms)")
     for p in preds:
         p.grad_count.fill_(1.0)
     adam = lambda: adam_step_many(preds, [1e-4] * len(preds), [1.0] * len(preds))  # noqa: E731
+    adam()  # the first call loads the kernels
     print(f"adam_step_many over {a.layers} layers: {_ms(adam, 20):.3f} ms per step")
+    step = train_all
 
     _table(step)
     # the profile step's extra work per layer: the projections, the lists and one oracle pass

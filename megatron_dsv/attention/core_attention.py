@@ -244,10 +244,8 @@ class DSVCoreAttention(MegatronModule):
         qidx = None  # sampled queries: only the passes that train or profile need them
         if train or profile:
             qidx = sampled_queries(S, cfg.predictor_query_stride, self.step_host, q.device)
-        if train:
-            loss = self.predictor.accumulate_grad(q, k, hidden, qidx, self.softmax_scale)
-            self.pending[0] += loss
-            self.pending[1] += 1
+        if train:  # statistics only: dsv_on_step_end trains every layer's predictor in one batch
+            self.predictor.collect(q, k, hidden, qidx)
         sparse, budgets, tokens = self.decide(S)
         lists = None
         if profile:

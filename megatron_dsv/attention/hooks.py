@@ -5,7 +5,8 @@
 * :func:`dsv_metrics` — flat ``{name: float}`` for the logger (this rank's layers).
 * :func:`dsv_stage` — 1 (dense, predictors learn) or 2 (sparse).
 
-``dsv_on_step_end`` does, in order: (1) one all-reduce (sum) over the data-parallel
+``dsv_on_step_end`` does, in order: (0) the predictors' losses and gradients of the step, all layers
+in one batched pass from the statistics their forwards collected; (1) one all-reduce (sum) over the data-parallel
 group of every layer's step accumulators and predictor gradients, flattened into a
 single buffer, so profiled sparsity, budget densities, losses and predictor weights stay
 identical on all data-parallel replicas; (2) one all-reduce over the default (world)
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dsv.attention.core_attention import DSVCoreAttention
-from megatron_dsv.attention.predictor import adam_step_many
+from megatron_dsv.attention.predictor import adam_step_many, train_predictors
 from megatron_dsv.attention.schedule import should_switch
 
 __all__ = ["dsv_layers", "dsv_on_step_end", "dsv_metrics", "dsv_stage"]
@@ -140,6 +141,19 @@ def _local_loss_stats(flat: torch.Tensor, L: int, in_stage2: float) -> torch.Ten
     return torch.cat([mean.sum().reshape(1), has.sum().to(torch.float64).reshape(1), stage2])
 
 
+def _train_predictors(layers: List[DSVCoreAttention]) -> None:
+    """The step's predictor losses and gradients for all layers in one batched pass (the forwards
+    only collected statistics); each layer's loss sum and call count go to its step accumulators."""
+    if not layers:
+        return
+    sums, counts = train_predictors([layer.predictor for layer in layers])
+    if not any(counts):
+        return
+    totals = torch.stack([sums.to(layers[0].pending.device), torch.tensor(counts, dtype=torch.float32,
+                                                                          device=layers[0].pending.device)], 1)
+    torch._foreach_add_([layer.pending[0:2] for layer in layers], list(totals.unbind(0)))
+
+
 def dsv_on_step_end(model, iteration: Optional[int] = None, dp_group=None) -> int:
     """Advance DSV after an optimizer step; returns the stage for the next step (1 or 2).
 
@@ -154,6 +168,7 @@ def dsv_on_step_end(model, iteration: Optional[int] = None, dp_group=None) -> in
     if iteration is not None and (not isinstance(iteration, int) or iteration < 0):
         raise ValueError(f"iteration must be None or an int >= 0, got {iteration!r}")
     layers = dsv_layers(model)
+    _train_predictors(layers)
     per_layer, mean_loss, in_stage2 = _exchange(layers, dp_group if dp_group is not None else _default_dp_group())
     if not layers:
         return 1

@@ -17,9 +17,8 @@ RoPE positions directly. The H200 run of the same benchmark is the one that coun
 
 How the predictor trains (the design choice, stated once):
 its loss depends only on *detached* inputs and its own weights, so its gradient is
-computed right where the loss is, inside the attention forward, with a local
-``torch.autograd.grad`` (chunked over sampled queries so memory stays bounded), and
-accumulated into a private buffer. The weights are ``requires_grad=False``
+computed right where the loss is, inside the attention forward, in closed form (no autograd),
+and accumulated into a private buffer. The weights are ``requires_grad=False``
 parameters: Megatron's DDP and the main optimizer skip them (both ignore parameters
 that do not require grad), yet they live in ``state_dict``/``sharded_state_dict``.
 ``dsv_on_step_end`` all-reduces the accumulated gradient over the data-parallel group
@@ -33,29 +32,30 @@ recomputation (first pass under ``no_grad``, recompute with grad) trains once pe
 
 Loss on sampled query rows: ``cos_w * (1 - cos) + mse_w * MSE`` of the L2-normalised
 rows of low-rank vs. true pre-softmax scores over all keys. On unit rows
-``MSE = 2 * (1 - cos) / S``, so the loss is ``(cos_w + 2 mse_w / S) * (1 - cos)``, and the
-cosine is computed through the ``r x r`` Gram matrix of ``k_lr`` (:func:`_row_cosines`),
-never forming the ``rows x S`` low-rank scores: the first H200 measurement (0.8B preset,
-S = 8K) found the explicit form costing ~29 ms per layer per step. :func:`predictor_loss` is
-the explicit definition, kept as the reference the tests compare against. The true score rows
-are one matmul of the sampled q rows with the keys *in the model dtype* (fp32 accumulation;
-GQA heads stacked, keys never repeated or widened to fp32), which for bf16 inputs moves the
-loss by ~1e-5 relative and its gradient by ~1e-3 (tested).
+``MSE = 2 * (1 - cos) / S``, so the loss is ``(cos_w + 2 mse_w / S) * (1 - cos)``. Both score
+rows are linear in the keys, so every cosine follows from second moments over the sequence
+(:func:`_cosine_loss_and_grads`): ``k^T k`` (``D x D`` per key head) for 'qk', plus ``X^T X``
+and ``X^T k`` of the hidden states for 'hidden'. One ``S x D x D`` product per key head
+replaces the ``rows x S`` true and low-rank score matrices, so the cost no longer grows with
+the number of sampled rows times S (H200, 0.8B layer at S = 16K: the explicit form cost
+~29 ms per layer, the Gram-of-``k_lr`` form 4 ms, mostly launch-bound autograd).
+:func:`predictor_loss` is the explicit definition, kept as the reference the tests compare
+against (value and gradient, fp64). The moments are taken from the model-dtype values with
+fp32 accumulation (tensor cores for bf16).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from megatron_dsv.config import DSVConfig
 
-__all__ = ["LowRankPredictor", "adam_step_many", "predictor_loss", "predictor_flops_per_token"]
+__all__ = ["LowRankPredictor", "adam_step_many", "train_predictors", "predictor_loss", "predictor_flops_per_token"]
 
-_CHUNK_ELEMS = 1 << 24  # true-score elements per chunk of the predictor loss (64 MB fp32)
 _ADAM_BETAS = (0.9, 0.999)
 _ADAM_EPS = 1e-8
 
@@ -76,133 +76,133 @@ def predictor_loss(lr_scores: torch.Tensor, true_scores: torch.Tensor, cos_weigh
     return cos_weight * (1.0 - cos) + mse_weight * mse
 
 
-def _scores_fp32(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
-    """``a @ b_t`` in float32: fp32 operands as they are; bf16/fp16 operands on the tensor cores with
-    fp32 accumulation and an fp32 result where torch offers it (``bmm(out_dtype=)`` on CUDA), else
-    the model-dtype product widened (CPU, older torch)."""
-    if a.dtype == torch.float32:
-        return torch.matmul(a, b_t.float())
-    if a.is_cuda and _FP32_OUT_BMM[0]:
+def _gram_fp32(x: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x^T y`` summed over the sequence (``x`` ``[..., S, F]``, ``y`` ``[..., S, E]``, default ``x``;
+    same leading dims) in fp32: bf16/fp16 CUDA operands on the tensor cores with fp32 accumulation
+    and output (``bmm(out_dtype=)``), anything else widened to fp32 first (exact products)."""
+    y = x if y is None else y
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and _FP32_OUT_BMM[0]:
         try:
-            *lead, m, d = a.shape
-            out = torch.bmm(a.reshape(-1, m, d), b_t.reshape(-1, d, b_t.shape[-1]), out_dtype=torch.float32)
-            return out.view(*lead, m, b_t.shape[-1])
+            *lead, S, F = x.shape
+            out = torch.bmm(x.reshape(-1, S, F).transpose(1, 2), y.reshape(-1, S, y.shape[-1]),
+                            out_dtype=torch.float32)
+            return out.view(*lead, F, y.shape[-1])
         except (TypeError, RuntimeError, NotImplementedError):
             _FP32_OUT_BMM[0] = False  # this torch has no fp32-output bmm: widen from now on
-    return torch.matmul(a, b_t).float()
+    return torch.matmul(x.float().transpose(-1, -2), y.float())
 
 
 _FP32_OUT_BMM = [True]
 
 
-def _true_rows(q_rows: torch.Tensor, k: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """True score rows ``[B, H, stop-start, S]`` in fp32 (no grad) from q rows ``[B, H, rows, D]`` and
-    keys ``[B, Hkv, S, D]`` in the model dtype. GQA: the ``H / Hkv`` query heads of one key head are
-    stacked into one matmul, so keys are never repeated or widened to fp32."""
-    B, H, _, D = q_rows.shape
-    hkv, S = k.shape[1], k.shape[2]
-    part = q_rows[:, :, start:stop]
-    n = part.shape[2]
-    grouped = part.reshape(B, hkv, (H // hkv) * n, D)  # head h = g * rep + j, as repeat_interleave
-    return _scores_fp32(grouped, k.transpose(-1, -2)).view(B, H, n, S)
+def _group_heads(t: torch.Tensor, hkv: int) -> torch.Tensor:
+    """``[..., H, n, X]`` -> ``[..., Hkv, (H / Hkv) n, X]``: the query heads of one key head stacked
+    (head h = g * rep + j, as ``repeat_interleave``), so per-key-head matrices need no repeat."""
+    *lead, H, n, X = t.shape
+    return t.reshape(*lead, hkv, (H // hkv) * n, X)
 
 
-def _row_norms(true: torch.Tensor) -> torch.Tensor:
-    """``max(||row||, eps)`` ``[..., rows, 1]``: F.normalize's denominator."""
-    return torch.linalg.vector_norm(true, dim=-1, keepdim=True).clamp_min(1e-12)
+def _cosine_loss_and_grads(xq: torch.Tensor, q_rows: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor,
+                           gk: torch.Tensor, gx: torch.Tensor, c: torch.Tensor, weight):
+    """The predictor loss ``weight * mean(1 - cos)`` over sampled rows and its weight gradients,
+    in closed form from second moments over the sequence (no ``rows x S`` matrix, no autograd).
 
-
-class _ProjectUnitRows(torch.autograd.Function):
-    """``M = unit(q_rows k^T) @ k_lr`` (``[B, H, rows, r]``), chunked over rows.
-
-    Computed as ``(true @ k_lr) / |true|``: the rows x S block is read once by the norm and once by
-    the matmul, never divided elementwise. The true score rows are recomputed in backward instead of
-    stored when there is more than one chunk, so memory stays at one ``[B, H, chunk, S]`` block
-    however long the sequence.
+    A sampled query's true score row is ``t = q k^T`` and its low-rank row ``l = a Wk^T X^T``
+    (``a = xq Wq``; ``X`` the key-side features: ``k`` for 'qk', the hidden states for 'hidden').
+    By associativity ``l . t = a Wk^T (X^T k) q^T``, ``|l|^2 = a Wk^T (X^T X) Wk a^T`` and
+    ``|t|^2 = q (k^T k) q^T``, so the loss needs only ``gk = k^T k`` ``[..., B, Hkv, D, D]``,
+    ``gx = X^T X`` (``[..., B, H or 1, F, F]``) and ``c = X^T k`` (``[..., B, Hkv, F, D]``).
+    ``xq`` ``[..., B, H, n, Fq]`` and ``q_rows`` ``[..., B, H, n, D]`` (fp32); ``wq`` ``[..., 1, H, Fq, r]``,
+    ``wk`` ``[..., 1, H, F, r]`` (or without the leading dims); ``weight``: a float or a tensor
+    broadcastable to ``[..., 1, 1, 1]``. Leading dims ``...`` batch independent problems (layers,
+    micro-batches). Returns ``(loss [...], d_wq [..., H, Fq, r], d_wk [..., H, F, r])``, gradients
+    summed over B; equal to autograd through :func:`predictor_loss` of the explicit rows (tested, fp64).
     """
-
-    @staticmethod
-    def forward(ctx, k_lr, q_rows, k):
-        B, H, S, _ = k_lr.shape
-        chunk = max(1, _CHUNK_ELEMS // max(1, B * H * S))
-        rows = q_rows.shape[2]
-        ctx.chunk, ctx.one_block = chunk, rows <= chunk
-        if rows <= chunk:  # one block: keep it for backward rather than recompute it
-            true = _true_rows(q_rows, k, 0, rows)
-            norm = _row_norms(true)
-            ctx.save_for_backward(true, norm)
-            return torch.matmul(true, k_lr) / norm
-        out = []
-        for i in range(0, rows, chunk):
-            true = _true_rows(q_rows, k, i, i + chunk)
-            out.append(torch.matmul(true, k_lr) / _row_norms(true))
-        ctx.save_for_backward(q_rows, k)
-        return torch.cat(out, dim=2)
-
-    @staticmethod
-    def backward(ctx, d_m):
-        if ctx.one_block:
-            true, norm = ctx.saved_tensors
-            return torch.matmul(true.transpose(-1, -2), d_m / norm), None, None
-        q_rows, k = ctx.saved_tensors
-        d_k = None
-        for i in range(0, q_rows.shape[2], ctx.chunk):
-            true = _true_rows(q_rows, k, i, i + ctx.chunk)
-            part = torch.matmul(true.transpose(-1, -2), d_m[:, :, i:i + ctx.chunk] / _row_norms(true))
-            d_k = part if d_k is None else d_k + part
-        return d_k, None, None
+    *lead, B, H, n, _ = q_rows.shape
+    hkv = gk.shape[-3]
+    qg = _group_heads(q_rows, hkv)
+    t_sq = (qg * torch.matmul(qg, gk)).sum(-1).view(*lead, B, H, n)  # |t|^2
+    u = torch.matmul(qg, c.transpose(-1, -2)).view(*lead, B, H, n, -1)  # t X = q k^T X  [..., n, F]
+    u = u / t_sq.clamp_min(1e-24).sqrt().unsqueeze(-1)  # unit(t) X  (F.normalize's eps)
+    a = torch.matmul(xq, wq)  # [..., B, H, n, r]
+    m = torch.matmul(u, wk)  # unit(t) . l = a . m
+    gw = torch.matmul(gx, wk)  # X^T X Wk  [..., B, H, F, r]
+    gram = torch.matmul(wk.transpose(-1, -2), gw)  # |l|^2 = a gram a^T
+    ag = torch.matmul(a, gram)
+    num = (a * m).sum(-1)
+    den = (a * ag).sum(-1).clamp_min(1e-24).sqrt()
+    cos = num / den
+    scale = weight / (B * H * n)  # d loss / d (1 - cos)
+    loss = (scale * (1.0 - cos)).sum((-3, -2, -1))
+    # through cos = num / sqrt(den_sq)
+    g_num = -scale / den
+    g_den_sq = -0.5 * g_num * cos / den
+    d_a = g_num.unsqueeze(-1) * m + (2.0 * g_den_sq).unsqueeze(-1) * ag
+    d_m = g_num.unsqueeze(-1) * a
+    d_gram = torch.matmul(a.transpose(-1, -2), g_den_sq.unsqueeze(-1) * a)  # symmetric
+    d_wq = torch.matmul(xq.transpose(-1, -2), d_a).sum(-4)
+    d_wk = (torch.matmul(u.transpose(-1, -2), d_m) + 2.0 * torch.matmul(gw, d_gram)).sum(-4)
+    return loss, d_wq, d_wk
 
 
-def _row_cosines(q_lr: torch.Tensor, k_lr: torch.Tensor, q_rows: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Cosine between each sampled query's low-rank score row ``q_lr k_lr^T`` and its true row.
+class _Moments(NamedTuple):
+    """One training call's sufficient statistics (see :func:`_cosine_loss_and_grads`)."""
 
-    With ``b`` the unit true row: ``lr . b = q_lr . (b k_lr)`` and
-    ``|lr|^2 = q_lr^T (k_lr^T k_lr) q_lr``, so only ``[rows, r]`` and ``[r, r]`` tensors carry
-    gradients; the ``rows x S`` low-rank scores are never formed. Equals the row cosine of
-    :func:`predictor_loss` (tested). ``q_rows`` / ``k`` (``[B, Hkv, S, D]``) in the model dtype.
+    xq: torch.Tensor
+    q_rows: torch.Tensor
+    gk: torch.Tensor
+    gx: torch.Tensor
+    c: torch.Tensor
+    weight: float
+
+    def signature(self):
+        return tuple(tuple(t.shape) for t in self[:5]) + (self.xq.device,)
+
+
+_MAX_STASH = 64  # calls kept per predictor before it trains on its own (a caller that never ends a step)
+
+
+def train_predictors(predictors: Sequence["LowRankPredictor"]) -> Tuple[torch.Tensor, List[int]]:
+    """Turn every predictor's collected calls into gradients (added to its buffers), batched.
+
+    All calls with the same shapes, across predictors (layers) and micro-batches, go through
+    :func:`_cosine_loss_and_grads` together: ~40 kernels for the whole model instead of ~30 per
+    layer. Returns ``(loss sums [P] (device), calls per predictor)``: per predictor, the sum of its
+    calls' mean losses and how many calls it had.
     """
-    m = _ProjectUnitRows.apply(k_lr, q_rows, k)  # [B, H, rows, r]
-    gram = torch.matmul(k_lr.transpose(-1, -2), k_lr)  # [B, H, r, r]
-    num = (q_lr * m).sum(-1)
-    den_sq = (torch.matmul(q_lr, gram) * q_lr).sum(-1)
-    return num / den_sq.clamp_min(1e-24).sqrt()
-
-
-def _unit_rows_times_keys(q_rows: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """``U = unit(q_rows k^T) @ k`` (``[B, H, rows, D]``, fp32, no grad), chunked over rows.
-
-    With ``k_lr = k Wk``, ``unit(true) @ k_lr = U Wk``: the qk predictor's loss needs only ``U`` and
-    ``k^T k``, both tensor-core products in the model dtype with fp32 accumulation, and autograd
-    then sees only ``[rows, D]``-sized tensors (no fp32 GEMM over the sequence).
-    """
-    B, H, rows, D = q_rows.shape
-    hkv, S = k.shape[1], k.shape[2]
-    chunk = max(1, _CHUNK_ELEMS // max(1, B * H * S))
-    out = []
-    for i in range(0, rows, chunk):
-        true = _true_rows(q_rows, k, i, i + chunk)  # [B, H, n, S] fp32
-        n = true.shape[2]
-        grouped = true.to(k.dtype).reshape(B, hkv, (H // hkv) * n, S)  # heads as in _true_rows
-        out.append(_scores_fp32(grouped, k).view(B, H, n, D) / _row_norms(true))
-    return torch.cat(out, dim=2)
-
-
-def _qk_row_cosines(q_rows: torch.Tensor, k: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor) -> torch.Tensor:
-    """:func:`_row_cosines` for the qk predictor (``q_lr = q Wq``, ``k_lr = k Wk`` per head), by
-    associativity: ``lr . b = q_lr . (U Wk)`` and ``|lr|^2 = q_lr^T Wk^T (k^T k) Wk q_lr`` (tested
-    equal). ``q_rows`` ``[B, H, rows, D]``, ``k`` ``[B, Hkv, S, D]`` in the model dtype."""
-    H, hkv = q_rows.shape[1], k.shape[1]
-    with torch.no_grad():
-        u = _unit_rows_times_keys(q_rows, k)  # [B, H, rows, D]
-        gk = _scores_fp32(k.transpose(-1, -2), k)  # k^T k [B, Hkv, D, D]
-        if hkv != H:
-            gk = gk.repeat_interleave(H // hkv, dim=1)  # D x D per head: small
-    q_lr = torch.einsum("bhsd,hdr->bhsr", q_rows.float(), wq)
-    m = torch.einsum("bhsd,hdr->bhsr", u, wk)
-    gram = torch.einsum("hdr,bhde,hes->bhrs", wk, gk, wk)  # k_lr^T k_lr
-    num = (q_lr * m).sum(-1)
-    den_sq = (torch.matmul(q_lr, gram) * q_lr).sum(-1)
-    return num / den_sq.clamp_min(1e-24).sqrt()
+    counts = [len(p._stash) + p._trained_early[1] for p in predictors]
+    if not any(counts):
+        return torch.zeros(len(predictors)), counts
+    device = predictors[0].adam_steps.device
+    sums = torch.zeros(len(predictors), device=device)
+    groups = {}
+    for i, pred in enumerate(predictors):
+        if pred._trained_early[1]:
+            sums[i] += pred._trained_early[0]
+            pred._trained_early = (0.0, 0)
+        for st in pred._stash:
+            groups.setdefault((pred.mode, st.signature()), []).append((i, st))
+        pred._stash = []
+    for (mode, _), calls in groups.items():
+        owners = [predictors[i] for i, _ in calls]
+        stats = [torch.stack(ts) for ts in zip(*(st[:5] for _, st in calls))]  # xq, q_rows, gk, gx, c
+        if mode == "qk":
+            wq = torch.stack([p.wq for p in owners]).unsqueeze(1)
+            wk = torch.stack([p.wk for p in owners]).unsqueeze(1)
+        else:
+            w = torch.stack([p.w for p in owners]).unsqueeze(1)
+            wq, wk = w[..., :owners[0].rank], w[..., owners[0].rank:]
+        weight = torch.tensor([st.weight for _, st in calls], device=device).view(-1, 1, 1, 1)
+        loss, d_wq, d_wk = _cosine_loss_and_grads(*stats[:2], wq, wk, *stats[2:], weight)
+        if mode == "qk":
+            bufs = [b for p in owners for b in (p.wq_grad, p.wk_grad)]
+            grads = [g for pair in zip(d_wq.unbind(0), d_wk.unbind(0)) for g in pair]
+        else:
+            bufs = [p.w_grad for p in owners]
+            grads = list(torch.cat([d_wq, d_wk], dim=-1).unbind(0))
+        torch._foreach_add_(bufs, grads)
+        sums.index_add_(0, torch.tensor([i for i, _ in calls], device=device), loss)
+    return sums, counts
 
 
 class LowRankPredictor(nn.Module):
@@ -236,6 +236,8 @@ class LowRankPredictor(nn.Module):
         self.register_buffer("adam_steps", torch.zeros(1, dtype=torch.float32))
         self.register_buffer("grad_count", torch.zeros(1, dtype=torch.float32), persistent=False)
         self._adam_t: Optional[float] = 0.0  # host mirror of adam_steps (None: read it once from the device)
+        self._stash: List[_Moments] = []  # calls collected since the last train_predictors
+        self._trained_early = (0.0, 0)  # (loss sum, calls) of stashes trained before the step end
         self.register_load_state_dict_post_hook(lambda module, keys: setattr(module, "_adam_t", None))
 
     def _weights(self):
@@ -275,41 +277,47 @@ class LowRankPredictor(nn.Module):
                              "megatron_dsv.models.specs.get_dsv_layer_spec (it installs DSVSelfAttention)")
 
     # ---- training --------------------------------------------------------------
-    def accumulate_grad(self, q, k, hidden, query_index: torch.Tensor, softmax_scale: float) -> torch.Tensor:
-        """Predictor loss on the sampled queries; adds its gradient to the private buffers.
+    def collect(self, q, k, hidden, query_index: torch.Tensor) -> None:
+        """Record one training call on the sampled queries: its loss's sufficient statistics.
 
-        Inputs are detached here, so the main model's gradients never see the predictor.
-        The loss never builds the ``rows x S`` low-rank score matrix (see :func:`_row_cosines`):
-        autograd holds only ``[S, r]`` and ``[rows, r]`` tensors. ``softmax_scale`` does not
-        matter: both score rows are L2-normalised. Returns the mean loss as a 0-dim tensor
-        (no host sync).
+        A few kernels in the attention forward (the sampled q rows and ``k^T k``, plus ``X^T X`` and
+        ``X^T k`` for 'hidden'); the loss and gradient are computed for all layers at once by
+        :func:`train_predictors` at the step end. Runs under ``no_grad``: the main model's gradients
+        never see the predictor. Counts one gradient contribution (``grad_count``).
         """
-        del softmax_scale  # rows are normalised: the loss is scale-free
         self._need_hidden(hidden)
-        q, k = q.detach(), k.detach()
-        hidden = hidden.detach() if hidden is not None else None
         B, H, S, _ = q.shape
-        rows = query_index.numel()
-        # True scores in the model dtype (fp32 accumulation): no fp32 or GQA-repeated copy of the keys.
-        q_rows = q.index_select(2, query_index)
         cfg = self.cfg
         # On unit rows MSE = 2 (1 - cos) / S, so the paper's loss is one weight times (1 - cos).
         weight = cfg.predictor_loss_cos_weight + 2.0 * cfg.predictor_loss_mse_weight / S
-        with torch.enable_grad():
-            leaves = {n: p.detach().requires_grad_(True) for n, p in self._weights()}
-            if self.mode == "qk":  # no projection of the keys at all (see _qk_row_cosines)
-                cos = _qk_row_cosines(q_rows, k, leaves["wq"], leaves["wk"])
-            else:  # project only the half each side needs: q_lr of the sampled rows, k_lr of all tokens
-                w, r = leaves["w"], self.rank
-                q_lr = torch.einsum("sbk,hkr->bhsr", hidden.index_select(0, query_index).float(), w[..., :r])
-                k_lr = torch.einsum("sbk,hkr->bhsr", hidden.float(), w[..., r:])
-                cos = _row_cosines(q_lr, k_lr, q_rows, k)
-            loss = weight * (1.0 - cos).sum() / (B * H * rows)
-            grads = torch.autograd.grad(loss, list(leaves.values()))
-        for (name, _), g in zip(self._weights(), grads):
-            getattr(self, f"{name}_grad").add_(g)
-        self.grad_count += 1
-        return loss.detach()
+        with torch.no_grad():
+            q_rows = q.index_select(2, query_index).float()
+            gk = _gram_fp32(k)  # k^T k in fp32 (tensor cores for bf16 keys)
+            if self.mode == "qk":
+                gk_h = gk.repeat_interleave(H // gk.shape[1], dim=1) if gk.shape[1] != H else gk  # D x D: small
+                stats = _Moments(q_rows, q_rows, gk, gk_h, gk, weight)
+            else:
+                x = hidden.transpose(0, 1)  # [B, S, F]
+                hkv, D = k.shape[1], k.shape[3]
+                # X^T k for every key head in one product: keys laid out [B, S, Hkv * D]
+                c = _gram_fp32(x, k.permute(0, 2, 1, 3).reshape(B, S, hkv * D))
+                c = c.view(B, -1, hkv, D).permute(0, 2, 1, 3)  # [B, Hkv, F, D]
+                xq = hidden.index_select(0, query_index).transpose(0, 1).unsqueeze(1).float()
+                stats = _Moments(xq.expand(B, H, -1, -1), q_rows, gk, _gram_fp32(x).unsqueeze(1), c, weight)
+            self._stash.append(stats)
+            self.grad_count += 1
+        if len(self._stash) >= _MAX_STASH:  # bounded memory for a caller that never ends a step
+            (loss_sum,), (n,) = train_predictors([self])  # folds in earlier early trainings
+            self._trained_early = (loss_sum, n)
+
+    def accumulate_grad(self, q, k, hidden, query_index: torch.Tensor, softmax_scale: float = None) -> torch.Tensor:
+        """One call's loss (0-dim, no host sync), its gradient added to the buffers right away:
+        :meth:`collect` then :func:`train_predictors` for this predictor alone. ``softmax_scale``
+        does not matter (both score rows are L2-normalised)."""
+        del softmax_scale
+        self.collect(q, k, hidden, query_index)
+        (loss_sum,), (n,) = train_predictors([self])
+        return loss_sum / n
 
     def grad_buffers(self):
         return [getattr(self, f"{n}_grad") for n, _ in self._weights()]

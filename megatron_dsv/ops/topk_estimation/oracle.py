@@ -63,7 +63,7 @@ class _Counts:
     def __init__(self):
         self.parts = []
 
-    def add(self, pos, probs, crit):
+    def add(self, pos, probs, crit, cmass):
         self.parts.append(crit.sum(-1).to(torch.int32))
 
     def result(self, q, n):
@@ -93,7 +93,7 @@ class _ListRecall:
         self.valid = torch.arange(kv_indices.shape[-1], device=q.device) < counts[..., None, None]  # [B, H, 1, Kmax]
         self.total = torch.zeros(B, H, dtype=torch.float64, device=q.device)
 
-    def add(self, pos, probs, crit):
+    def add(self, pos, probs, crit, cmass):
         lists = self.lists[:, :, pos // self.group_size].long()  # [B, H, n, Kmax]
         ok = self.valid & (lists >= 0)
         sel = torch.zeros(*lists.shape[:3], self.n_items + 1, dtype=torch.bool, device=lists.device)
@@ -101,9 +101,8 @@ class _ListRecall:
         sel = sel[..., :self.n_items]
         if self.block_size:
             sel = sel.repeat_interleave(self.block_size, dim=-1)[..., :self.S]
-        cmass = (probs * crit).sum(-1)
-        hit = (probs * (crit & sel)).sum(-1)
-        self.total += (hit / cmass.clamp_min(1e-30)).double().sum(-1)
+        hit = (cmass * sel).sum(-1)
+        self.total += (hit / cmass.sum(-1).clamp_min(1e-30)).double().sum(-1)
 
     def result(self, q, n):
         return (self.total / max(1, n)).float()
@@ -128,17 +127,16 @@ class _RecallCurve:
             raise ValueError(f"recall_curve: `proxy` must be one of ('mean', 'middle'), got {proxy!r}")
         if block_score not in ("max", "lse"):
             raise ValueError(f"recall_curve: `block_score` must be one of ('max', 'lse'), got {block_score!r}")
-        self.k_lr, self.group_size, self.block_size, self.block_score = k_lr, group_size, block_size, block_score
+        self.k_lr = k_lr.float()  # once, not per chunk
+        self.group_size, self.block_size, self.block_score = group_size, block_size, block_score
         self.proxies = group_proxies(q_lr, group_size, proxy)  # [B, H, NG, r]
         n_items = S if block_size == 0 else -(-S // block_size)
         self.total = torch.zeros(B, H, n_items, dtype=torch.float64, device=q.device)
 
-    def add(self, pos, probs, crit):
-        from .naive import item_scores
-
-        mass = _item_mass((probs * crit).double(), self.block_size)  # [B, H, n, n_items]
-        scores = item_scores(self.proxies[:, :, pos // self.group_size], self.k_lr, self.block_size,
-                             self.block_score)
+    def add(self, pos, probs, crit, cmass):
+        mass = _item_mass(cmass, self.block_size).double()  # [B, H, n, n_items]
+        scores = _ranking_scores(self.proxies[:, :, pos // self.group_size], self.k_lr, self.block_size,
+                                 self.block_score)
         # stable descending sort: among equal scores the lower index comes first, as in the estimator
         order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
         cum = torch.cumsum(torch.gather(mass, -1, order), dim=-1)
@@ -148,12 +146,26 @@ class _RecallCurve:
         return self.total / max(1, n)
 
 
+def _ranking_scores(proxies: torch.Tensor, k_lr: torch.Tensor, block_size: int, block_score: str) -> torch.Tensor:
+    """The estimator's item scores (``naive.item_scores``) as one fp32 matmul rather than its
+    fixed-order sum over r: equal up to rounding, so only near-exact ties can rank differently
+    (the CUDA kernel's fused multiply-adds differ from the naive twin in the same way)."""
+    from .naive import block_view
+
+    s = torch.matmul(proxies.float(), k_lr.transpose(-1, -2).float())
+    if block_size:
+        s = block_view(s, block_size, float("-inf"))
+        s = s.amax(-1) if block_score == "max" else torch.logsumexp(s, dim=-1)
+    return s + 0.0  # -0.0 -> +0.0
+
+
 def _one_pass(q, k, theta, softmax_scale, qi, chunk_elems, accumulators) -> list:
     """Run the chunked softmax / critical-set pass once over the (checked) query positions ``qi``
-    and feed every accumulator."""
+    and feed every accumulator (with the critical probability mass ``probs * crit``, computed once)."""
     for pos, probs, crit in _prob_chunks(q, k, theta, softmax_scale, qi, chunk_elems):
+        cmass = probs * crit
         for acc in accumulators:
-            acc.add(pos, probs, crit)
+            acc.add(pos, probs, crit, cmass)
     return [acc.result(q, qi.numel()) for acc in accumulators]
 
 
@@ -206,7 +218,8 @@ def recall_curve(q, k, q_lr, k_lr, group_size: int, block_size: int = 0, theta: 
 
     The ranking is the estimator's (``estimate_topk`` with the same ``proxy`` / ``block_score``):
     higher score first, lower index wins ties; so entry k-1 equals :func:`critical_mass_recall` of
-    the lists ``estimate_topk(q_lr, k_lr, k, ...)`` builds, for every k at once. q [B, H, S, D],
+    the lists ``estimate_topk(q_lr, k_lr, k, ...)`` builds, for every k at once (the scores are one
+    matmul here, so items whose scores tie up to rounding may swap places). q [B, H, S, D],
     k [B, Hkv, S, D]; q_lr, k_lr [B, H, S, r]; items are keys (block_size 0) or key blocks.
     Memory: one chunk of sampled rows x S (``chunk_elems``), never S x S. Each curve is
     non-decreasing and ends at exactly 1.
