@@ -89,7 +89,8 @@ def plot_recall(path):
             ax.plot(layers, [r["budget_density"] for r in mine], "^:", label=f"budget density ({inp})")
     if rows:
         r0 = rows[0]
-        what = (f"recall, {r0.get('preset')} S={r0.get('S')} {r0.get('granularity')} "
+        depth = f" {r0['layers']} layers" if r0.get("layers") else ""
+        what = (f"recall, {r0.get('preset')}{depth} S={r0.get('S')} {r0.get('granularity')} "
                 f"cube {r0.get('cube')} rule {r0.get('budget_rule', 'sparsity')}")
     else:
         what = "recall"

@@ -32,8 +32,9 @@ for s in $stages; do
              tests/training tests/ops/test_topk_estimation.py -k "not slow" ;;
     train) run train 240 python3 -m megatron_dsv.train --output-dir /tmp/dsv_default
            cp /tmp/dsv_default/samples/*.gif "$out/" 2>/dev/null ;;
-    recall) run recall 300 python3 benchmarks/bench_recall.py --preset 0.8b --grid 16 64 64 --batch 1 \
-              --steps 120 --predictor-input qk --profile-every 10 \
+    recall) run recall 420 python3 benchmarks/bench_recall.py --preset 0.8b --layers 12 --grid 16 64 64 --batch 1 \
+              --steps 1300 --stage1-steps 1050 --lr 5e-4 --warmup 100 --profile-every 25 --log-every 100 \
+              --predictor-input qk --background texture \
               --speedup-table benchmarks/results/sparse_attention-h200-20261130.json --out-dir "$out" ;;
     predictor) run predictor 120 python3 benchmarks/profile_predictor.py ;;
     topk) run topk 300 sh -c "python3 benchmarks/bench_topk_estimation.py --triton-max-s 16384 --out '$out' && \
