@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dsv.attention.core_attention import DSVCoreAttention
-from megatron_dsv.attention.predictor import adam_step_many, train_predictors
+from megatron_dsv.attention.predictor import adam_step_many, from_host, train_predictors
 from megatron_dsv.attention.schedule import should_switch
 
 __all__ = ["dsv_layers", "dsv_on_step_end", "dsv_metrics", "dsv_stage"]
@@ -149,8 +149,8 @@ def _train_predictors(layers: List[DSVCoreAttention]) -> None:
     sums, counts = train_predictors([layer.predictor for layer in layers])
     if not any(counts):
         return
-    totals = torch.stack([sums.to(layers[0].pending.device), torch.tensor(counts, dtype=torch.float32,
-                                                                          device=layers[0].pending.device)], 1)
+    device = layers[0].pending.device
+    totals = torch.stack([sums.to(device), from_host(counts, device, torch.float32)], 1)
     torch._foreach_add_([layer.pending[0:2] for layer in layers], list(totals.unbind(0)))
 
 

@@ -112,7 +112,7 @@ def _cosine_loss_and_grads(xq: torch.Tensor, q_rows: torch.Tensor, wq: torch.Ten
     By associativity ``l . t = a Wk^T (X^T k) q^T``, ``|l|^2 = a Wk^T (X^T X) Wk a^T`` and
     ``|t|^2 = q (k^T k) q^T``, so the loss needs only ``gk = k^T k`` ``[..., B, Hkv, D, D]``,
     ``gx = X^T X`` (``[..., B, H or 1, F, F]``) and ``c = X^T k`` (``[..., B, Hkv, F, D]``).
-    ``xq`` ``[..., B, H, n, Fq]`` and ``q_rows`` ``[..., B, H, n, D]`` (fp32); ``wq`` ``[..., 1, H, Fq, r]``,
+    ``xq`` ``[..., B, H or 1, n, Fq]`` and ``q_rows`` ``[..., B, H, n, D]`` (fp32); ``wq`` ``[..., 1, H, Fq, r]``,
     ``wk`` ``[..., 1, H, F, r]`` (or without the leading dims); ``weight``: a float or a tensor
     broadcastable to ``[..., 1, 1, 1]``. Leading dims ``...`` batch independent problems (layers,
     micro-batches). Returns ``(loss [...], d_wq [..., H, Fq, r], d_wk [..., H, F, r])``, gradients
@@ -167,7 +167,7 @@ def train_predictors(predictors: Sequence["LowRankPredictor"]) -> Tuple[torch.Te
 
     All calls with the same shapes, across predictors (layers) and micro-batches, go through
     :func:`_cosine_loss_and_grads` together: ~40 kernels for the whole model instead of ~30 per
-    layer. Returns ``(loss sums [P] (device), calls per predictor)``: per predictor, the sum of its
+    layer, and no stream sync. Returns ``(loss sums [P] (device), calls per predictor)``: per predictor, the sum of its
     calls' mean losses and how many calls it had.
     """
     counts = [len(p._stash) + p._trained_early[1] for p in predictors]
@@ -181,9 +181,9 @@ def train_predictors(predictors: Sequence["LowRankPredictor"]) -> Tuple[torch.Te
             sums[i] += pred._trained_early[0]
             pred._trained_early = (0.0, 0)
         for st in pred._stash:
-            groups.setdefault((pred.mode, st.signature()), []).append((i, st))
+            groups.setdefault((pred.mode, st.weight, st.signature()), []).append((i, st))
         pred._stash = []
-    for (mode, _), calls in groups.items():
+    for (mode, weight, _), calls in groups.items():
         owners = [predictors[i] for i, _ in calls]
         stats = [torch.stack(ts) for ts in zip(*(st[:5] for _, st in calls))]  # xq, q_rows, gk, gx, c
         if mode == "qk":
@@ -192,7 +192,6 @@ def train_predictors(predictors: Sequence["LowRankPredictor"]) -> Tuple[torch.Te
         else:
             w = torch.stack([p.w for p in owners]).unsqueeze(1)
             wq, wk = w[..., :owners[0].rank], w[..., owners[0].rank:]
-        weight = torch.tensor([st.weight for _, st in calls], device=device).view(-1, 1, 1, 1)
         loss, d_wq, d_wk = _cosine_loss_and_grads(*stats[:2], wq, wk, *stats[2:], weight)
         if mode == "qk":
             bufs = [b for p in owners for b in (p.wq_grad, p.wk_grad)]
@@ -201,8 +200,14 @@ def train_predictors(predictors: Sequence["LowRankPredictor"]) -> Tuple[torch.Te
             bufs = [p.w_grad for p in owners]
             grads = list(torch.cat([d_wq, d_wk], dim=-1).unbind(0))
         torch._foreach_add_(bufs, grads)
-        sums.index_add_(0, torch.tensor([i for i, _ in calls], device=device), loss)
+        sums.index_add_(0, from_host([i for i, _ in calls], device, torch.long), loss)
     return sums, counts
+
+
+def from_host(values: Sequence, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A small tensor of host values on ``device`` without a stream sync (pinned, non-blocking on CUDA)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 class LowRankPredictor(nn.Module):
@@ -303,7 +308,7 @@ class LowRankPredictor(nn.Module):
                 c = _gram_fp32(x, k.permute(0, 2, 1, 3).reshape(B, S, hkv * D))
                 c = c.view(B, -1, hkv, D).permute(0, 2, 1, 3)  # [B, Hkv, F, D]
                 xq = hidden.index_select(0, query_index).transpose(0, 1).unsqueeze(1).float()
-                stats = _Moments(xq.expand(B, H, -1, -1), q_rows, gk, _gram_fp32(x).unsqueeze(1), c, weight)
+                stats = _Moments(xq, q_rows, gk, _gram_fp32(x).unsqueeze(1), c, weight)  # xq shared by heads
             self._stash.append(stats)
             self.grad_count += 1
         if len(self._stash) >= _MAX_STASH:  # bounded memory for a caller that never ends a step
