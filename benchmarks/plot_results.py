@@ -94,10 +94,15 @@ def plot_recall(path):
                 f"cube {r0.get('cube')} rule {r0.get('budget_rule', 'sparsity')}")
     else:
         what = "recall"
+    return _unit_axes(fig, ax, meta, what, "layer")
+
+
+def _unit_axes(fig, ax, meta, what, xlabel):
+    """Shared finish of the recall plots: values in [0, 1] with the 0.95 recall target dotted."""
     ax.axhline(0.95, color="k", lw=0.8, ls=":")
-    ax.set(xlabel="layer", ylim=(0, 1.02), title=_title(meta, what))
+    ax.set(xlabel=xlabel, ylim=(0, 1.02), title=_title(meta, what))
     ax.title.set_fontsize(8)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     ax.grid(True, alpha=0.3)
     return fig
 
@@ -119,13 +124,8 @@ def plot_trajectory(path):
         switch = next((s for s in steps if by_step[s][0].get("stage") == 2), None)
         if switch is not None:
             ax.axvline(switch, color="gray", lw=0.8)
-    ax.axhline(0.95, color="k", lw=0.8, ls=":")
-    ax.set(xlabel="training step (mean over layers; grey: first stage-2 profile)", ylim=(0, 1.02),
-           title=_title(meta, "DSV over training"))
-    ax.title.set_fontsize(8)
-    ax.legend(fontsize=7)
-    ax.grid(True, alpha=0.3)
-    return fig
+    return _unit_axes(fig, ax, meta, "DSV over training",
+                      "training step (mean over layers; grey: first stage-2 profile)")
 
 
 # first matching prefix wins: the longer one first
