@@ -80,7 +80,8 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
 
     def synthetic(n, seed):
         return SyntheticVideoDataset(max(int(n), 1), channels=c, frames=t, height=h, width=w,
-                                     num_classes=max(cfg.num_classes, 1), seed=seed) if n else None
+                                     num_classes=max(cfg.num_classes, 1), seed=seed,
+                                     background=args.synthetic_background) if n else None
 
     # Megatron's sequential sampler stops at len(dataset): size the procedural sets to what it asks for.
     train_n = max(train_val_test_num_samples[0], args.synthetic_samples)
