@@ -167,8 +167,8 @@ def train_predictors(predictors: Sequence["LowRankPredictor"]) -> Tuple[torch.Te
 
     All calls with the same shapes, across predictors (layers) and micro-batches, go through
     :func:`_cosine_loss_and_grads` together: ~40 kernels for the whole model instead of ~30 per
-    layer, and no stream sync. Returns ``(loss sums [P] (device), calls per predictor)``: per predictor, the sum of its
-    calls' mean losses and how many calls it had.
+    layer, and no stream sync. Returns ``(loss sums [P] (device), calls per predictor)``: per
+    predictor, the sum of its calls' mean losses and how many calls it had.
     """
     counts = [len(p._stash) + p._trained_early[1] for p in predictors]
     if not any(counts):
@@ -184,7 +184,7 @@ def train_predictors(predictors: Sequence["LowRankPredictor"]) -> Tuple[torch.Te
             groups.setdefault((pred.mode, st.weight, st.signature()), []).append((i, st))
         pred._stash = []
     for (mode, weight, _), calls in groups.items():
-        owners = [predictors[i] for i, _ in calls]
+        owners = [predictors[i] for i, _ in calls]  # one per call: a layer's micro-batches repeat it
         stats = [torch.stack(ts) for ts in zip(*(st[:5] for _, st in calls))]  # xq, q_rows, gk, gx, c
         if mode == "qk":
             wq = torch.stack([p.wq for p in owners]).unsqueeze(1)
@@ -193,14 +193,16 @@ def train_predictors(predictors: Sequence["LowRankPredictor"]) -> Tuple[torch.Te
             w = torch.stack([p.w for p in owners]).unsqueeze(1)
             wq, wk = w[..., :owners[0].rank], w[..., owners[0].rank:]
         loss, d_wq, d_wk = _cosine_loss_and_grads(*stats[:2], wq, wk, *stats[2:], weight)
-        if mode == "qk":
-            bufs = [b for p in owners for b in (p.wq_grad, p.wk_grad)]
-            grads = [g for pair in zip(d_wq.unbind(0), d_wk.unbind(0)) for g in pair]
-        else:
-            bufs = [p.w_grad for p in owners]
-            grads = list(torch.cat([d_wq, d_wk], dim=-1).unbind(0))
-        torch._foreach_add_(bufs, grads)
-        sums.index_add_(0, from_host([i for i, _ in calls], device, torch.long), loss)
+        ids = [i for i, _ in calls]
+        sums.index_add_(0, from_host(ids, device, torch.long), loss)
+        d_w = (d_wq, d_wk) if mode == "qk" else (torch.cat([d_wq, d_wk], dim=-1),)
+        unique = list(dict.fromkeys(ids))
+        if len(unique) < len(ids):  # micro-batches of one layer: sum first (one foreach must not see a buffer twice)
+            slot = from_host([unique.index(i) for i in ids], device, torch.long)
+            d_w = tuple(torch.zeros(len(unique), *d.shape[1:], device=device).index_add_(0, slot, d) for d in d_w)
+        names = ("wq_grad", "wk_grad") if mode == "qk" else ("w_grad",)
+        torch._foreach_add_([getattr(predictors[i], n) for i in unique for n in names],
+                            [d[j] for j in range(len(unique)) for d in d_w])
     return sums, counts
 
 

@@ -108,26 +108,33 @@ def test_bf16_inputs_match_fp32_definition(mode, hkv):
 def test_batched_training_equals_one_call_at_a_time(monkeypatch, mode):
     """train_predictors over layers x micro-batches (two sequence lengths, so two shape groups)
     gives each predictor the gradients and loss sum of its calls trained one by one; a predictor
-    whose stash fills up trains early and loses nothing."""
+    whose stash fills up trains early and loses nothing; no foreach launch sees a buffer twice."""
     torch.manual_seed(4)
     H, D, F = 4, 16, 24
     cfg = DSVConfig(predictor_input=mode, predictor_rank=8)
     preds = [LowRankPredictor(cfg, H, D, F, layer_number=n) for n in (1, 2, 3)]
     refs = [LowRankPredictor(cfg, H, D, F, layer_number=n) for n in (1, 2, 3)]
     calls = []
-    for S in (50, 50, 64):
+    for S in (50, 50, 64, 64):
         q, k, hidden = torch.randn(2, H, S, D), torch.randn(2, 2, S, D), torch.randn(S, 2, F)
         calls.append((q, k, hidden, torch.arange(3, S, 9)))
-    monkeypatch.setattr(pred_mod, "_MAX_STASH", 2)  # predictor 3 trains early after its second call
+    real_add = torch._foreach_add_
+
+    def one_launch_per_buffer(tensors, others):  # CUDA's fused add would race on a repeated buffer
+        assert len({id(t) for t in tensors}) == len(tensors), "a gradient buffer twice in one foreach"
+        return real_add(tensors, others)
+
+    monkeypatch.setattr(torch, "_foreach_add_", one_launch_per_buffer)
+    monkeypatch.setattr(pred_mod, "_MAX_STASH", 3)  # predictor 3 trains early at its third call
     expect = []
     for i, (p, ref) in enumerate(zip(preds, refs)):
-        mine = calls if i == 2 else calls[:2]
+        mine = calls if i == 2 else calls[:2]  # predictors 1, 2: two micro-batches of one shape
         for q, k, hidden, idx in mine:
             p.collect(q, k, hidden, idx)
         expect.append(sum(float(ref.accumulate_grad(q, k, hidden, idx)) for q, k, hidden, idx in mine))
-    assert len(preds[2]._stash) == 1 and preds[2]._trained_early[1] == 2
+    assert len(preds[2]._stash) == 1 and preds[2]._trained_early[1] == 3
     sums, counts = pred_mod.train_predictors(preds)
-    assert counts == [2, 2, 3] and all(not p._stash for p in preds)
+    assert counts == [2, 2, 4] and all(not p._stash for p in preds)
     torch.testing.assert_close(sums, torch.tensor(expect), rtol=1e-5, atol=1e-6)
     for p, ref in zip(preds, refs):
         for b, r in zip(p.grad_buffers(), ref.grad_buffers()):
