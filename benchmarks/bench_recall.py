@@ -44,6 +44,7 @@ from megatron_dsv.attention import dsv_layers, dsv_metrics, dsv_on_step_end, dsv
 from megatron_dsv.attention.predictor import predictor_flops_per_token  # noqa: E402
 from megatron_dsv.attention.schedule import is_profile_step, trains_predictor  # noqa: E402
 from megatron_dsv.config import DSVConfig  # noqa: E402
+from megatron_dsv.data.synthetic import BACKGROUNDS  # noqa: E402
 
 
 def _init_dist():
@@ -90,7 +91,7 @@ class _Timers:
         setattr(obj, name, timed)
 
 
-def _train(model, data, steps, dtype, device, first_step=0, args=None, log=None):
+def _train(model, data, steps, dtype, device, args, first_step=0, log=None):
     """Plain training steps; returns each step's wall time in ms (synchronised at step ends only).
 
     AdamW at ``args.lr`` with a linear warm-up over ``args.warmup`` steps and gradient clipping at 1.
@@ -98,8 +99,7 @@ def _train(model, data, steps, dtype, device, first_step=0, args=None, log=None)
     """
     from megatron_dsv.models.video_dit import flow_matching_loss
 
-    lr = getattr(args, "lr", 1e-4)
-    warmup = getattr(args, "warmup", 0)
+    lr, warmup = args.lr, args.warmup
     opt = getattr(model, "_bench_opt", None) or torch.optim.AdamW(model.parameters(), lr=lr)
     model._bench_opt = opt
     g = torch.Generator().manual_seed(first_step)
@@ -126,11 +126,11 @@ def _train(model, data, steps, dtype, device, first_step=0, args=None, log=None)
 class _DeviceSamples:
     """The dataset rendered once and kept on the device: steps do not wait for the CPU renderer."""
 
-    def __init__(self, ds, device, dtype):
+    def __init__(self, ds, batch: int, device, dtype):
         items = [ds[i] for i in range(len(ds))]
         self.latents = torch.stack([x["latents"] for x in items]).to(device, dtype)
         self.labels = torch.stack([x["label"] for x in items]).to(device)
-        self.batch = 1
+        self.batch = batch
 
     def batch_at(self, it: int):
         idx = [(it * self.batch + i) % len(self.labels) for i in range(self.batch)]
@@ -156,18 +156,17 @@ class _Trajectory:
             for layer in dsv_layers(self.model):
                 p = f"dsv/layer{layer.layer_number}/"
                 self.rows.append(dict(bench="recall_trajectory", predictor_input=self.tag, step=step + 1,
-                                      layer=layer.layer_number, stage=dsv_stage(self.model),
+                                      layer=layer.layer_number, stage=int(metrics["dsv/stage"]),
                                       **{k: metrics[p + k] for k in ("sparsity_measured", "sparsity", "budget_density",
                                                                      "recall", "sparse", "predictor_loss")}))
         if (step + 1) % self.every == 0:
-            metrics = metrics or dsv_metrics(self.model)
-            layers = dsv_layers(self.model)
-            mean = lambda key: sum(metrics[f"dsv/layer{l.layer_number}/{key}"] for l in layers) / len(layers)  # noqa: E731
-            n_sparse = sum(int(metrics[f"dsv/layer{l.layer_number}/sparse"]) for l in layers)
+            m = metrics or dsv_metrics(self.model)
+            n_layers = len(dsv_layers(self.model))
             print(f" [{self.tag}] iteration {step + 1:6d} | ms/step {_median(self.ms[-self.every:]):8.1f} | "
-                  f"loss {float(loss):.4f} | stage {dsv_stage(self.model)} | sparsity {mean('sparsity'):.3f} "
-                  f"(last {mean('sparsity_measured'):.3f}) | density {mean('budget_density'):.3f} | "
-                  f"recall {mean('recall'):.3f} | sparse layers {n_sparse}/{len(layers)}", flush=True)
+                  f"loss {float(loss):.4f} | stage {int(m['dsv/stage'])} | sparsity {m['dsv/sparsity_mean']:.3f} "
+                  f"(last {m['dsv/sparsity_measured_mean']:.3f}) | density {m['dsv/budget_density_mean']:.3f} | "
+                  f"recall {m['dsv/recall_mean']:.3f} | sparse layers {round(m['dsv/sparse_fraction'] * n_layers)}/"
+                  f"{n_layers}", flush=True)
 
 
 def _median(xs):
@@ -195,7 +194,7 @@ def _overhead_ab(model, layers, data, args, dsv, dtype, device, first_step):
         for name in ("a", "b", "c"):
             _set_method_work(layers, name == "a")
             _set_dense(layers, name == "c")
-            times = _train(model, data, half, dtype, device, first_step=step, args=args)
+            times = _train(model, data, half, dtype, device, args, first_step=step)
             arm[name] += [(step + i, t) for i, t in enumerate(times)]
             step += half
     _set_method_work(layers, True)
@@ -244,10 +243,9 @@ def run(args, predictor_input: str):
     data = _DeviceSamples(SyntheticVideoDataset(args.samples, channels=cfg.in_channels, frames=args.grid[0],
                                                 height=args.grid[1], width=args.grid[2], seed=args.seed,
                                                 num_classes=min(cfg.num_classes, 8),  # 4 shapes x 2 motions
-                                                background=args.background), device, dtype)
-    data.batch = args.batch
+                                                background=args.background), args.batch, device, dtype)
     trajectory = _Trajectory(model, dsv, args.log_every, predictor_input)
-    _train(model, data, args.steps, dtype, device, args=args, log=trajectory)
+    _train(model, data, args.steps, dtype, device, args, log=trajectory)
     if dsv_stage(model) != 2:
         raise SystemExit(f"--stage1-steps ({stage1}) must be < --steps ({args.steps}): the bench measures stage 2")
     layers = dsv_layers(model)
@@ -256,7 +254,7 @@ def run(args, predictor_input: str):
     # per-layer timings with a device sync around every predictor / profiler call (extra columns)
     timers = _Timers(layers)
     n = args.timing_steps
-    _train(model, data, n, dtype, device, first_step=next_step, args=args)
+    _train(model, data, n, dtype, device, args, first_step=next_step)
     S = cfg.token_grid()[0] * cfg.token_grid()[1] * cfg.token_grid()[2]
     flops = predictor_flops_per_token(predictor_input, cfg.heads, cfg.head_dim, cfg.hidden, dsv.predictor_rank)
     profiles = max(1, sum(1 for s in range(next_step, next_step + n) if is_profile_step(s, dsv)))
@@ -270,8 +268,9 @@ def run(args, predictor_input: str):
             S=S, H=cfg.heads, D=cfg.head_dim, B=args.batch, hidden=cfg.hidden, rank=dsv.predictor_rank,
             granularity=dsv.granularity, kv_block=dsv.kv_block_size, cube="x".join(map(str, dsv.query_group_shape)),
             budget_rule=dsv.budget_rule, recall_target=dsv.recall_target, train_interval=dsv.predictor_train_interval,
-            layers=cfg.layers, background=args.background, samples=args.samples, lr=args.lr, warmup=args.warmup, stage1_steps=stage1, steps=args.steps,
-            sparsity_measured=metrics[p + "sparsity_measured"], seed=args.seed, stage=dsv_stage(model), recall=metrics[p + "recall"],
+            layers=cfg.layers, background=args.background, samples=args.samples, lr=args.lr, warmup=args.warmup,
+            stage1_steps=stage1, steps=args.steps, seed=args.seed, stage=dsv_stage(model),
+            recall=metrics[p + "recall"], sparsity_measured=metrics[p + "sparsity_measured"],
             sparsity=metrics[p + "sparsity"], budget_density=metrics[p + "budget_density"],
             sparse=bool(metrics[p + "sparse"]), k_mean=metrics[p + "k_mean"],
             predictor_loss=metrics[p + "predictor_loss"], predictor_flops_per_token=flops,
@@ -311,7 +310,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--samples", type=int, default=64, help="synthetic videos (rendered once, cycled)")
-    ap.add_argument("--background", choices=["gradient", "texture"], default="gradient",
+    ap.add_argument("--background", choices=BACKGROUNDS, default="gradient",
                     help="synthetic videos' background (SyntheticVideoDataset)")
     ap.add_argument("--query-stride", type=int, default=DSVConfig().predictor_query_stride,
                     help="sample 1 query in this many (default: the library default)")

@@ -77,11 +77,19 @@ def plot_sparse(path):
     return fig
 
 
+def _by_input(rows):
+    """{predictor input: its rows}, inputs sorted."""
+    out = {}
+    for r in rows:
+        out.setdefault(r.get("predictor_input", "?"), []).append(r)
+    return dict(sorted(out.items()))
+
+
 def plot_recall(path):
     meta, rows = _load(path)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for inp in sorted({r.get("predictor_input", "?") for r in rows}):
-        mine = sorted((r for r in rows if r.get("predictor_input") == inp), key=lambda r: r["layer"])
+    for inp, mine in _by_input(rows).items():
+        mine = sorted(mine, key=lambda r: r["layer"])
         layers = [r["layer"] for r in mine]
         ax.plot(layers, [r["recall"] for r in mine], "o-", label=f"recall ({inp})")
         ax.plot(layers, [r["sparsity"] for r in mine], "s--", label=f"exact sparsity at theta ({inp})")
@@ -110,11 +118,10 @@ def _unit_axes(fig, ax, meta, what, xlabel):
 def plot_trajectory(path):
     meta, rows = _load(path)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for inp in sorted({r.get("predictor_input", "?") for r in rows}):
+    for inp, mine in _by_input(rows).items():
         by_step = {}
-        for r in rows:
-            if r.get("predictor_input") == inp:
-                by_step.setdefault(r["step"], []).append(r)
+        for r in mine:
+            by_step.setdefault(r["step"], []).append(r)
         steps = sorted(by_step)
         mean = lambda key: [sum(float(r[key]) for r in by_step[s]) / len(by_step[s]) for s in steps]  # noqa: E731
         ax.plot(steps, mean("sparsity_measured"), "-", label=f"exact sparsity at theta ({inp})")

@@ -265,7 +265,7 @@ class LowRankPredictor(nn.Module):
                 weights: Optional[dict] = None, dtype: Optional[torch.dtype] = None
                 ) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(q_lr, k_lr)``, each ``[B, H, S, r]``, from q ``[B,H,S,D]``, k ``[B,Hkv,S,D]``
-        or hidden ``[S, B, hidden]``. ``weights`` overrides the parameters (for the local grad)."""
+        or hidden ``[S, B, hidden]``. ``weights`` overrides the parameters (the tests' autograd reference)."""
         w = dict(self._weights()) if weights is None else weights
         dtype = torch.float32 if dtype is None else dtype
         if self.mode == "qk":

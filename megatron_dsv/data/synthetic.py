@@ -97,11 +97,15 @@ def _texture(xx: torch.Tensor, yy: torch.Tensor, g: torch.Generator, frames: int
     return torch.sigmoid(2.0 * field / float(amp.sum()) * math.sqrt(_TEXTURE_WAVES))
 
 
+def _check_background(background: str) -> None:
+    if background not in BACKGROUNDS:
+        raise ValueError(f"background must be one of {list(BACKGROUNDS)}, got {background!r}")
+
+
 def render_video(label: int, frames: int, height: int, width: int, g: torch.Generator,
                  background: str = "gradient") -> torch.Tensor:
     """RGB + mask video ``[4, T, H, W]`` in [0, 1] for class ``label``, randomness from ``g``."""
-    if background not in BACKGROUNDS:
-        raise ValueError(f"background must be one of {list(BACKGROUNDS)}, got {background!r}")
+    _check_background(background)
     shape, motion = SHAPES[label % len(SHAPES)], MOTIONS[label // len(SHAPES)]
     H, W = height * _SUPERSAMPLE, width * _SUPERSAMPLE
     radius = 0.14 + 0.08 * float(torch.rand((), generator=g))
@@ -157,8 +161,7 @@ class SyntheticVideoDataset(Dataset):
         max_classes = len(SHAPES) * len(MOTIONS)
         if not isinstance(num_classes, int) or not 1 <= num_classes <= max_classes:
             raise ValueError(f"num_classes must be an int in [1, {max_classes}] (shape x motion), got {num_classes!r}")
-        if background not in BACKGROUNDS:
-            raise ValueError(f"background must be one of {list(BACKGROUNDS)}, got {background!r}")
+        _check_background(background)  # at construction, not at the first sample
         self.num_samples, self.channels, self.num_classes, self.seed = num_samples, channels, num_classes, int(seed)
         self.background = background
         self.frames, self.height, self.width = frames, height, width

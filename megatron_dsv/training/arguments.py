@@ -59,6 +59,7 @@ def add_video_dit_model_args(parser: argparse.ArgumentParser) -> argparse.Argume
                    help="Override one VideoDiTConfig field (repeatable), e.g. --model-override latent_frames=16.")
     g.add_argument("--synthetic-samples", type=_positive_int, default=4096,
                    help="Number of synthetic videos in the embedded dataset.")
+    # the choices are megatron_dsv.data.BACKGROUNDS, spelled out: this module does not import torch
     g.add_argument("--synthetic-background", choices=["gradient", "texture"], default="gradient",
                    help="Synthetic videos' background: a flat gradient, or a panning texture whose patches are "
                         "predicted by their neighbours (sparser attention, closer to real footage).")

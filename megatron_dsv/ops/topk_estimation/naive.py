@@ -55,9 +55,14 @@ def block_view(x: torch.Tensor, block_size: int, fill: float) -> torch.Tensor:
 
 def item_scores(p, k, block_size: int, block_score: str) -> torch.Tensor:
     """Scores of tokens (block_size 0) or key blocks: float32 [..., n, num_items]."""
-    s = token_scores(p, k)
+    return reduce_blocks(token_scores(p, k), block_size, block_score)
+
+
+def reduce_blocks(s: torch.Tensor, block_size: int, block_score: str) -> torch.Tensor:
+    """Token scores ``[..., S]`` -> item scores: themselves (block_size 0) or per key block its max or
+    logsumexp (the last block padded with -inf)."""
     if block_size == 0:
-        return s
+        return s + 0.0  # -0.0 -> +0.0
     s = block_view(s, block_size, float("-inf"))
     out = s.amax(-1) if block_score == "max" else torch.logsumexp(s, dim=-1)
     return out + 0.0

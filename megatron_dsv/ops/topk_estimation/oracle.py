@@ -63,7 +63,7 @@ class _Counts:
     def __init__(self):
         self.parts = []
 
-    def add(self, pos, probs, crit, cmass):
+    def add(self, pos, crit, cmass):
         self.parts.append(crit.sum(-1).to(torch.int32))
 
     def result(self, q, n):
@@ -93,7 +93,7 @@ class _ListRecall:
         self.valid = torch.arange(kv_indices.shape[-1], device=q.device) < counts[..., None, None]  # [B, H, 1, Kmax]
         self.total = torch.zeros(B, H, dtype=torch.float64, device=q.device)
 
-    def add(self, pos, probs, crit, cmass):
+    def add(self, pos, crit, cmass):
         lists = self.lists[:, :, pos // self.group_size].long()  # [B, H, n, Kmax]
         ok = self.valid & (lists >= 0)
         sel = torch.zeros(*lists.shape[:3], self.n_items + 1, dtype=torch.bool, device=lists.device)
@@ -133,7 +133,7 @@ class _RecallCurve:
         n_items = S if block_size == 0 else -(-S // block_size)
         self.total = torch.zeros(B, H, n_items, dtype=torch.float64, device=q.device)
 
-    def add(self, pos, probs, crit, cmass):
+    def add(self, pos, crit, cmass):
         mass = _item_mass(cmass, self.block_size).double()  # [B, H, n, n_items]
         scores = _ranking_scores(self.proxies[:, :, pos // self.group_size], self.k_lr, self.block_size,
                                  self.block_score)
@@ -147,16 +147,12 @@ class _RecallCurve:
 
 
 def _ranking_scores(proxies: torch.Tensor, k_lr: torch.Tensor, block_size: int, block_score: str) -> torch.Tensor:
-    """The estimator's item scores (``naive.item_scores``) as one fp32 matmul rather than its
-    fixed-order sum over r: equal up to rounding, so only near-exact ties can rank differently
-    (the CUDA kernel's fused multiply-adds differ from the naive twin in the same way)."""
-    from .naive import block_view
+    """The estimator's item scores (``naive.item_scores``) with the token scores as one fp32 matmul
+    rather than its fixed-order sum over r: equal up to rounding, so only near-exact ties can rank
+    differently (the CUDA kernel's fused multiply-adds differ from the naive twin in the same way)."""
+    from .naive import reduce_blocks
 
-    s = torch.matmul(proxies.float(), k_lr.transpose(-1, -2).float())
-    if block_size:
-        s = block_view(s, block_size, float("-inf"))
-        s = s.amax(-1) if block_score == "max" else torch.logsumexp(s, dim=-1)
-    return s + 0.0  # -0.0 -> +0.0
+    return reduce_blocks(torch.matmul(proxies.float(), k_lr.transpose(-1, -2).float()), block_size, block_score)
 
 
 def _one_pass(q, k, theta, softmax_scale, qi, chunk_elems, accumulators) -> list:
@@ -165,7 +161,7 @@ def _one_pass(q, k, theta, softmax_scale, qi, chunk_elems, accumulators) -> list
     for pos, probs, crit in _prob_chunks(q, k, theta, softmax_scale, qi, chunk_elems):
         cmass = probs * crit
         for acc in accumulators:
-            acc.add(pos, probs, crit, cmass)
+            acc.add(pos, crit, cmass)
     return [acc.result(q, qi.numel()) for acc in accumulators]
 
 
