@@ -180,7 +180,7 @@ class VideoDiT(MegatronModule):
 
 
 def build_video_dit(cfg: VideoDiTConfig, dsv_config=None, use_te: Optional[bool] = None, pg_collection=None,
-                    dtype: torch.dtype = torch.float32, **transformer_overrides) -> VideoDiT:
+                    dtype: torch.dtype = torch.float32, window_config=None, **transformer_overrides) -> VideoDiT:
     """Build a :class:`VideoDiT` (a megatron.core MegatronModule).
 
     Args:
@@ -188,6 +188,10 @@ def build_video_dit(cfg: VideoDiTConfig, dsv_config=None, use_te: Optional[bool]
         dsv_config: a DSVConfig to use DSV core attention (its ``query_group_shape`` becomes the token
             cube); None = Megatron's stock core attention and the cube ``cfg.cube``.
         use_te: force transformer-engine (True) or local (False) layers; None = TE when installed.
+        window_config: a WindowConfig for the static 3D local-window baseline
+            (:class:`~megatron_dsv.models.window_attention.WindowCoreAttention`): its ``cube`` becomes the
+            token cube, and the windows are laid out on the default token grid ``cfg.token_grid()`` (the
+            model then takes only latents of ``cfg.latent_grid``). Excludes ``dsv_config``.
         pg_collection: process groups (default: megatron.core.parallel_state's).
         dtype: parameter dtype (float32, bfloat16, float16).
         transformer_overrides: extra TransformerConfig fields (e.g. ``recompute_granularity="full",
@@ -204,9 +208,19 @@ def build_video_dit(cfg: VideoDiTConfig, dsv_config=None, use_te: Optional[bool]
         if not isinstance(dsv_config, DSVConfig):
             raise ValueError(f"dsv_config must be a DSVConfig or None, got {type(dsv_config).__name__}")
         cube = dsv_config.query_group_shape
+    if window_config is not None:
+        from megatron_dsv.models.window_attention import WindowConfig, get_window_layer_spec
+
+        if dsv_config is not None:
+            raise ValueError("dsv_config and window_config are mutually exclusive: pass at most one")
+        if not isinstance(window_config, WindowConfig):
+            raise ValueError(f"window_config must be a WindowConfig or None, got {type(window_config).__name__}")
+        cube = window_config.cube
     config = _transformer_config(cfg, dtype, transformer_overrides)
     spec = get_video_dit_layer_spec(use_dsv=dsv_config is not None, use_te=use_te, dsv_config=dsv_config,
                                     cross_attention=cfg.text_dim is not None, qk_layernorm=cfg.qk_layernorm)
+    if window_config is not None:
+        spec = get_window_layer_spec(spec, window_config, cfg.token_grid())
     model = VideoDiT(config, cfg, spec, cube, pg_collection=pg_collection)
     return model.to(dtype)
 

@@ -1,0 +1,314 @@
+"""Training runs of the video DiT on rendered or synthetic videos, shared by the sparsity study
+(``bench_sparsity_emergence.py``) and the quality comparison (``bench_quality.py``).
+
+An *arm* is one training run, written on the command line as ``key=value`` pairs joined by commas:
+
+    data=vizdoom,frames=32,res=256,attn=dsv,lr=3e-4,qk_norm=1,rope=10000,steps=1500,minutes=3
+
+Keys (defaults in :data:`ARM_DEFAULTS`): ``data`` (``vizdoom``, ``ale`` or ``synthetic``), ``frames``
+and ``res`` (clip length and square frame size in pixels; with the fixed 4x DCT downsampler and
+patch (1, 2, 2), tokens S = frames * (res / 8)^2), ``attn`` (``full``, ``dsv`` or ``window``),
+``lr``, ``qk_norm`` (0/1), ``rope`` (RoPE base), ``steps`` and ``minutes`` (the run stops at
+whichever comes first, so a run fits the device time), ``stage1`` (DSV's stage-1 steps; default
+half of ``steps``), ``window_frac`` (the window baseline's kept fraction of keys), ``label`` (a
+name for the plots; default built from the keys that differ from the defaults).
+Every arm with the same data keys trains on the same clips, in the same order, from the same
+initial weights (seeded), and is validated on the same held-out clips, noise and timesteps.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_dsv.attention import dsv_layers, dsv_metrics, dsv_on_step_end, dsv_stage  # noqa: E402
+from megatron_dsv.attention.schedule import is_profile_step  # noqa: E402
+from megatron_dsv.config import DSVConfig  # noqa: E402
+
+ARM_DEFAULTS = dict(data="vizdoom", frames=32, res=256, attn="dsv", lr=3e-4, qk_norm=1, rope=10000.0, steps=1000,
+                    minutes=3.0, stage1=None, window_frac=0.1, label=None)
+_INT_KEYS = ("frames", "res", "qk_norm", "steps", "stage1")
+_FLOAT_KEYS = ("lr", "rope", "minutes", "window_frac")
+DATA_SOURCES = ("vizdoom", "ale", "synthetic")
+ATTENTIONS = ("full", "dsv", "window")
+
+
+def parse_arm(text: str) -> dict:
+    """``"data=ale,frames=32"`` -> a full arm dict (defaults filled, values typed and checked)."""
+    arm = dict(ARM_DEFAULTS)
+    for part in filter(None, text.split(",")):
+        if "=" not in part:
+            raise ValueError(f"arm entries must be key=value, got {part!r} in {text!r}")
+        key, value = part.split("=", 1)
+        if key not in ARM_DEFAULTS:
+            raise ValueError(f"unknown arm key {key!r} in {text!r}; allowed: {sorted(ARM_DEFAULTS)}")
+        arm[key] = int(value) if key in _INT_KEYS else float(value) if key in _FLOAT_KEYS else value
+    if arm["data"] not in DATA_SOURCES:
+        raise ValueError(f"arm data must be one of {DATA_SOURCES}, got {arm['data']!r}")
+    if arm["attn"] not in ATTENTIONS:
+        raise ValueError(f"arm attn must be one of {ATTENTIONS}, got {arm['attn']!r}")
+    if arm["res"] % 8:
+        raise ValueError(f"arm res must be a multiple of 8 (4x downsampler, 2x2 patches), got {arm['res']}")
+    if arm["stage1"] is None:
+        arm["stage1"] = arm["steps"] // 2
+    if arm["label"] is None:
+        keys = ["data", "attn"] + [k for k in ("lr", "qk_norm", "rope") if arm[k] != ARM_DEFAULTS[k]]
+        arm["label"] = "-".join(str(arm[k]) for k in keys) + f"-S{_tokens_text(tokens_of(arm))}"
+    return arm
+
+
+def tokens_of(arm: dict) -> int:
+    """Sequence length of an arm's clips."""
+    return arm["frames"] * (arm["res"] // 8) ** 2
+
+
+def _tokens_text(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def init_dist():
+    """A one-process group (NCCL on a GPU, gloo on CPU) and Megatron's parallel state."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
+    if torch.cuda.is_available():
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class Clips:
+    """An arm's clips rendered once and kept on the device: ``train`` then ``val`` (held out)."""
+
+    _cache: Dict[tuple, "Clips"] = {}
+
+    def __init__(self, latents: torch.Tensor, labels: torch.Tensor, n_train: int, decoder):
+        self.latents, self.labels, self.n_train, self.decoder = latents, labels, n_train, decoder
+
+    @classmethod
+    def for_arm(cls, arm: dict, args, channels: int, device, dtype) -> "Clips":
+        key = (arm["data"], arm["frames"], arm["res"], args.samples, args.val_samples, args.seed, channels)
+        if key not in cls._cache:
+            cls._cache.clear()  # one data set on the device at a time
+            cls._cache[key] = cls._render(arm, args, channels, device, dtype)
+        return cls._cache[key]
+
+    @classmethod
+    def _render(cls, arm, args, channels, device, dtype) -> "Clips":
+        n = args.samples + args.val_samples
+        t0 = time.perf_counter()
+        if arm["data"] == "synthetic":
+            from megatron_dsv.data.synthetic import SyntheticVideoDataset
+
+            ds = SyntheticVideoDataset(n, channels=channels, frames=arm["frames"], height=arm["res"] // 4,
+                                       width=arm["res"] // 4, seed=args.seed, num_classes=8, background="texture")
+            items, decoder = [ds[i] for i in range(n)], None
+        else:
+            from megatron_dsv.data.rendered import RenderedVideoDataset, decode_video, render_dataset
+
+            ds = RenderedVideoDataset(arm["data"], n, frames=arm["frames"], height=arm["res"], width=arm["res"],
+                                      channels=channels, frame_skip=args.frame_skip, seed=args.seed)
+            items = render_dataset(ds, workers=args.workers)
+
+            def decoder(latents, ds=ds):
+                return decode_video(ds.denormalize(latents))
+        latents = torch.stack([x["latents"] for x in items]).to(device, dtype)
+        labels = torch.stack([x["label"] for x in items]).to(device)
+        print(f"rendered {n} {arm['data']} clips {tuple(latents.shape[1:])} ({tokens_of(arm)} tokens) in "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
+        return cls(latents, labels, args.samples, decoder)
+
+    def batch_at(self, it: int, batch: int):
+        idx = [(it * batch + i) % self.n_train for i in range(batch)]
+        return self.latents[idx], self.labels[idx]
+
+
+def build_model(arm: dict, args, device, dtype):
+    """The arm's video DiT (seeded: every arm of a run starts from the same weights where shapes agree)."""
+    from megatron_dsv.models.dit_config import VideoDiTConfig
+    from megatron_dsv.models.video_dit import build_video_dit
+
+    grid = (arm["frames"], arm["res"] // 4, arm["res"] // 4)
+    over = dict(latent_frames=grid[0], latent_height=grid[1], latent_width=grid[2], qk_layernorm=bool(arm["qk_norm"]),
+                rope_theta=float(arm["rope"]), num_classes=len(_classes(arm)))
+    if args.layers:
+        over["layers"] = args.layers
+    cfg = VideoDiTConfig.from_preset(args.preset, **over)
+    dsv = window = None
+    if arm["attn"] == "dsv":
+        dsv = DSVConfig(stage_switch_rule="steps", stage_switch_steps=arm["stage1"],
+                        profile_interval=args.profile_every, profile_warmup_steps=10**9,
+                        speedup_table=args.speedup_table if device.type == "cuda" else None)
+    elif arm["attn"] == "window":
+        from megatron_dsv.models.window_attention import WindowConfig, radius_for_fraction
+
+        cube = DSVConfig().query_group_shape
+        radius = radius_for_fraction(cfg.token_grid(), cube, arm["window_frac"])
+        window = WindowConfig(cube=cube, radius=radius, block_size=DSVConfig().kv_block_size)
+    torch.manual_seed(args.seed)
+    kwargs = dict(window_config=window) if window is not None else {}
+    model = build_video_dit(cfg, dsv_config=dsv, dtype=dtype, **kwargs).to(device)
+    return model, cfg
+
+
+def _classes(arm):
+    if arm["data"] == "synthetic":
+        return range(8)
+    from megatron_dsv.data.rendered import SOURCES
+
+    return SOURCES[arm["data"]]
+
+
+@torch.no_grad()
+def val_loss(model, clips: Clips, batch: int, seed: int = 1234) -> float:
+    """Flow-matching loss on the held-out clips at fixed noise and fixed timesteps (t = 0.1 .. 0.9),
+    in eval mode (a DSV model attends as its dispatcher says; no predictor or profiler work)."""
+    was = model.training
+    model.eval()
+    total, n = 0.0, 0
+    g = torch.Generator(device=clips.latents.device).manual_seed(seed)
+    ts = torch.linspace(0.1, 0.9, 5)
+    val = range(clips.n_train, clips.latents.shape[0])
+    try:
+        for start in range(0, len(val), batch):
+            idx = list(val)[start:start + batch]
+            x0, labels = clips.latents[idx].float(), clips.labels[idx]
+            for t in ts:
+                noise = torch.randn(x0.shape, generator=g, device=x0.device)
+                tb = torch.full((len(idx),), float(t), device=x0.device)
+                x_t = (1 - t) * x0 + t * noise
+                v = model(x_t.to(clips.latents.dtype), tb, labels).float()
+                total += float(torch.nn.functional.mse_loss(v, noise - x0)) * len(idx)
+                n += len(idx)
+    finally:
+        model.train(was)
+    return total / n
+
+
+def train_arm(arm: dict, args, on_profile=None, on_val=None):
+    """Train one arm; returns ``(model, clips, summary)``.
+
+    ``on_profile(step, model)`` runs after every DSV profile step, ``on_val(step, loss)`` after every
+    validation (every ``args.val_every`` steps and at the end). AdamW, linear warm-up over
+    ``args.warmup`` steps, gradient clipping at 1, batch ``args.batch``.
+    """
+    from megatron_dsv.models.video_dit import flow_matching_loss
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model, cfg = build_model(arm, args, device, dtype)
+    model.train()
+    clips = Clips.for_arm(arm, args, cfg.in_channels, device, dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=arm["lr"], weight_decay=0.0)
+    g = torch.Generator(device=device).manual_seed(args.seed)
+    dsv = dsv_layers(model)
+    cfg_dsv = dsv[0].dsv_config if dsv else None
+    t_start, times, losses, sparse_steps, layer_steps = time.perf_counter(), [], [], 0, 0
+    step = 0
+    for step in range(arm["steps"]):
+        for group in opt.param_groups:
+            group["lr"] = arm["lr"] * min(1.0, (step + 1) / max(1, args.warmup))
+        latents, labels = clips.batch_at(step, args.batch)
+        t0 = time.perf_counter()
+        loss = flow_matching_loss(model, latents, labels, generator=g)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if dsv:
+            if dsv_stage(model) == 2:
+                layer_steps += len(dsv)
+                sparse_steps += sum(int(layer.last_sparse) for layer in dsv)
+            dsv_on_step_end(model, step + 1)
+            if on_profile is not None and is_profile_step(step, cfg_dsv):
+                on_profile(step + 1, model)
+        if (step + 1) % args.log_every == 0 or step == 0:
+            _sync()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.detach())
+        if (step + 1) % args.log_every == 0:
+            _log_line(arm, step + 1, model, losses[-args.log_every:], times[-args.log_every:], args.batch,
+                      tokens_of(arm))
+        if on_val is not None and (step + 1) % args.val_every == 0:
+            on_val(step + 1, val_loss(model, clips, args.batch))
+        if time.perf_counter() - t_start > 60.0 * arm["minutes"]:
+            print(f" [{arm['label']}] stopped at step {step + 1} by its {arm['minutes']} min budget", flush=True)
+            break
+    steps_done = step + 1
+    final_val = val_loss(model, clips, args.batch)
+    if on_val is not None and steps_done % args.val_every:
+        on_val(steps_done, final_val)
+    summary = dict(steps=steps_done, val_loss=final_val, ms_step=1e3 * _median(times[1:] or times),
+                   sparse_layer_fraction=(sparse_steps / layer_steps) if layer_steps else 0.0,
+                   minutes=(time.perf_counter() - t_start) / 60.0)
+    if dsv:
+        m = dsv_metrics(model)
+        summary.update(sparsity_mean=m["dsv/sparsity_measured_mean"], sparsity_smoothed=m["dsv/sparsity_mean"],
+                       recall=m["dsv/recall_mean"], budget_density=m["dsv/budget_density_mean"],
+                       stage=int(m["dsv/stage"]))
+    return model, clips, summary
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else float("nan")
+
+
+def _log_line(arm, step, model, losses, times, batch, S):
+    ms = 1e3 * sum(times) / len(times)
+    loss = float(torch.stack(losses).float().mean())
+    line = (f" [{arm['label']}] iteration {step:6d}/{arm['steps']} | ms/step {ms:8.1f} | "
+            f"tokens/s {batch * S / (ms / 1e3):10.0f} | loss {loss:.4f}")
+    if dsv_layers(model):
+        m = dsv_metrics(model)
+        n = len(dsv_layers(model))
+        line += (f" | stage {int(m['dsv/stage'])} | sparsity {m['dsv/sparsity_measured_mean']:.3f} "
+                 f"(smoothed {m['dsv/sparsity_mean']:.3f}) | density {m['dsv/budget_density_mean']:.3f} | "
+                 f"recall {m['dsv/recall_mean']:.3f} | sparse layers {round(m['dsv/sparse_fraction'] * n)}/{n}")
+    print(line, flush=True)
+
+
+def layer_sparsity(model) -> List[float]:
+    """The last profile's exact theta-sparsity (unsmoothed) of each DSV layer, in layer order."""
+    m = dsv_metrics(model)
+    return [m[f"dsv/layer{layer.layer_number}/sparsity_measured"] for layer in dsv_layers(model)]
+
+
+def add_run_args(ap, preset="0.8b", layers=4, samples=64):
+    """Arguments every arm of a run shares."""
+    ap.add_argument("--preset", default=preset, help="model width: a VideoDiTConfig preset (layer shape)")
+    ap.add_argument("--layers", type=int, default=layers, help="layers (fewer than the preset's, to fit device time)")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=100, help="linear learning-rate warm-up steps")
+    ap.add_argument("--samples", type=int, default=samples, help="training clips (rendered once, cycled)")
+    ap.add_argument("--val-samples", type=int, default=8, help="held-out clips for the validation loss")
+    ap.add_argument("--frame-skip", type=int, default=4, help="engine tics between two frames of a clip")
+    ap.add_argument("--workers", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 1)),
+                    help="renderer processes")
+    ap.add_argument("--profile-every", type=int, default=25, help="DSV profile period (steps)")
+    ap.add_argument("--log-every", type=int, default=50)
+    ap.add_argument("--val-every", type=int, default=250)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--speedup-table", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                            "sparse_attention-h200-20261130.json"),
+                    help="the dispatcher's measured kernel speedups (DSVConfig.speedup_table; GPU runs only)")
+    ap.add_argument("--out-dir", default=None, help="results folder (default benchmarks/results)")
+

@@ -1,0 +1,374 @@
+"""Attention-sparsity analysis of a video DiT with DSV attention (the figures of DESIGN.md section 1).
+
+For one batch, :func:`capture_qk` records every DSV layer's post-RoPE q, k; then per layer and head:
+
+* exact sparsity at ``theta`` (the oracle's :func:`head_sparsity`);
+* :func:`mass_curve`: softmax mass held by the top-n keys, on a fixed grid of n / S;
+* :func:`critical_distance_histogram`: 3D distances from queries to their critical keys
+  (are critical keys local?) and the share within a small radius;
+* :func:`cube_overlap`: how much the critical sets of the queries of one query group agree;
+* :func:`predictor_recall`: critical-mass recall of the lists the layer's predictor builds at the
+  layer's current budgets (``DSVCoreAttention._estimate``, the lists a sparse forward would use).
+
+:func:`analyze` runs them all and returns a JSON-able dict (``tools/analyze_sparsity.py`` plots it).
+Tensors are ``[B, H, S, D]`` (k: ``[B, Hkv, S, D]``, GQA: Hkv divides H); queries are sampled
+(``query_index``) and the softmax rows are computed in chunks of ``chunk_elems`` probabilities by
+the oracle, never S x S. Pure torch: CPU or GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+from megatron_dsv.attention.core_attention import DSVCoreAttention
+from megatron_dsv.attention.dispatcher import density_budgets, head_budgets
+from megatron_dsv.attention.grouping import cube_order_coords
+from megatron_dsv.attention.hooks import dsv_layers
+# The oracle's validation and chunked softmax / critical-set pass: the same definition of a
+# critical set as the profiler's, not a second copy of it.
+from megatron_dsv.ops.topk_estimation.oracle import _check, _prob_chunks, head_sparsity, profile_stats
+
+__all__ = ["capture_qk", "sample_queries", "key_fractions", "mass_curve", "critical_distance_histogram",
+           "cube_overlap", "predictor_recall", "analyze"]
+
+_CHUNK = 1 << 24
+
+
+# ---------------------------------------------------------------- capture
+@torch.no_grad()
+def _capture(model, latents, timesteps, labels, text=None, text_mask=None, force_dense=True) -> dict:
+    """``{layer_number: (q, k, hidden or None)}``; see :func:`capture_qk`."""
+    layers = dsv_layers(model)
+    if not layers:
+        raise ValueError("model has no DSVCoreAttention layers: build it with a DSVConfig "
+                         "(build_video_dit(cfg, dsv_config=...)) or load a checkpoint trained with DSV")
+    captured = {}
+
+    def hook(module, args, kwargs):
+        query = args[0] if args else kwargs["query"]
+        key = args[1] if len(args) > 1 else kwargs["key"]
+        # [s, b, heads, hn] -> [b, heads, s, hn], copied: the forward may reuse its buffers
+        q, k = (t.detach().permute(1, 2, 0, 3).clone(memory_format=torch.contiguous_format) for t in (query, key))
+        hidden = module._hidden.detach().clone() if module._hidden is not None else None
+        captured[module.layer_number] = (q, k, hidden)
+
+    # what an eval forward touches: the metrics' host copies (last_k, last_sparse); the mode; force_dense
+    saved = [(layer, layer.last_k.clone(), layer.last_sparse, layer.force_dense) for layer in layers]
+    modes = [(m, m.training) for m in model.modules()]
+    handles = [layer.register_forward_pre_hook(hook, with_kwargs=True) for layer in layers]
+    try:
+        model.eval()
+        for layer in layers:
+            layer.force_dense = layer.force_dense or force_dense
+        model(latents, timesteps, labels, text=text, text_mask=text_mask)
+    finally:
+        for h in handles:
+            h.remove()
+        for layer, last_k, last_sparse, dense in saved:
+            layer.last_k.copy_(last_k)
+            layer.last_sparse, layer.force_dense = last_sparse, dense
+        for m, mode in modes:
+            m.training = mode  # per module: model.train(mode) would flatten mixed modes
+    return captured
+
+
+def capture_qk(model, latents: torch.Tensor, timesteps: torch.Tensor, labels: Optional[torch.Tensor], *,
+               text=None, text_mask=None, force_dense: bool = True) -> Dict[int, Tuple[torch.Tensor, torch.Tensor]]:
+    """One eval, no-grad forward of ``model``; returns ``{layer_number: (q, k)}`` for every DSV layer:
+    post-RoPE q ``[B, H, S, D]`` and k ``[B, Hkv, S, D]`` in the model's token (cube-major) order.
+
+    The arguments are the model's forward inputs. ``force_dense`` (default) runs every DSV layer
+    dense during the capture, so each layer sees the activations of exact attention. DSV state
+    (buffers, counters, metrics' host copies), the model's train/eval mode and ``force_dense``
+    are as before afterwards; the hooks are removed. Holds every layer's q, k at once.
+    """
+    out = _capture(model, latents, timesteps, labels, text, text_mask, force_dense)
+    return {n: (q, k) for n, (q, k, _) in out.items()}
+
+
+# ---------------------------------------------------------------- sampling and grids
+def sample_queries(S: int, stride: int = 8, max_queries: Optional[int] = None, device=None) -> torch.Tensor:
+    """int64 query positions: one in ``stride`` (from stride // 2, off the group edges), then at most
+    ``max_queries`` of them, evenly spread."""
+    if stride < 1 or S < 1:
+        raise ValueError(f"sample_queries: `stride` and `S` must be >= 1, got stride={stride}, S={S}")
+    idx = torch.arange(min(stride // 2, S - 1), S, stride)
+    if max_queries is not None and idx.numel() > max_queries:
+        if max_queries < 1:
+            raise ValueError(f"sample_queries: `max_queries` must be >= 1 or None, got {max_queries}")
+        idx = idx[torch.linspace(0, idx.numel() - 1, max_queries).round().long().unique()]
+    return idx.to(device)
+
+
+def key_fractions(S: int, points: int = 100, spacing: str = "log") -> torch.Tensor:
+    """float64 ``[points]`` grid of key fractions n / S in [1/S, 1]: log- or linearly spaced."""
+    if points < 2:
+        raise ValueError(f"key_fractions: `points` must be >= 2, got {points}")
+    match spacing:
+        case "log":
+            return torch.logspace(-math.log10(S), 0.0, points, dtype=torch.float64)
+        case "linear":
+            return torch.linspace(1.0 / S, 1.0, points, dtype=torch.float64)
+    raise ValueError(f"key_fractions: `spacing` must be one of ('log', 'linear'), got {spacing!r}")
+
+
+def _top_n(fractions: torch.Tensor, S: int) -> torch.Tensor:
+    """Keys n = ceil(f * S) per fraction (the 1e-9 keeps f = n / S, rounded up in fp, at n)."""
+    return torch.ceil(fractions.double() * S - 1e-9).long().clamp(1, S)
+
+
+# ---------------------------------------------------------------- the measurements
+def mass_curve(q: torch.Tensor, k: torch.Tensor, query_index: Optional[torch.Tensor] = None,
+               softmax_scale: Optional[float] = None, fractions: Optional[torch.Tensor] = None,
+               chunk_elems: int = _CHUNK) -> torch.Tensor:
+    """float64 ``[B, H, P]``: mean over the sampled queries of the softmax mass held by the query's
+    top-n keys, n = ceil(f * S), for each key fraction f of ``fractions`` (default
+    :func:`key_fractions` (S), log-spaced). Non-decreasing; 1 at f = 1."""
+    qi = _check(q, k, 1.0, query_index)
+    S = q.shape[2]
+    fr = key_fractions(S) if fractions is None else torch.as_tensor(fractions, dtype=torch.float64)
+    if fr.dim() != 1 or fr.numel() == 0 or float(fr.min()) <= 0 or float(fr.max()) > 1:
+        raise ValueError("mass_curve: `fractions` must be a non-empty 1-D tensor of values in (0, 1]")
+    n = _top_n(fr, S).to(q.device) - 1
+    total = torch.zeros(q.shape[0], q.shape[1], fr.numel(), dtype=torch.float64, device=q.device)
+    for _, probs, _ in _prob_chunks(q, k, 1.0, softmax_scale, qi, chunk_elems):
+        cum = torch.cumsum(torch.sort(probs, dim=-1, descending=True).values.double(), dim=-1)
+        total += cum.index_select(-1, n).sum(2)
+    return total / max(1, qi.numel())
+
+
+def _distance_edges(coords: torch.Tensor, bins) -> torch.Tensor:
+    if isinstance(bins, int):
+        if bins < 1:
+            raise ValueError(f"critical_distance_histogram: `bins` must be >= 1 or a 1-D tensor of edges, got {bins}")
+        span = (coords.max(0).values - coords.min(0).values).double().norm()
+        return torch.linspace(0.0, max(float(span), 1.0), bins + 1, dtype=torch.float64)
+    edges = torch.as_tensor(bins, dtype=torch.float64).cpu()
+    if edges.dim() != 1 or edges.numel() < 2 or bool((edges[1:] <= edges[:-1]).any()):
+        raise ValueError("critical_distance_histogram: `bins` edges must be a 1-D increasing tensor of >= 2 values")
+    return edges
+
+
+def critical_distance_histogram(q: torch.Tensor, k: torch.Tensor, coords: torch.Tensor,
+                                query_index: Optional[torch.Tensor] = None, theta: float = 0.9, bins=32,
+                                softmax_scale: Optional[float] = None, radius: float = 5.0,
+                                chunk_elems: int = _CHUNK) -> dict:
+    """Distances from sampled queries to their theta-critical keys, Euclidean in token units.
+
+    ``coords``: int ``[S, 3]`` (t, h, w) of every token in the tensors' order
+    (:func:`~megatron_dsv.attention.grouping.cube_order_coords`). ``bins``: a number of equal bins
+    from 0 to the grid's diagonal, or a 1-D tensor of edges (bins are ``[e_i, e_i+1)``, the last one
+    closed; distances outside fall into the first / last bin). Returns float64 tensors:
+
+    * ``edges`` ``[nbins + 1]`` (CPU);
+    * ``critical`` ``[B, H, nbins]``: number of (query, critical key) pairs per bin;
+    * ``all_keys`` ``[nbins]``: number of (query, key) pairs per bin, every key (the reference:
+      what a uniform choice of keys would give);
+    * ``within_radius`` ``[B, H]``: share of the (query, critical key) pairs at distance <= ``radius``.
+    """
+    qi = _check(q, k, theta, query_index)
+    S = q.shape[2]
+    if not isinstance(coords, torch.Tensor) or tuple(coords.shape) != (S, 3):
+        raise ValueError(f"critical_distance_histogram: `coords` must be a [S, 3] = [{S}, 3] tensor of (t, h, w)")
+    coords = coords.to(q.device).double()
+    edges = _distance_edges(coords, bins)
+    nb = edges.numel() - 1
+    B, H = q.shape[:2]
+    crit_hist = torch.zeros(B, H, nb, dtype=torch.float64, device=q.device)
+    all_hist = torch.zeros(nb, dtype=torch.float64, device=q.device)
+    near = torch.zeros(B, H, dtype=torch.float64, device=q.device)
+    for pos, _, crit in _prob_chunks(q, k, theta, softmax_scale, qi, chunk_elems):
+        dist = torch.cdist(coords[pos], coords)  # [n, S]
+        slot = (torch.bucketize(dist, edges.to(q.device), right=True) - 1).clamp(0, nb - 1)
+        all_hist += torch.bincount(slot.flatten(), minlength=nb).double()
+        c = crit.double()
+        crit_hist += torch.zeros(B, H, pos.numel(), nb, dtype=torch.float64, device=q.device).scatter_add_(
+            -1, slot.expand_as(crit), c).sum(2)
+        near += (c * (dist <= radius)).sum((2, 3))
+    pairs = crit_hist.sum(-1)
+    return {"edges": edges, "critical": crit_hist, "all_keys": all_hist,
+            "within_radius": near / pairs.clamp_min(1.0)}
+
+
+def _group_positions(group_index: torch.Tensor, group_size: int, S: int) -> torch.Tensor:
+    pos = group_index.view(-1, 1) * group_size + torch.arange(group_size, device=group_index.device)
+    return pos.flatten()[pos.flatten() < S]
+
+
+def cube_overlap(q: torch.Tensor, k: torch.Tensor, group_size: int, theta: float = 0.9,
+                 softmax_scale: Optional[float] = None, group_index: Optional[torch.Tensor] = None,
+                 max_groups: int = 64, chunk_elems: int = _CHUNK) -> dict:
+    """Agreement of the theta-critical sets of the queries of one query group (G = ``group_size``
+    consecutive tokens: one cube of the latent grid in cube-major order).
+
+    For sampled groups (``group_index``; default ``max_groups`` evenly spread over the
+    ceil(S / G) groups), over every ordered pair (i, j), i != j, of queries in a group:
+    ``jaccard`` = mean |A_i & A_j| / |A_i | A_j| and ``containment`` = mean |A_i & A_j| / |A_i|
+    (the share of i's critical keys that j needs too). Returns ``{"jaccard": [B, H],
+    "containment": [B, H]}`` float64 (NaN where no sampled group has two queries) and
+    ``"groups"``, the number of groups measured.
+    """
+    _check(q, k, theta, None)
+    B, H, S, _ = q.shape
+    if group_size < 1:
+        raise ValueError(f"cube_overlap: `group_size` must be >= 1, got {group_size}")
+    NG = -(-S // group_size)
+    if group_index is None:
+        group_index = torch.linspace(0, NG - 1, min(NG, max(1, max_groups))).round().long().unique()
+    gi = torch.as_tensor(group_index, device=q.device).long()
+    if gi.dim() != 1 or gi.numel() == 0 or int(gi.min()) < 0 or int(gi.max()) >= NG:
+        raise ValueError(f"cube_overlap: `group_index` must be a non-empty 1-D tensor of group ids in [0, {NG})")
+    sums = torch.zeros(2, B, H, dtype=torch.float64, device=q.device)
+    pairs = 0
+    # whole groups per softmax pass: a group is never split between chunks
+    per_pass = max(1, chunk_elems // (B * H * S * group_size))
+    for g0 in range(0, gi.numel(), per_pass):
+        pos = _group_positions(gi[g0:g0 + per_pass], group_size, S)
+        for p, _, crit in _prob_chunks(q, k, theta, softmax_scale, pos, max(chunk_elems, B * H * S * pos.numel())):
+            for group in torch.unique(p // group_size):
+                rows = crit[:, :, p // group_size == group].double()  # [B, H, n, S]
+                n = rows.shape[2]
+                if n < 2:
+                    continue
+                inter = rows @ rows.transpose(-1, -2)  # [B, H, n, n]
+                size = inter.diagonal(dim1=-2, dim2=-1)
+                off = ~torch.eye(n, dtype=torch.bool, device=q.device)
+                union = size[..., :, None] + size[..., None, :] - inter
+                sums[0] += (inter / union.clamp_min(1.0))[..., off].sum(-1)
+                sums[1] += (inter / size[..., :, None].clamp_min(1.0))[..., off].sum(-1)
+                pairs += n * (n - 1)
+    mean = sums / pairs if pairs else torch.full_like(sums, float("nan"))
+    return {"jaccard": mean[0], "containment": mean[1], "groups": int(gi.numel())}
+
+
+@torch.no_grad()
+def predictor_recall(layer: DSVCoreAttention, q: torch.Tensor, k: torch.Tensor, hidden=None, theta: float = 0.9,
+                     query_index: Optional[torch.Tensor] = None, chunk_elems: int = _CHUNK) -> dict:
+    """Exact sparsity and the recall of the layer predictor's lists, per (batch, head).
+
+    The lists are the ones ``layer`` builds (``DSVCoreAttention._estimate``: low-rank projection,
+    then the top-k estimator) at the budgets of its state, by its budget rule
+    (``budget_source='layer_state'``); a layer never profiled has no budgets of its own, so it gets
+    the 'sparsity' rule's budgets at the sparsity measured here (``'measured_sparsity'``).
+    ``hidden`` ``[S, B, hidden]`` is needed for ``predictor_input='hidden'``. Returns
+    ``{"sparsity": [B, H], "recall": [B, H], "tokens": [H] (keys per query), "budget_source"}``.
+    """
+    cfg, S = layer.dsv_config, k.shape[2]
+    stats = dict(theta=theta, softmax_scale=layer.softmax_scale, query_index=query_index, chunk_elems=chunk_elems)
+    if layer.profiled_host:
+        rule = density_budgets(layer._density_cpu, S, cfg) if cfg.budget_rule == "recall" else \
+            head_budgets(layer._sparsity_cpu, S, cfg)
+        (idx, counts), source = layer._estimate(q, k, hidden, rule[0]), "layer_state"
+        sparsity, _, recall = profile_stats(q, k, **stats, lists=(idx, counts, cfg.group_size, cfg.block_size))
+    else:
+        sparsity = head_sparsity(q, k, **stats)
+        rule, source = head_budgets(sparsity.mean(0).cpu(), S, cfg), "measured_sparsity"
+        idx, counts = layer._estimate(q, k, hidden, rule[0])
+        recall = profile_stats(q, k, **stats, lists=(idx, counts, cfg.group_size, cfg.block_size))[2]
+    return {"sparsity": sparsity, "recall": recall, "tokens": rule[1], "budget_source": source}
+
+
+# ---------------------------------------------------------------- everything, as JSON
+def _vals(t) -> list:
+    """Tensor -> nested lists of floats, NaN as None (strict JSON)."""
+    out = torch.as_tensor(t).double().cpu().tolist()
+
+    def clean(x):
+        return [clean(v) for v in x] if isinstance(x, list) else (None if math.isnan(x) else round(x, 6))
+
+    return clean(out)
+
+
+def _layer_report(layer: DSVCoreAttention, q, k, hidden, coords, qi, theta, opts: dict) -> dict:
+    S = q.shape[2]
+    G = layer.dsv_config.group_size
+    pr = predictor_recall(layer, q, k, hidden, theta, qi)
+    curve = mass_curve(q, k, qi, layer.softmax_scale, opts["fractions"]).mean(0)
+    hist = critical_distance_histogram(q, k, coords, qi, theta, opts["edges"], layer.softmax_scale, opts["radius"])
+    over = cube_overlap(q, k, G, theta, layer.softmax_scale, max_groups=opts["max_groups"])
+    crit, pairs = hist["critical"].sum((0, 1)), hist["critical"].sum(-1)
+    sparsity = pr["sparsity"].mean(0)
+    return {
+        "layer": layer.layer_number, "heads": q.shape[1],
+        "sparsity": _vals(sparsity), "sparsity_mean": _vals(sparsity.mean()),
+        "mass_curve": _vals(curve), "mass_curve_mean": _vals(curve.mean(0)),
+        "distance_critical": _vals(crit / crit.sum().clamp_min(1.0)),
+        "distance_all_keys": _vals(hist["all_keys"] / hist["all_keys"].sum().clamp_min(1.0)),
+        "within_radius": _vals(hist["within_radius"].mean(0)),
+        "within_radius_mean": _vals((hist["within_radius"] * pairs).sum() / pairs.sum().clamp_min(1.0)),  # pooled
+        "cube_overlap": {"group_size": G, "groups": over["groups"], "jaccard": _vals(over["jaccard"].mean(0)),
+                         "containment": _vals(over["containment"].mean(0)),
+                         "jaccard_mean": _vals(over["jaccard"].mean()),
+                         "containment_mean": _vals(over["containment"].mean())},
+        "predictor": {"recall": _vals(pr["recall"].mean(0)), "recall_mean": _vals(pr["recall"].mean()),
+                      "budget_density": _vals(pr["tokens"].double() / S), "budget_source": pr["budget_source"],
+                      "sparse": bool(layer.decide(S)[0]), "stage": layer.stage_host,
+                      "state_sparsity": _vals(layer._sparsity_cpu), "state_recall": _vals(layer._recall_cpu)},
+    }
+
+
+def _summary(layers: list) -> dict:
+    def col(get):
+        vals = [v for rep in layers for v in get(rep) if v is not None]
+        return torch.tensor(vals, dtype=torch.float64) if vals else torch.full((1,), float("nan"))
+
+    heads = col(lambda r: r["sparsity"])
+    return {"sparsity_median": _vals(heads.median()), "sparsity_min": _vals(heads.min()),
+            "sparsity_max": _vals(heads.max()), "within_radius": _vals(col(lambda r: [r["within_radius_mean"]]).mean()),
+            "cube_jaccard": _vals(col(lambda r: [r["cube_overlap"]["jaccard_mean"]]).nanmean()),
+            "cube_containment": _vals(col(lambda r: [r["cube_overlap"]["containment_mean"]]).nanmean()),
+            "predictor_recall": _vals(col(lambda r: [r["predictor"]["recall_mean"]]).mean())}
+
+
+def analyze(model, latents: torch.Tensor, timesteps: torch.Tensor, labels: Optional[torch.Tensor],
+            theta: float = 0.9, query_stride: int = 8, max_queries: int = 512, *, text=None, text_mask=None,
+            coords: Optional[torch.Tensor] = None, bins: int = 32, radius: float = 5.0, points: int = 100,
+            max_groups: Optional[int] = None, force_dense: bool = True,
+            progress: Optional[Callable[[str], None]] = None) -> dict:
+    """Every measurement of this module for every DSV layer of ``model`` on one batch (JSON-able).
+
+    ``latents [B, C, T, H, W]``, ``timesteps [B]``, ``labels [B]`` (and ``text``, ``text_mask``) are
+    the model's forward inputs (already noised: the caller picks t). Queries: :func:`sample_queries`
+    (``query_stride``, ``max_queries``); cube overlap over ``max_groups`` query groups (default
+    ``max_queries // G``). ``coords`` (t, h, w) of the tokens in model order default to the
+    VideoDiT's cube-major coordinates. ``progress`` receives one line per layer. The dict:
+    ``theta, S, batch, grid, cube, query_stride, num_queries, radius, key_fractions [P],
+    distance_edges [nbins + 1], layers`` (one dict per layer: per-head lists ``sparsity``,
+    ``mass_curve [H][P]``, ``within_radius``, ``cube_overlap``, ``predictor``; per-layer
+    ``distance_critical`` / ``distance_all_keys`` histograms as shares) and ``summary``.
+    """
+    grid = cube = None
+    if coords is None:
+        from megatron_dsv.models.video_dit import unwrap_video_dit  # the model layer, needed only here
+
+        vd = unwrap_video_dit(model)
+        grid, cube = vd.dit_config.token_grid(latents.shape[2:]), vd.cube
+        coords = cube_order_coords(grid, cube)
+    captured = _capture(model, latents, timesteps, labels, text, text_mask, force_dense)
+    by_number = {layer.layer_number: layer for layer in dsv_layers(model)}
+    S = next(iter(captured.values()))[0].shape[2]
+    qi = sample_queries(S, query_stride, max_queries, device=latents.device)
+    opts = {"fractions": key_fractions(S, points), "edges": _distance_edges(coords.double(), bins), "radius": radius}
+    reports = []
+    for n in sorted(captured):
+        q, k, hidden = captured.pop(n)  # free each layer's tensors once measured
+        G = by_number[n].dsv_config.group_size
+        opts["max_groups"] = max_groups if max_groups is not None else max(1, max_queries // G)
+        rep = _layer_report(by_number[n], q, k, hidden, coords, qi, theta, opts)
+        reports.append(rep)
+        if progress is not None:
+            progress(f"layer {n}: sparsity {rep['sparsity_mean']:.3f} (heads {min(rep['sparsity']):.3f}.."
+                     f"{max(rep['sparsity']):.3f}), critical keys within {radius:g} tokens "
+                     f"{rep['within_radius_mean']:.3f}, cube jaccard {_fmt(rep['cube_overlap']['jaccard_mean'])}, "
+                     f"predictor recall {rep['predictor']['recall_mean']:.3f}")
+    return {"theta": theta, "S": S, "batch": int(latents.shape[0]), "grid": list(grid) if grid else None,
+            "cube": list(cube) if cube else None, "query_stride": query_stride, "num_queries": int(qi.numel()),
+            "radius": radius, "key_fractions": _vals(opts["fractions"]), "distance_edges": _vals(opts["edges"]),
+            "layers": reports, "summary": _summary(reports)}
+
+
+def _fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.3f}"

@@ -1,0 +1,297 @@
+"""Sparsity analysis: each measurement against its brute-force definition, the capture's
+no-side-effect contract, and tools/analyze_sparsity.py end to end on a tiny live model."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_dsv.attention import dsv_layers
+from megatron_dsv.attention.analysis import (capture_qk, critical_distance_histogram, cube_overlap, key_fractions,
+                                             mass_curve, predictor_recall, sample_queries)
+from megatron_dsv.attention.grouping import cube_order_coords
+from megatron_dsv.config import DSVConfig
+from megatron_dsv.ops.topk_estimation.oracle import head_sparsity
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOOL = os.path.join(ROOT, "tools", "analyze_sparsity.py")
+
+
+def _qk(B=2, H=2, Hkv=2, S=37, D=16, seed=0, scale=2.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, H, S, D, generator=g) * scale, torch.randn(B, Hkv, S, D, generator=g) * scale)
+
+
+def _probs(q, k):
+    """float64 [B, H, S, S] softmax rows (GQA keys repeated)."""
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    return torch.softmax(q.double() @ k.double().transpose(-1, -2) / math.sqrt(q.shape[-1]), dim=-1)
+
+
+def _critical_set(row, theta):
+    """The smallest set of keys whose mass reaches theta, by definition (highest first)."""
+    order = sorted(range(len(row)), key=lambda j: -row[j])
+    out, mass = set(), 0.0
+    for j in order:
+        if mass >= theta:
+            break
+        out.add(j)
+        mass += row[j]
+    return out
+
+
+def _one_key_case(B=1, H=2, S=24, D=8, key=5):
+    """Every query puts (almost) all its mass on key ``key``."""
+    q = torch.ones(B, H, S, D) * 3.0
+    k = torch.zeros(B, H, S, D)
+    k[:, :, key] = 3.0
+    return q, k
+
+
+# ---------------------------------------------------------------- mass curve
+@pytest.mark.parametrize("Hkv", [2, 1], ids=["MHA", "GQA"])
+def test_mass_curve_matches_brute_force(Hkv):
+    q, k = _qk(Hkv=Hkv)
+    S = q.shape[2]
+    qi = torch.tensor([0, 3, 17, 36])
+    fr = key_fractions(S, 20, "linear")
+    got = mass_curve(q, k, qi, fractions=fr, chunk_elems=64)  # several chunks
+    p = _probs(q, k)[:, :, qi]
+    cum = torch.sort(p, dim=-1, descending=True).values.cumsum(-1)
+    n = [max(1, min(S, math.ceil(f * S - 1e-9))) for f in fr.tolist()]
+    want = cum[..., [i - 1 for i in n]].mean(2)
+    assert got.shape == (2, 2, 20)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert (got.diff(dim=-1) >= -1e-12).all() and torch.allclose(got[..., -1], torch.ones(2, 2, dtype=torch.float64))
+
+
+def test_mass_curve_uniform_attention_is_linear():
+    S = 40
+    q, k = torch.zeros(1, 1, S, 8), torch.randn(1, 1, S, 8)
+    fr = torch.arange(1, S + 1, dtype=torch.float64) / S
+    torch.testing.assert_close(mass_curve(q, k, fractions=fr)[0, 0], fr, atol=1e-6, rtol=0)
+
+
+def test_key_fractions_and_query_sampling():
+    for spacing in ("log", "linear"):
+        fr = key_fractions(1000, 100, spacing)
+        assert fr.shape == (100,) and abs(float(fr[0]) - 1e-3) < 1e-12 and float(fr[-1]) == 1.0
+        assert (fr.diff() > 0).all()
+    assert sample_queries(32, 8).tolist() == [4, 12, 20, 28]
+    qi = sample_queries(10_000, 1, max_queries=100)
+    assert qi.numel() == 100 and int(qi[0]) == 0 and int(qi[-1]) == 9_999 and (qi.diff() > 0).all()
+    with pytest.raises(ValueError, match="spacing"):
+        key_fractions(10, 5, "cubic")
+
+
+# ---------------------------------------------------------------- a known answer
+def test_one_key_holding_all_mass():
+    S, key = 24, 5
+    q, k = _one_key_case(S=S, key=key)
+    assert torch.allclose(head_sparsity(q, k, 0.9), torch.full((1, 2), (S - 1) / S))
+    curve = mass_curve(q, k, fractions=torch.tensor([1.0 / S, 0.5, 1.0]))
+    assert torch.allclose(curve, torch.ones_like(curve), atol=1e-6)
+    coords = cube_order_coords((2, 3, 4), (1, 1, 2))
+    hist = critical_distance_histogram(q, k, coords, theta=0.9, bins=torch.tensor([0.0, 0.5, 10.0]), radius=1.0)
+    dist = (coords.double() - coords[key].double()).norm(dim=-1)
+    assert hist["critical"][0, 0].tolist() == [1.0, S - 1.0]  # only the key itself is at distance 0
+    assert torch.allclose(hist["within_radius"], torch.full((1, 2), float((dist <= 1.0).sum()) / S,
+                                                            dtype=torch.float64))
+    over = cube_overlap(q, k, group_size=4, theta=0.9)
+    assert torch.allclose(over["jaccard"], torch.ones(1, 2, dtype=torch.float64))
+    assert torch.allclose(over["containment"], torch.ones(1, 2, dtype=torch.float64))
+
+
+# ---------------------------------------------------------------- distances
+@pytest.mark.parametrize("theta", [0.5, 0.9])
+def test_distance_histogram_matches_brute_force(theta):
+    grid, cube = (3, 4, 5), (1, 2, 2)
+    coords = cube_order_coords(grid, cube)
+    q, k = _qk(B=1, H=2, Hkv=1, S=60, D=16, seed=1)
+    qi = torch.tensor([0, 7, 31, 59])
+    got = critical_distance_histogram(q, k, coords, qi, theta, bins=7, radius=2.0, chunk_elems=200)
+    edges = got["edges"].numpy()
+    assert edges[0] == 0 and abs(edges[-1] - math.dist((0, 0, 0), (2, 3, 4))) < 1e-12
+    p = _probs(q, k)
+    for h in range(2):
+        dists = []
+        for i in qi.tolist():
+            crit = _critical_set(p[0, h, i].tolist(), theta)
+            dists += [math.dist(coords[i].tolist(), coords[j].tolist()) for j in crit]
+        want, _ = np.histogram(dists, bins=edges)
+        assert got["critical"][0, h].tolist() == want.tolist()
+        assert abs(float(got["within_radius"][0, h]) - np.mean(np.asarray(dists) <= 2.0)) < 1e-12
+    every = [math.dist(coords[i].tolist(), coords[j].tolist()) for i in qi.tolist() for j in range(60)]
+    assert got["all_keys"].tolist() == np.histogram(every, bins=edges)[0].tolist()
+
+
+def test_distance_histogram_rejects_bad_coords():
+    q, k = _qk(S=12)
+    with pytest.raises(ValueError, match="coords"):
+        critical_distance_histogram(q, k, torch.zeros(11, 3))
+
+
+# ---------------------------------------------------------------- cube overlap
+def test_cube_overlap_matches_brute_force():
+    S, G, theta = 30, 4, 0.8  # the last group has 2 queries
+    q, k = _qk(B=1, H=2, Hkv=2, S=S, D=8, seed=2, scale=1.5)
+    p = _probs(q, k)
+    groups = [0, 3, 7]
+    got = cube_overlap(q, k, G, theta, group_index=torch.tensor(groups))
+    small_chunks = cube_overlap(q, k, G, theta, group_index=torch.tensor(groups), chunk_elems=1)
+    for h in range(2):
+        jac, con = [], []
+        for g in groups:
+            sets = [_critical_set(p[0, h, i].tolist(), theta) for i in range(g * G, min(S, (g + 1) * G))]
+            for a in range(len(sets)):
+                for b in range(len(sets)):
+                    if a != b:
+                        jac.append(len(sets[a] & sets[b]) / len(sets[a] | sets[b]))
+                        con.append(len(sets[a] & sets[b]) / len(sets[a]))
+        assert abs(float(got["jaccard"][0, h]) - np.mean(jac)) < 1e-12
+        assert abs(float(got["containment"][0, h]) - np.mean(con)) < 1e-12
+    torch.testing.assert_close(got["jaccard"], small_chunks["jaccard"])
+    assert got["groups"] == 3
+    assert cube_overlap(q, k, 1, theta)["jaccard"].isnan().all()  # no pairs in one-token groups
+
+
+# ---------------------------------------------------------------- capture and the predictor
+SMALL_MODEL = dict(latent_frames=2, latent_height=8, latent_width=8, layers=2)
+
+
+def _tiny_model():
+    from megatron_dsv.models.video_dit import VideoDiTConfig, build_video_dit
+
+    torch.manual_seed(0)
+    cfg = VideoDiTConfig.from_preset("tiny", **SMALL_MODEL)
+    dsv = DSVConfig(query_group_shape=(1, 4, 4), granularity="token", k_min=8, topk_backend="naive",
+                    kernel_backend="naive")
+    model = build_video_dit(cfg, dsv_config=dsv, use_te=False)
+    with torch.no_grad():  # leave adaLN-Zero: layers must see different inputs
+        for name, prm in model.named_parameters():
+            if "predictor" not in name:
+                prm.add_(torch.randn_like(prm) * 0.05)
+    x = torch.randn(2, cfg.in_channels, *cfg.latent_grid)
+    return model, x, torch.tensor([0.3, 0.7]), torch.tensor([0, 3])
+
+
+def test_capture_qk_leaves_dsv_state_unchanged(megatron_cpu):
+    model, x, t, y = _tiny_model()
+    layers = dsv_layers(model)
+    for i, layer in enumerate(layers):  # a stage-2 sparse-ready state, as after training
+        layer.stage.fill_(2)
+        layer.sparsity.fill_(0.7 + 0.1 * i)
+        layer.budget_density.fill_(0.3)
+        layer.recall.fill_(0.9)
+        layer.profiles.fill_(3)
+        layer._sync_host()
+        layer.last_k.fill_(7.0)
+    model.train()
+    before = {n: b.clone() for n, b in model.named_buffers()}
+    hosts = [(layer.last_k.clone(), layer.last_sparse, layer.force_dense, layer.stage_host) for layer in layers]
+    out = capture_qk(model, x, t, y)
+    assert sorted(out) == [1, 2]
+    for q, k in out.values():
+        assert q.shape == (2, 2, 32, 64) and k.shape == (2, 2, 32, 64)
+    assert not torch.equal(out[1][0], out[2][0])
+    for n, b in model.named_buffers():
+        torch.testing.assert_close(b, before[n], rtol=0, atol=0, equal_nan=True, msg=n)
+    assert model.training
+    for layer, (last_k, sparse, dense, stage) in zip(layers, hosts):
+        assert torch.equal(layer.last_k, last_k) and layer.last_sparse == sparse
+        assert layer.force_dense == dense and layer.stage_host == stage
+        assert not layer._forward_pre_hooks  # the hook is gone
+
+
+def test_predictor_recall_is_one_when_lists_hold_every_key(megatron_cpu):
+    model, x, t, y = _tiny_model()
+    layer = dsv_layers(model)[0]
+    q, k = capture_qk(model, x, t, y)[1]
+    fresh = predictor_recall(layer, q, k, theta=0.9)
+    assert fresh["budget_source"] == "measured_sparsity"
+    torch.testing.assert_close(fresh["sparsity"], head_sparsity(q, k, 0.9, layer.softmax_scale))
+    assert ((fresh["recall"] > 0) & (fresh["recall"] <= 1 + 1e-6)).all()
+    layer.budget_density.fill_(1.0)
+    layer.profiles.fill_(1)
+    layer._sync_host()
+    full = predictor_recall(layer, q, k, theta=0.9)
+    assert full["budget_source"] == "layer_state" and full["tokens"].tolist() == [32, 32]
+    torch.testing.assert_close(full["recall"], torch.ones(2, 2))
+
+
+# ---------------------------------------------------------------- the tool
+def _trajectory(path):
+    rows = [dict(bench="recall_trajectory", arm=arm, step=s, layer=n, sparsity_measured=0.3 + 0.01 * s,
+                 sparsity=0.3 + 0.01 * s + 0.02 * n, budget_density=0.5, recall=0.9, sparse=0.0, predictor_loss=0.1)
+            for arm in ("a", "b") for s in (1, 10, 20) for n in (1, 2)]
+    rows.append(dict(bench="recall", layer=1, recall=0.9))  # a summary row: skipped
+    path.write_text(json.dumps({"meta": {"gpu": "test"}, "rows": rows}))
+    return str(path)
+
+
+def test_tool_end_to_end(megatron_cpu, tmp_path):
+    from tools.analyze_sparsity import main
+
+    out = tmp_path / "out"
+    rc = main(["--preset", "tiny", "--device", "cpu", "--grid", "2", "8", "8", "--samples", "2",
+               "--model-override", "layers=2", "--dsv-query-group-shape", "1", "4", "4", "--dsv-granularity", "token",
+               "--query-stride", "2", "--bins", "8", "--trajectory", _trajectory(tmp_path / "traj.json"),
+               "--out-dir", str(out)])
+    assert rc == 0
+    data = json.loads((out / "analysis.json").read_text())
+    for key in ("theta", "S", "grid", "cube", "key_fractions", "distance_edges", "layers", "summary", "meta",
+                "trajectory"):
+        assert key in data, key
+    assert data["S"] == 32 and data["grid"] == [2, 4, 4] and len(data["distance_edges"]) == 9
+    assert [r["layer"] for r in data["layers"]] == [1, 2]
+    for rep in data["layers"]:
+        assert len(rep["sparsity"]) == 2 and all(0 <= s < 1 for s in rep["sparsity"])
+        assert len(rep["mass_curve"]) == 2 and len(rep["mass_curve"][0]) == len(data["key_fractions"])
+        assert abs(sum(rep["distance_critical"]) - 1) < 1e-4 and len(rep["distance_critical"]) == 8
+        for key in ("jaccard", "containment", "group_size"):
+            assert key in rep["cube_overlap"]
+        for key in ("recall", "budget_density", "budget_source", "sparse", "state_sparsity"):
+            assert key in rep["predictor"]
+    assert set(data["trajectory"]["runs"]) == {"arm=a", "arm=b"}
+    assert data["trajectory"]["runs"]["arm=a"]["median_last"] == pytest.approx(0.3 + 0.2 + 0.04)
+    for name in ("sparsity_heatmap", "mass_curves", "distance_histogram", "cube_overlap", "predictor_recall",
+                 "sparsity_trajectory"):
+        assert (out / f"{name}.png").stat().st_size > 1000, name
+
+
+def test_tool_reads_latent_shards(megatron_cpu, tmp_path):
+    from megatron_dsv.data.shards import write_shard
+    from tools.analyze_sparsity import main
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    write_shard(str(shards / "a.safetensors"), torch.randn(3, 4, 2, 8, 8), torch.tensor([0, 1, 2]))
+    out = tmp_path / "out"
+    assert main(["--preset", "tiny", "--device", "cpu", "--data", str(shards), "--samples", "1", "--model-override",
+                 "layers=1", "--dsv-query-group-shape", "1", "4", "4", "--out-dir", str(out)]) == 0
+    data = json.loads((out / "analysis.json").read_text())
+    assert data["batch"] == 1 and data["meta"]["data"] == str(shards) and not (out / "sparsity_trajectory.png").exists()
+
+
+def test_tool_help_and_bad_arguments(tmp_path):
+    res = subprocess.run([sys.executable, TOOL, "--help"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    for flag in ("--load", "--preset", "--data", "--samples", "--timestep", "--theta", "--trajectory", "--out-dir"):
+        assert flag in res.stdout
+    from tools.analyze_sparsity import load_trajectory, main
+
+    with pytest.raises(SystemExit) as err:
+        main(["--preset", "tiny", "--timestep", "1.5"])
+    assert err.value.code == 2
+    with pytest.raises(SystemExit) as err:
+        main(["--out-dir", str(tmp_path)])  # neither --load nor --preset
+    assert err.value.code == 2
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"meta": {}, "rows": [{"bench": "recall", "layer": 1}]}))
+    with pytest.raises(SystemExit, match="no rows with 'step', 'layer' and 'sparsity'"):
+        load_trajectory(str(empty))

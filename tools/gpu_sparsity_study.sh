@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The sparsity study and the quality comparison on one GPU (issue: make DSV run sparse).
+# Usage: bash tools/gpu_sparsity_study.sh OUT_DIR STAGE     stages: study, quality, all (both at once)
+# Installs carried wheels (.whl/: megatron-core, vizdoom, ale-py for the GPU machine's Python) if any.
+# Arms run as concurrent processes on the one GPU: the small 8K arms are launch-bound and fill the
+# gaps the 32K arm leaves. Logs: OUT_DIR/<arm group>.log; JSON + PNG: OUT_DIR.
+set -u
+out=${1:?usage: gpu_sparsity_study.sh OUT_DIR STAGE}; stage=${2:?stage: study or quality}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 DSV_TOPK_BACKEND=${DSV_TOPK_BACKEND:-naive}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+study="timeout 560 python3 benchmarks/bench_sparsity_emergence.py --out-dir $out --samples 256 --workers 5"
+quality="timeout 560 python3 benchmarks/bench_quality.py --out-dir $out --samples 256 --workers 5"
+small=data=vizdoom,frames=32,res=128,steps=4000,stage1=3000,minutes=${SMALL_MINUTES:-1.1}
+study32k() { $study --tag=-32k --arm data=vizdoom,frames=32,res=256,steps=8000,stage1=5000,minutes=${MINUTES:-7.6} \
+  > "$out/study32k.log" 2>&1; }
+study8k() { $study --tag=-8k --arm $small --arm ${small/vizdoom/ale} --arm ${small/vizdoom/synthetic} \
+  --arm $small,qk_norm=0 --arm $small,lr=1e-3 --arm $small,rope=100000 > "$out/study8k.log" 2>&1; }
+quality8k() { $quality --samples-out "$out/samples" \
+  --arm "${QUALITY_ARM:-data=vizdoom,frames=32,res=128,steps=1500,stage1=750,minutes=2.2}" > "$out/quality.log" 2>&1; }
+case $stage in
+  study) study32k & study8k & wait ;;
+  quality) quality8k ;;
+  all) study32k & study8k & quality8k & wait ;;
+  *) echo "unknown stage $stage"; exit 2 ;;
+esac
+for f in "$out"/*.log; do echo "== $f"; grep -E "^==|^val loss|iteration .*(000|500)/|Error|error:" "$f" | tail -n 25; done
+# the device returns at most 8 files: logs and sample grids travel as one archive
+tar -czf "$out/extras.tgz" -C "$out" $(cd "$out" && ls -d *.log samples 2>/dev/null) && rm -rf "$out"/*.log "$out/samples"
