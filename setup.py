@@ -134,7 +134,9 @@ setup(
         "psutil",  # megatron-core's asynchronous checkpoint writer
     ],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout", "matplotlib", "tensorboard"],
+        # the renderers of megatron_dsv/data/rendered.py: real game footage, CPU-only, content shipped in the wheels
+        "video": ["vizdoom>=1.2", "ale-py>=0.9"],
+        "test": ["pytest>=7", "pytest-timeout", "matplotlib", "tensorboard", "vizdoom>=1.2", "ale-py>=0.9"],
         "plots": ["matplotlib"],
     },
     setup_requires=["pybind11>=2.10"],

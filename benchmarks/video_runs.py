@@ -59,8 +59,8 @@ def parse_arm(text: str) -> dict:
     if arm["stage1"] is None:
         arm["stage1"] = arm["steps"] // 2
     if arm["label"] is None:
-        keys = ["data", "attn"] + [k for k in ("lr", "qk_norm", "rope") if arm[k] != ARM_DEFAULTS[k]]
-        arm["label"] = "-".join(str(arm[k]) for k in keys) + f"-S{_tokens_text(tokens_of(arm))}"
+        variants = [f"{k.replace('_', '')}{arm[k]:g}" for k in ("lr", "qk_norm", "rope") if arm[k] != ARM_DEFAULTS[k]]
+        arm["label"] = "-".join([arm["data"], arm["attn"], *variants, f"S{_tokens_text(tokens_of(arm))}"])
     return arm
 
 

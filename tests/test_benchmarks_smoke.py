@@ -38,3 +38,45 @@ def test_bench_recall_quick_writes_rows_and_trajectory(tmp_path):
 
     written = plot(["--results", str(tmp_path)])
     assert sorted(os.path.basename(p) for p in written) == [f[:-5] + ".png" for f in files]
+
+
+def _run_bench(script, tmp_path, *extra):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", script), "--quick", "--out-dir", str(tmp_path), *extra]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=580)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.timeout(600)
+def test_bench_sparsity_emergence_quick_rows_per_arm(tmp_path):
+    arm = "data=synthetic,frames=4,res=64,steps=9,stage1=4"
+    proc = _run_bench("bench_sparsity_emergence.py", tmp_path, "--arm", arm, "--arm", arm + ",qk_norm=0,lr=1e-3")
+    assert " [synthetic-dsv-S256] iteration      6/9 |" in proc.stdout and "sparsity" in proc.stdout
+    (path,) = tmp_path.glob("sparsity_emergence-*.json")
+    assert path.with_suffix(".png").stat().st_size > 0
+    rows = json.loads(path.read_text())["rows"]
+    assert {r["arm"] for r in rows} == {"synthetic-dsv-S256", "synthetic-dsv-lr0.001-qknorm0-S256"}
+    profiles = [r for r in rows if r["kind"] == "profile" and r["arm"] == "synthetic-dsv-S256"]
+    assert [r["step"] for r in profiles] == [1, 4, 7] and {r["stage"] for r in profiles} == {1, 2}
+    for r in profiles:
+        assert len(r["sparsity"]) == r["layers"] == 2 and 0.0 < r["sparsity_mean"] < 1.0 and r["S"] == 256
+    final = [r for r in rows if r["kind"] == "final"]
+    assert [r["steps"] for r in final] == [9, 9] and all(r["val_loss"] > 0 for r in final)
+
+
+@pytest.mark.timeout(600)
+def test_bench_quality_quick_three_arms_same_data(tmp_path):
+    proc = _run_bench("bench_quality.py", tmp_path, "--samples-out", str(tmp_path / "samples"))
+    assert "== window:" in proc.stdout
+    (path,) = tmp_path.glob("quality-*.json")
+    rows = json.loads(path.read_text())["rows"]
+    final = [r for r in rows if r["kind"] == "final"][0]
+    for key in ("val_loss_full", "val_loss_dsv", "val_loss_window", "recall", "sparse_layer_fraction",
+                "sparsity_mean"):
+        assert final[key] == final[key], key  # present, not NaN
+    assert final["steps_per_arm"] == {"full": 8, "dsv": 8, "window": 8}
+    curves = {(r["attn"], r["step"]) for r in rows if r["kind"] == "curve"}
+    assert curves == {(a, s) for a in ("full", "dsv", "window") for s in (4, 8)}
+    assert sorted(p.name for p in (tmp_path / "samples").iterdir()) == sorted(
+        f"quality-{a}.{e}" for a in ("full", "dsv", "window") for e in ("gif", "png"))

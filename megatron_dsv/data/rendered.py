@@ -28,8 +28,10 @@ coefficients (for GIFs). With ``f = 4``, ``C = 16`` and patch ``(1, 2, 2)``, 32 
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
+import tempfile
 from functools import lru_cache
 from typing import Dict, List, Optional
 
@@ -38,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-__all__ = ["SOURCES", "render_clip", "encode_video", "decode_video", "RenderedVideoDataset", "write_rendered_shards",
+__all__ = ["SOURCES", "render_clip", "close_engines", "encode_video", "decode_video", "RenderedVideoDataset", "write_rendered_shards",
            "render_dataset"]
 
 SOURCES: Dict[str, tuple] = {
@@ -71,12 +73,26 @@ _DOOM_MOVES = ((1, 0, 0, 0, 0, 0), (1, 0, 1, 0, 0, 0), (1, 0, 0, 1, 0, 0), (0, 0
 _DOOM_MOVE_P = (0.25, 0.15, 0.15, 0.1, 0.1, 0.07, 0.07, 0.03, 0.08)
 
 
-@lru_cache(maxsize=8)
+_DOOM_GAMES: Dict[str, object] = {}
+
+
+def close_engines() -> None:
+    """Close the process's cached Doom engines (each is a child process holding our stdout open)."""
+    while _DOOM_GAMES:
+        _DOOM_GAMES.popitem()[1].close()
+
+
+atexit.register(close_engines)
+
+
 def _doom_game(scenario: str):
     """One initialised DoomGame per scenario and process (init costs ~0.15 s; episodes reseed it)."""
+    if scenario in _DOOM_GAMES:
+        return _DOOM_GAMES[scenario]
     vzd = _require("vizdoom")
     game = vzd.DoomGame()
     game.load_config(os.path.join(vzd.scenarios_path, f"{scenario}.cfg"))
+    game.set_doom_config_path(os.path.join(tempfile.gettempdir(), "megatron_dsv_vizdoom.ini"))  # not in the cwd
     game.set_window_visible(False)
     game.set_sound_enabled(False)
     game.set_screen_resolution(vzd.ScreenResolution.RES_320X240)
@@ -86,6 +102,7 @@ def _doom_game(scenario: str):
                                 vzd.Button.TURN_RIGHT, vzd.Button.MOVE_LEFT, vzd.Button.MOVE_RIGHT])
     game.set_episode_timeout(0)
     game.init()
+    _DOOM_GAMES[scenario] = game
     return game
 
 
@@ -323,7 +340,10 @@ def _one_thread():
 
 def _render_one(args):
     ds, index = args
-    return index, ds[index]
+    try:
+        return index, ds[index]
+    finally:  # pool workers end without atexit handlers: no engine may outlive its task
+        close_engines()
 
 
 def render_dataset(ds: RenderedVideoDataset, workers: int = 1, progress: bool = False) -> List[dict]:
