@@ -221,9 +221,14 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
     g = torch.Generator(device=device).manual_seed(args.seed)
     dsv = dsv_layers(model)
     cfg_dsv = dsv[0].dsv_config if dsv else None
-    t_start, times, losses, sparse_steps, layer_steps = time.perf_counter(), [], [], 0, 0
-    step = 0
-    for step in range(arm["steps"]):
+    path = os.path.join(args.save_dir, f"{arm['label']}.pt") if args.save_dir else None
+    start, counters = 0, {"sparse_steps": 0, "layer_steps": 0}
+    if path and os.path.exists(path):
+        start, counters = load_run(path, arm, model, opt, g)
+        print(f" [{arm['label']}] resumed at step {start} from {path}", flush=True)
+    t_start, times, losses = time.perf_counter(), [], []
+    step = start - 1
+    for step in range(start, arm["steps"]):
         for group in opt.param_groups:
             group["lr"] = arm["lr"] * min(1.0, (step + 1) / max(1, args.warmup))
         latents, labels = clips.batch_at(step, args.batch)
@@ -235,8 +240,8 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
         opt.zero_grad(set_to_none=True)
         if dsv:
             if dsv_stage(model) == 2:
-                layer_steps += len(dsv)
-                sparse_steps += sum(int(layer.last_sparse) for layer in dsv)
+                counters["layer_steps"] += len(dsv)
+                counters["sparse_steps"] += sum(int(layer.last_sparse) for layer in dsv)
             dsv_on_step_end(model, step + 1)
             if on_profile is not None and is_profile_step(step, cfg_dsv):
                 on_profile(step + 1, model)
@@ -253,11 +258,13 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
             print(f" [{arm['label']}] stopped at step {step + 1} by its {arm['minutes']} min budget", flush=True)
             break
     steps_done = step + 1
+    if path:
+        save_run(path, arm, model, opt, g, steps_done, counters)
     final_val = val_loss(model, clips, args.batch)
     if on_val is not None and steps_done % args.val_every:
         on_val(steps_done, final_val)
     summary = dict(steps=steps_done, val_loss=final_val, ms_step=1e3 * _median(times[1:] or times),
-                   sparse_layer_fraction=(sparse_steps / layer_steps) if layer_steps else 0.0,
+                   sparse_layer_fraction=counters["sparse_steps"] / max(1, counters["layer_steps"]),
                    minutes=(time.perf_counter() - t_start) / 60.0)
     if dsv:
         m = dsv_metrics(model)
@@ -265,6 +272,37 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
                        recall=m["dsv/recall_mean"], budget_density=m["dsv/budget_density_mean"],
                        stage=int(m["dsv/stage"]))
     return model, clips, summary
+
+
+_RESUME_KEYS = ("data", "frames", "res", "attn", "lr", "qk_norm", "rope", "stage1", "window_frac")
+
+
+def save_run(path: str, arm: dict, model, opt, g, step: int, counters: dict) -> None:
+    """Model (with its DSV state), optimizer, noise generator and step of a run, written atomically."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    state = {"format": "megatron_dsv.video_run.v1", "arm": {k: arm[k] for k in _RESUME_KEYS}, "step": step,
+             "counters": counters, "model": model.state_dict(), "optimizer": opt.state_dict(), "rng": g.get_state()}
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    print(f" [{arm['label']}] saved step {step} to {path}", flush=True)
+
+
+def load_run(path: str, arm: dict, model, opt, g):
+    """Restore what :func:`save_run` wrote (tensors only: ``weights_only=True``); returns (step, counters)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # truncated file, not a checkpoint, pickled objects
+        raise ValueError(f"cannot read run checkpoint {path!r} ({type(err).__name__}: {err}); delete it to "
+                         "start the arm afresh") from err
+    if not isinstance(state, dict) or state.get("format") != "megatron_dsv.video_run.v1":
+        raise ValueError(f"{path!r} is not a video-run checkpoint (format megatron_dsv.video_run.v1)")
+    differ = {k: (state["arm"].get(k), arm[k]) for k in _RESUME_KEYS if state["arm"].get(k) != arm[k]}
+    if differ:
+        raise ValueError(f"run checkpoint {path!r} was written by another arm: (saved, now) = {differ}")
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    g.set_state(state["rng"])
+    return int(state["step"]), dict(state["counters"])
 
 
 def _median(xs):
@@ -311,4 +349,7 @@ def add_run_args(ap, preset="0.8b", layers=4, samples=64):
                                                             "sparse_attention-h200-20261130.json"),
                     help="the dispatcher's measured kernel speedups (DSVConfig.speedup_table; GPU runs only)")
     ap.add_argument("--out-dir", default=None, help="results folder (default benchmarks/results)")
+    ap.add_argument("--save-dir", default=None,
+                    help="save each arm's run (model, DSV state, optimizer, RNG) as <label>.pt here at its end, and "
+                         "resume from it when it exists: a long run continues across calls")
 

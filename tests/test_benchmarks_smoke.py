@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -80,3 +81,38 @@ def test_bench_quality_quick_three_arms_same_data(tmp_path):
     assert curves == {(a, s) for a in ("full", "dsv", "window") for s in (4, 8)}
     assert sorted(p.name for p in (tmp_path / "samples").iterdir()) == sorted(
         f"quality-{a}.{e}" for a in ("full", "dsv", "window") for e in ("gif", "png"))
+
+
+def _run_args(tmp_path, *extra):
+    import argparse
+
+    sys.path.insert(0, ROOT)
+    from benchmarks.video_runs import add_run_args
+
+    ap = argparse.ArgumentParser()
+    add_run_args(ap, preset="tiny", layers=2, samples=3)
+    return ap.parse_args(["--val-samples", "1", "--profile-every", "2", "--log-every", "4", "--val-every", "4",
+                          "--warmup", "2", "--workers", "1", *extra])
+
+
+@pytest.mark.timeout(300)
+def test_video_run_resumes_exactly(megatron_cpu, tmp_path):
+    """A run saved at step 5 and resumed to step 10 ends where a 10-step run does (weights, DSV state,
+    counters); a checkpoint of another arm or a damaged file is refused with a clear error."""
+    from benchmarks.video_runs import parse_arm, train_arm
+
+    arm = "data=synthetic,frames=4,res=64,stage1=3,steps="
+    straight = train_arm(parse_arm(arm + "10"), _run_args(tmp_path))
+    args = _run_args(tmp_path, "--save-dir", str(tmp_path / "runs"))
+    train_arm(parse_arm(arm + "5"), args)
+    assert (tmp_path / "runs" / "synthetic-dsv-S256.pt").exists()
+    resumed = train_arm(parse_arm(arm + "10"), args)
+    assert resumed[2]["steps"] == 10 and resumed[2]["val_loss"] == straight[2]["val_loss"]
+    a, b = straight[0].state_dict(), resumed[0].state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a if torch.is_tensor(a[k]))
+    assert resumed[2]["sparsity_mean"] == straight[2]["sparsity_mean"]
+    with pytest.raises(ValueError, match="another arm"):
+        train_arm(parse_arm(arm + "12,lr=1e-3,label=synthetic-dsv-S256"), args)
+    (tmp_path / "runs" / "synthetic-dsv-S256.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="cannot read run checkpoint"):
+        train_arm(parse_arm(arm + "12"), args)

@@ -1,6 +1,12 @@
 #!/usr/bin/env bash
 # The sparsity study and the quality comparison on one GPU (issue: make DSV run sparse).
-# Usage: bash tools/gpu_sparsity_study.sh OUT_DIR STAGE     stages: study, quality, all (both at once)
+# Usage: bash tools/gpu_sparsity_study.sh OUT_DIR STAGE
+#   study    ViZDoom 32K (long arm) + six 8K arms (sources, QK-norm, lr, RoPE base), concurrently
+#   quality  full vs DSV vs window on ViZDoom 8K (QUALITY_ARM overrides the data arm)
+#   all      study and quality at once (what the 2026-12-01 run did)
+#   long     ViZDoom 32K with and without QK-norm, saved under runs/sparsity/ and resumed from there:
+#            call it again within the device machine's warm window and the runs continue
+#   ablate   the 8K lr and RoPE-base arms the 2026-12-01 run could not reach
 # Installs carried wheels (.whl/: megatron-core, vizdoom, ale-py for the GPU machine's Python) if any.
 # Arms run as concurrent processes on the one GPU: the small 8K arms are launch-bound and fill the
 # gaps the 32K arm leaves. Logs: OUT_DIR/<arm group>.log; JSON + PNG: OUT_DIR.
@@ -25,10 +31,18 @@ study8k() { $study --tag=-8k --arm $small --arm ${small/vizdoom/ale} --arm ${sma
   --arm $small,qk_norm=0 --arm $small,lr=1e-3 --arm $small,rope=100000 > "$out/study8k.log" 2>&1; }
 quality8k() { $quality --samples-out "$out/samples" \
   --arm "${QUALITY_ARM:-data=vizdoom,frames=32,res=128,steps=1500,stage1=750,minutes=2.2}" > "$out/quality.log" 2>&1; }
+long=data=vizdoom,frames=32,res=256,steps=20000,stage1=15000,minutes=${MINUTES:-8.2}
+long32k() { $study --tag=-32k-long --save-dir runs/sparsity --arm $long > "$out/long.log" 2>&1 &
+  $study --tag=-32k-long-noqknorm --save-dir runs/sparsity --arm $long,qk_norm=0 > "$out/long-noqk.log" 2>&1 &
+  wait; }
+ablate8k() { $study --tag=-8k-ablate --arm $small,lr=1e-3 --arm $small,rope=100000 --arm $small \
+  > "$out/ablate.log" 2>&1; }
 case $stage in
   study) study32k & study8k & wait ;;
   quality) quality8k ;;
   all) study32k & study8k & quality8k & wait ;;
+  long) long32k ;;
+  ablate) ablate8k ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 for f in "$out"/*.log; do echo "== $f"; grep -E "^==|^val loss|iteration .*(000|500)/|Error|error:" "$f" | tail -n 25; done
