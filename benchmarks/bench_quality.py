@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import write_results  # noqa: E402
-from benchmarks.video_runs import add_run_args, init_dist, parse_arm, tokens_of, train_arm  # noqa: E402
+from benchmarks.common import init_dist, write_results  # noqa: E402
+from benchmarks.video_runs import add_run_args, parse_arm, tokens_of, train_arm  # noqa: E402
 
 QUICK_ARM = "data=synthetic,frames=4,res=64,steps=8,stage1=4,minutes=2"
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import sys
 import time
 from collections import defaultdict
@@ -39,33 +38,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import write_results  # noqa: E402
+from benchmarks.common import init_dist, sync, write_results  # noqa: E402
 from megatron_dsv.attention import dsv_layers, dsv_metrics, dsv_on_step_end, dsv_stage  # noqa: E402
 from megatron_dsv.attention.predictor import predictor_flops_per_token  # noqa: E402
 from megatron_dsv.attention.schedule import is_profile_step, trains_predictor  # noqa: E402
 from megatron_dsv.config import DSVConfig  # noqa: E402
 from megatron_dsv.data.synthetic import BACKGROUNDS  # noqa: E402
-
-
-def _init_dist():
-    import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
-
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel()
-    if torch.cuda.is_available():  # the CUDA RNG tracker needs a CUDA build
-        tensor_parallel.model_parallel_cuda_manual_seed(0)
-
-
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 class _Timers:
@@ -81,10 +59,10 @@ class _Timers:
         fn = getattr(obj, name)
 
         def timed(*a, **kw):
-            _sync()
+            sync()
             t0 = time.perf_counter()
             out = fn(*a, **kw)
-            _sync()
+            sync()
             self.ms[key] += 1e3 * (time.perf_counter() - t0)
             return out
 
@@ -108,7 +86,7 @@ def _train(model, data, steps, dtype, device, args, first_step=0, log=None):
         for group in opt.param_groups:
             group["lr"] = lr * min(1.0, (it + 1) / warmup) if warmup else lr
         latents, labels = data.batch_at(it)
-        _sync()
+        sync()
         t0 = time.perf_counter()
         loss = flow_matching_loss(model, latents, labels, generator=g)
         loss.backward()
@@ -116,7 +94,7 @@ def _train(model, data, steps, dtype, device, args, first_step=0, log=None):
         opt.step()
         opt.zero_grad(set_to_none=True)
         dsv_on_step_end(model, it + 1)
-        _sync()
+        sync()
         times.append(1e3 * (time.perf_counter() - t0))
         if log is not None:
             log(it, loss.detach(), times[-1])
@@ -324,7 +302,7 @@ def main(argv=None):
     if args.quick:
         args.preset, args.grid, args.steps, args.timing_steps, args.batch = "tiny", [4, 16, 16], 30, 8, 1
         args.profile_every = 2
-    _init_dist()
+    init_dist()
     inputs = ["qk", "hidden"] if args.predictor_input == "both" else [args.predictor_input]
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:

@@ -27,8 +27,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import write_results  # noqa: E402
-from benchmarks.video_runs import add_run_args, init_dist, layer_sparsity, parse_arm, tokens_of, train_arm  # noqa: E402
+from benchmarks.common import init_dist, write_results  # noqa: E402
+from benchmarks.video_runs import add_run_args, layer_sparsity, parse_arm, tokens_of, train_arm  # noqa: E402
 from megatron_dsv.attention import dsv_metrics  # noqa: E402
 
 QUICK_ARMS = ("data=synthetic,frames=4,res=64,steps=12,stage1=6,minutes=2",

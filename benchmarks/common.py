@@ -11,13 +11,14 @@ import datetime
 import json
 import os
 import re
+import socket
 import subprocess
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 import torch
 
-__all__ = ["collect_meta", "gpu_slug", "write_results", "bench_ms", "dense_fwd_bwd_ms"]
+__all__ = ["collect_meta", "gpu_slug", "write_results", "bench_ms", "dense_fwd_bwd_ms", "init_dist", "sync"]
 
 
 def _git_commit() -> str:
@@ -97,3 +98,27 @@ def dense_fwd_bwd_ms(B: int, H: int, S: int, D: int, dtype=torch.bfloat16, rep: 
     do = torch.randn_like(o)
     bwd = bench_ms(lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True), rep=rep)
     return {"ms_dense_fwd": fwd, "ms_dense_bwd": bwd, "dense_backend": "cudnn (torch SDPA, priority)"}
+
+
+def init_dist():
+    """A one-process group (NCCL on a GPU, gloo on CPU) and Megatron's parallel state, for benches that
+    build Megatron-Core models."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
+    if torch.cuda.is_available():  # the CUDA RNG tracker needs a CUDA build
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+
+
+def sync():
+    """Wait for the device (no-op on CPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()

@@ -19,15 +19,15 @@ initial weights (seeded), and is validated on the same held-out clips, noise and
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.common import sync  # noqa: E402
 from megatron_dsv.attention import dsv_layers, dsv_metrics, dsv_on_step_end, dsv_stage  # noqa: E402
 from megatron_dsv.attention.schedule import is_profile_step  # noqa: E402
 from megatron_dsv.config import DSVConfig  # noqa: E402
@@ -71,28 +71,6 @@ def tokens_of(arm: dict) -> int:
 
 def _tokens_text(n: int) -> str:
     return f"{n // 1024}K" if n % 1024 == 0 else str(n)
-
-
-def init_dist():
-    """A one-process group (NCCL on a GPU, gloo on CPU) and Megatron's parallel state."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
-
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel()
-    if torch.cuda.is_available():
-        tensor_parallel.model_parallel_cuda_manual_seed(0)
-
-
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 class Clips:
@@ -204,7 +182,7 @@ def val_loss(model, clips: Clips, batch: int, seed: int = 1234) -> float:
 
 
 def train_arm(arm: dict, args, on_profile=None, on_val=None):
-    """Train one arm; returns ``(model, clips, summary)``.
+    """Train one arm (resumed from ``args.save_dir`` when its checkpoint is there); returns ``(model, clips, summary)``.
 
     ``on_profile(step, model)`` runs after every DSV profile step, ``on_val(step, loss)`` after every
     validation (every ``args.val_every`` steps and at the end). AdamW, linear warm-up over
@@ -246,7 +224,7 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
             if on_profile is not None and is_profile_step(step, cfg_dsv):
                 on_profile(step + 1, model)
         if (step + 1) % args.log_every == 0 or step == 0:
-            _sync()
+            sync()
         times.append(time.perf_counter() - t0)
         losses.append(loss.detach())
         if (step + 1) % args.log_every == 0:
