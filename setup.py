@@ -131,12 +131,13 @@ setup(
         "safetensors",
         "pillow",
         "packaging",
+        "tensorboard",  # --tensorboard-dir, which the example launchers pass
         "psutil",  # megatron-core's asynchronous checkpoint writer
     ],
     extras_require={
         # the renderers of megatron_dsv/data/rendered.py: real game footage, CPU-only, content shipped in the wheels
         "video": ["vizdoom>=1.2", "ale-py>=0.9"],
-        "test": ["pytest>=7", "pytest-timeout", "matplotlib", "tensorboard", "vizdoom>=1.2", "ale-py>=0.9"],
+        "test": ["pytest>=7", "pytest-timeout", "matplotlib", "vizdoom>=1.2", "ale-py>=0.9"],
         "plots": ["matplotlib"],
     },
     setup_requires=["pybind11>=2.10"],

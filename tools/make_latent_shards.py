@@ -9,8 +9,9 @@ sorted by name) or a ``.npy`` array ``[T, H, W, 3]`` (uint8, or float in [0, 1];
 folder or file stem); videos without a label get 0.
 
 Output "latents" are pixel-space, as in the synthetic set (no VAE here): ``--frames`` frames
-evenly spaced over the video, resized to ``--height x --width``, RGB (``--channels 3``) or
-luminance (``--channels 1``), mapped to [-1, 1]. To train on VAE latents, encode with your
+evenly spaced over the video, resized to ``--height x --width``, RGB + luminance (``--channels 4``,
+the default: what the default tiny preset takes), RGB (``--channels 3``) or luminance
+(``--channels 1``), mapped to [-1, 1]. To train on VAE latents, encode with your
 VAE and call :func:`megatron_dsv.data.write_shard` with ``[N, C, T, H, W]`` tensors instead.
 """
 
@@ -79,8 +80,11 @@ def to_latents(frames: torch.Tensor, t: int, h: int, w: int, channels: int) -> t
     """``[T, 3, H, W]`` in [0, 1] -> pixel-space latents ``[C, t, h, w]`` in [-1, 1]."""
     idx = torch.linspace(0, frames.shape[0] - 1, t).round().long()
     x = F.interpolate(frames[idx], size=(h, w), mode="bilinear", antialias=True, align_corners=False)
+    luma = (0.299 * x[:, 0] + 0.587 * x[:, 1] + 0.114 * x[:, 2])[:, None]
     if channels == 1:
-        x = (0.299 * x[:, 0] + 0.587 * x[:, 1] + 0.114 * x[:, 2])[:, None]
+        x = luma
+    elif channels == 4:
+        x = torch.cat([x, luma], dim=1)
     return (x.clamp(0, 1) * 2 - 1).permute(1, 0, 2, 3).contiguous()
 
 
@@ -110,7 +114,8 @@ def main(argv=None) -> int:
     p.add_argument("--frames", type=int, default=8)
     p.add_argument("--height", type=int, default=16)
     p.add_argument("--width", type=int, default=16)
-    p.add_argument("--channels", type=int, default=3, choices=(1, 3))
+    p.add_argument("--channels", type=int, default=4, choices=(1, 3, 4),
+                   help="4 = RGB + luminance (the tiny preset's in_channels), 3 = RGB, 1 = luminance")
     p.add_argument("--shard-size", type=int, default=256, help="videos per shard")
     p.add_argument("--labels", default=None, help="CSV of name,label")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))

@@ -5,6 +5,12 @@
 # torch==2.13.0 first (the CPU wheel on machines without a GPU; never a
 # multi-GB CUDA build pulled in as a dependency), then megatron_dsv with its
 # test extras, then runs pytest. "No tests collected" (pytest exit 5) is a failure.
+#
+# The install (which compiles csrc/ when nvcc exists) is skipped when nothing it depends on
+# changed since the last one in this environment: a stamp in the environment holds a hash of
+# setup.py, pyproject.toml, csrc/ and the DSV_* build variables. DSV_SKIP_CUDA_BUILD=1 skips the
+# CUDA build; DSV_FORCE_REINSTALL=1 reinstalls anyway.
+#   bash tools/run_tests.sh [pytest args]      bash tools/run_tests.sh --install-only
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -13,12 +19,34 @@ if [ -z "${VIRTUAL_ENV:-}" ]; then
   # shellcheck disable=SC1091
   . .venv/bin/activate
 fi
-python -m pip install -q --upgrade pip
-python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[test]"
+py="$VIRTUAL_ENV/bin/python"  # the environment's own interpreter, even when VIRTUAL_ENV is set without activation
+
+install_key() {
+  {
+    cat setup.py pyproject.toml
+    find csrc -type f | LC_ALL=C sort | xargs cat
+    env | grep -E '^DSV_(SKIP|FORCE|CUDA)_[A-Z_]*=' | grep -v '^DSV_FORCE_REINSTALL=' | LC_ALL=C sort || true
+  } | sha256sum | cut -d' ' -f1
+}
+
+stamp="$VIRTUAL_ENV/.megatron_dsv_install"
+key=$(install_key)
+if [ "${DSV_FORCE_REINSTALL:-0}" != "1" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ] &&
+   "$py" -c "import megatron_dsv, pytest" 2>/dev/null; then
+  echo "megatron_dsv install up to date in $VIRTUAL_ENV (setup.py, csrc/ unchanged): not reinstalled"
+else
+  rm -f "$stamp"
+  "$py" -m pip install -q --upgrade pip
+  "$py" -c "import torch" 2>/dev/null || "$py" -m pip install -q "torch==2.13.0"
+  "$py" -m pip install -q -e ".[test]"
+  echo "$key" > "$stamp"
+fi
+if [ "${1:-}" = "--install-only" ]; then
+  exit 0
+fi
 
 set +e
-python -m pytest -q --timeout=900 tests "$@"
+"$py" -m pytest -q --timeout=900 tests "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

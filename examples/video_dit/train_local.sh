@@ -2,12 +2,14 @@
 # One process (CPU or one GPU): the tiny video DiT with DSV attention on synthetic videos.
 # fp32 on CPU, bf16 on GPU (automatic). Outputs (checkpoints, sample GIF) go to $OUT.
 # Usage: bash examples/video_dit/train_local.sh [extra flags, e.g. --train-iters 500 --no-dsv]
+# PYTHON: the interpreter that has megatron_dsv (default python3 on PATH; no venv activation needed).
 set -euo pipefail
 
+PYTHON=${PYTHON:-python3}
 OUT=${OUT:-outputs/local}
 PRESET=${PRESET:-tiny}
 
-python -m megatron_dsv.train \
+"$PYTHON" -m megatron_dsv.train \
     --preset "$PRESET" \
     --use-dsv-attention --dsv-stage-switch-steps 150 \
     --micro-batch-size 8 --global-batch-size 8 \

@@ -3,7 +3,16 @@
 # Defaults reproduce the embedded demo split over NPROC ranks (same global batch of 8 videos);
 # scale up with env vars and flags, e.g.
 #   NPROC=8 PRESET=0.8b MBS=1 ITERS=10000 LR=1e-4 RECOMPUTE=full bash examples/video_dit/train_torchrun.sh
+# torchrun is started as a module of $PYTHON (default: python3 on PATH), so a virtualenv need not be
+# activated: PYTHON=.venv/bin/python bash examples/video_dit/train_torchrun.sh
 set -euo pipefail
+
+PYTHON=${PYTHON:-python3}
+if ! "$PYTHON" -c "import megatron_dsv" 2>/dev/null; then
+    echo "error: $PYTHON cannot import megatron_dsv; set PYTHON to the interpreter of the environment you" \
+         "installed it in (e.g. PYTHON=.venv/bin/python)" >&2
+    exit 2
+fi
 
 NPROC=${NPROC:-2}
 OUT=${OUT:-outputs/torchrun}
@@ -21,7 +30,7 @@ if [[ -n "$RECOMPUTE" ]]; then
     RECOMPUTE_FLAGS=(--recompute-granularity "$RECOMPUTE" --recompute-method uniform --recompute-num-layers 1)
 fi
 
-torchrun --standalone --nproc-per-node "$NPROC" -m megatron_dsv.train \
+"$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -m megatron_dsv.train \
     --preset "$PRESET" \
     --use-dsv-attention --dsv-stage-switch-steps "$SWITCH" \
     --tensor-model-parallel-size "$TP" --context-parallel-size "$CP" \

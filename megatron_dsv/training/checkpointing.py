@@ -227,9 +227,13 @@ def resolve_checkpoint_dir(path: str) -> str:
     tracker = os.path.join(path, TRACKER_FILE)
     if not os.path.isfile(tracker):
         raise CheckpointError(f"no checkpoint at {path!r}: neither {STATE_FILE} nor {tracker} exists")
-    text = open(tracker).read().strip()
+    with open(tracker, "rb") as f:
+        raw = f.read(256)
+    text = raw.decode("utf-8", errors="replace").strip()
     if not text.isdigit():
-        raise CheckpointError(f"{tracker} must hold an iteration number, got {text[:40]!r}")
+        raise CheckpointError(f"checkpoint tracker {tracker} must hold the newest complete iteration as decimal "
+                              f"digits (e.g. '150'), got {raw[:40]!r}; the file is damaged: write the number of an "
+                              f"existing iter_* folder into it, or --load that folder directly")
     directory = iteration_dir(path, int(text))
     if not os.path.isdir(directory):
         raise CheckpointError(f"{tracker} names iteration {text} but {directory} does not exist")

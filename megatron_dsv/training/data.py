@@ -112,7 +112,14 @@ def build_dataset(args, model_cfg):
     if args.data_path is not None:
         from megatron_dsv.data import LatentShardDataset
 
-        return LatentShardDataset(args.data_path)
+        dataset = LatentShardDataset(args.data_path)
+        channels, want = dataset.sample_shape[0], int(model_cfg.in_channels)
+        if channels != want:
+            raise ValueError(f"--data-path {args.data_path!r} holds {channels}-channel latents "
+                             f"{tuple(dataset.sample_shape)} but the model takes in_channels = {want}: train with "
+                             f"--model-override in_channels={channels}, or rewrite the shards with "
+                             f"tools/make_latent_shards.py --channels {want} (tools/render_videos.py --channels {want})")
+        return dataset
     from megatron_dsv.data import SyntheticVideoDataset
 
     c, t, h, w = latent_shape(model_cfg)

@@ -161,6 +161,9 @@ def train(args) -> TrainResult:
         result.iteration, result.consumed_samples = int(state["iteration"]), int(state["consumed_samples"])
         print_rank0(f" > resumed from {args.load} at iteration {result.iteration} "
                     f"(consumed samples {result.consumed_samples})")
+        if dsv_config is not None:
+            stage = dsv_hooks.stage(unwrap(ddp_model))
+            print_rank0(f" > DSV resumes in stage {stage} ({'sparse where the dispatcher says so' if stage == 2 else 'dense; predictors learn'})")
     result.start_iteration = result.iteration
     dataset = build_dataset(args, cfg)
     sampler = GlobalBatchSampler(len(dataset), args.micro_batch_size, args.global_batch_size, env.dp_rank,

@@ -94,7 +94,39 @@ def test_make_latent_shards_tool(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "4/4" in err and "skipped" in err and "short.npy" in err
     ds = LatentShardDataset(str(out))
-    assert len(ds) == 3 and ds.sample_shape == (3, 4, 8, 8)
+    assert len(ds) == 3 and ds.sample_shape == (4, 4, 8, 8)  # default: RGB + luminance
     assert [int(ds[i]["label"]) for i in range(3)] == [3, 0, 1]
     assert ds[0]["latents"].min() >= -1 and ds[0]["latents"].max() <= 1
     assert sorted(os.listdir(out)) == ["shard-00000.safetensors", "shard-00001.safetensors"]
+
+
+def _png_videos(folder, n=2, frames=8):
+    from PIL import Image
+
+    folder.mkdir()
+    synth = SyntheticVideoDataset(n, channels=3, frames=frames, height=20, width=20, seed=1)
+    for i in range(n):
+        (folder / f"v{i}").mkdir()
+        for t, frame in enumerate(((synth[i]["latents"] + 1) * 127.5).round().byte().permute(1, 2, 3, 0).numpy()):
+            Image.fromarray(frame).save(folder / f"v{i}" / f"{t:03d}.png")
+    return folder
+
+
+def test_shard_tool_defaults_feed_the_default_model(tmp_path):
+    """The shard tool with its defaults writes what the default (tiny) preset trains on; a mismatch names
+    both fixes."""
+    from megatron_dsv.training.arguments import parse_args
+    from megatron_dsv.training.trainer import train
+    from tools.make_latent_shards import main
+
+    src = _png_videos(tmp_path / "videos")
+    assert main(["--input", str(src), "--out", str(tmp_path / "s4")]) == 0
+    common = ["--train-iters", "2", "--micro-batch-size", "2", "--global-batch-size", "2", "--no-save",
+              "--no-sample", "--output-dir", str(tmp_path / "out")]
+    result = train(parse_args(["--data-path", str(tmp_path / "s4"), *common]))
+    assert result.iteration == 2 and all(x == x for x in result.losses)
+    assert main(["--input", str(src), "--out", str(tmp_path / "s3"), "--channels", "3"]) == 0
+    with pytest.raises(ValueError, match=r"3-channel latents .* in_channels = 4: train with --model-override "
+                                         r"in_channels=3, or rewrite the shards with tools/make_latent_shards\.py "
+                                         r"--channels 4"):
+        train(parse_args(["--data-path", str(tmp_path / "s3"), *common]))

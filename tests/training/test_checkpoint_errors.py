@@ -60,10 +60,12 @@ def test_garbage_state_json(tmp_path, good_checkpoint):
     _expect_error(tmp_path, ckpt, r"train_state\.json is not valid JSON")
 
 
-def test_garbage_tracker(tmp_path, good_checkpoint):
+@pytest.mark.parametrize("content", [b"seven", b"\xbd\x00\xff\x12binary"], ids=["text", "binary"])
+def test_garbage_tracker(tmp_path, good_checkpoint, content):
     ckpt = _copy(good_checkpoint, tmp_path)
-    (ckpt / "latest_checkpointed_iteration.txt").write_text("seven")
-    _expect_error(tmp_path, ckpt, r"latest_checkpointed_iteration\.txt must hold an iteration number")
+    (ckpt / "latest_checkpointed_iteration.txt").write_bytes(content)
+    _expect_error(tmp_path, ckpt, r"tracker .*latest_checkpointed_iteration\.txt must hold the newest complete "
+                                  r"iteration as decimal digits")
 
 
 def test_tracker_points_at_missing_iteration(tmp_path, good_checkpoint):

@@ -87,3 +87,12 @@ def test_dataloader_workers_keep_the_batch_order(tmp_path):
     inline = run(tmp_path, "--train-iters", "3", "--no-save", "--no-dsv", name="inline")
     workers = run(tmp_path, "--train-iters", "3", "--no-save", "--no-dsv", "--num-workers", "1", name="workers")
     assert workers.losses == inline.losses
+
+
+def test_resumed_run_logs_its_dsv_stage(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    run(tmp_path, "--train-iters", "3", "--dsv-stage-switch-steps", "2", "--save", str(ckpt), name="first")
+    assert " > DSV stage 1 -> 2 after iteration 2" in capsys.readouterr().out
+    run(tmp_path, "--train-iters", "4", "--dsv-stage-switch-steps", "2", "--load", str(ckpt), "--no-save",
+        name="second")
+    assert " > DSV resumes in stage 2 (sparse where the dispatcher says so)" in capsys.readouterr().out
