@@ -34,8 +34,10 @@ from megatron_dsv.data.shards import write_shard  # noqa: E402
 FRAME_EXTS = (".png", ".jpg", ".jpeg")
 
 
-def progress(done: int, total: int, width: int = 30, stream=sys.stderr) -> None:
-    """One-line progress bar (no tqdm): ``[#####.....] 12/40``."""
+def progress(done: int, total: int, width: int = 30, stream=None) -> None:
+    """One-line progress bar (no tqdm): ``[#####.....] 12/40``, on ``stream`` (default: the current sys.stderr,
+    looked up at each call: a default bound at import would outlive a replaced stderr)."""
+    stream = sys.stderr if stream is None else stream
     filled = int(width * done / max(total, 1))
     stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
     if done >= total:
