@@ -115,9 +115,10 @@ def _time_pass(kind, cfg, q, k, v, o, lse, do, idx, cnt, G, BS, scale):
     cq = cfg if kind == "bwd_q" else None
     ckv = cfg if kind == "bwd_kv" else None
     # block-level dq kernel timed alone; the dk/dv kernel as the whole backward
-    only_dq = kind == "bwd_q" and BS > 0
-    return bench_ms(lambda: launch.sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, BS, scale, cfg_q=cq, cfg_kv=ckv,
-                                              _only_dq=only_dq))
+    if kind == "bwd_q" and BS > 0:
+        do = do.contiguous()
+        return bench_ms(lambda: launch.sparse_bwd_q(do, q, k, v, o, lse, idx, cnt, G, BS, scale, False, cfg_q=cq))
+    return bench_ms(lambda: launch.sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, BS, scale, cfg_q=cq, cfg_kv=ckv))
 
 
 def tune(S, G, sparsity=0.9):

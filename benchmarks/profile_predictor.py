@@ -75,7 +75,7 @@ def main(argv=None):
     # the profile step's extra work per layer: the projections, the lists and one oracle pass
     # (sparsity + recall curve + recall of the built lists), as DSVCoreAttention._profile runs it
     from megatron_dsv.ops.topk_estimation import estimate_topk
-    from megatron_dsv.ops.topk_estimation.oracle import profile_stats
+    from megatron_dsv.attention.profiler import profile_stats
 
     lib = DSVConfig()
     q_lr, k_lr = preds[0].project(q, k, hidden, dtype=q.dtype)

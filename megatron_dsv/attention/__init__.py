@@ -1,4 +1,5 @@
-"""The DSV method: core attention, grouping, predictor, profiler, dispatcher, schedule.
+"""The DSV method: core attention, per-layer state (``state.py``), grouping, predictor, profiler
+(``profiler.py``), dispatcher, schedule.
 
 Trainer-facing API (see ``hooks.py``): :func:`dsv_layers`, :func:`dsv_on_step_end`,
 :func:`dsv_metrics`, :func:`dsv_stage`.

@@ -1,30 +1,46 @@
 """The ops DSV attention calls, imported in one place.
 
-``DSVConfig.kernel_backend`` / ``DSVConfig.topk_backend`` pick the backend:
-``auto`` lets the ops choose their fastest backend themselves (``DSV_SPARSE_ATTN_BACKEND`` /
-``DSV_TOPK_BACKEND``); any other value forces that backend (:func:`run_sparse_attention`,
+Backends are resolved once, when a layer is built (:func:`resolve_backends`):
+``DSVConfig.kernel_backend`` / ``DSVConfig.topk_backend`` when not ``auto``, else the
+``DSV_SPARSE_ATTN_BACKEND`` / ``DSV_TOPK_BACKEND`` environment variable (read then, not per call).
+A name that is still ``auto`` takes the ops' own rule from the call's shapes and device, without
+reading the environment; every op call gets an explicit backend (:func:`run_sparse_attention`,
 :func:`run_estimate_topk`).
 """
 
+from typing import Tuple
+
+from megatron_dsv.config import DSVConfig
 from megatron_dsv.ops.sparse_attention import SUPPORTED_HEAD_DIMS, sparse_attention, sparse_attention_naive
-from megatron_dsv.ops.topk_estimation import critical_mass_recall, estimate_topk, estimate_topk_naive, head_sparsity
+from megatron_dsv.ops.sparse_attention.op import auto_backend, requested_backend
+from megatron_dsv.ops.topk_estimation import (auto_topk_backend, critical_mass_recall, estimate_topk,
+                                              estimate_topk_naive, head_sparsity, requested_topk_backend)
 
 __all__ = ["sparse_attention", "sparse_attention_naive", "estimate_topk", "estimate_topk_naive", "head_sparsity",
-           "critical_mass_recall", "SUPPORTED_HEAD_DIMS", "run_sparse_attention", "run_estimate_topk"]
+           "critical_mass_recall", "SUPPORTED_HEAD_DIMS", "resolve_backends", "run_sparse_attention",
+           "run_estimate_topk"]
+
+
+def resolve_backends(cfg: DSVConfig) -> Tuple[str, str]:
+    """``(kernel backend, top-k backend)`` for a layer built now: each is a forced backend or "auto"."""
+    return requested_backend(cfg.kernel_backend), requested_topk_backend(cfg.topk_backend)
 
 
 def run_sparse_attention(backend: str, q, k, v, kv_indices, kv_counts, group_size: int, block_size: int,
                          softmax_scale: float):
-    """Sparse attention on the backend named by ``DSVConfig.kernel_backend`` (the op decides, in
-    one place). The lists come from our own estimator, valid by construction: no host-syncing
-    value check."""
+    """Sparse attention on a backend from :func:`resolve_backends` ("auto": the op's shape rule).
+    The lists come from our own estimator, valid by construction: no host-syncing value check."""
     if backend == "naive":
         return sparse_attention_naive(q, k, v, kv_indices, kv_counts, group_size, block_size, softmax_scale)
+    if backend == "auto":
+        backend = auto_backend(q, kv_indices, group_size, block_size)
     return sparse_attention(q, k, v, kv_indices, kv_counts, group_size, block_size, softmax_scale,
                             check_values=False, backend=backend)
 
 
 def run_estimate_topk(backend: str, q_lr, k_lr, budgets, group_size: int, block_size: int, proxy: str,
                       block_score: str):
-    """Top-k estimation on the backend named by ``DSVConfig.topk_backend`` (the op decides)."""
+    """Top-k estimation on a backend from :func:`resolve_backends` ("auto": the op's device rule)."""
+    if backend == "auto":
+        backend = auto_topk_backend(q_lr.device)
     return estimate_topk(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score, backend=backend)

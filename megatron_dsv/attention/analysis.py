@@ -27,9 +27,10 @@ from megatron_dsv.attention.core_attention import DSVCoreAttention
 from megatron_dsv.attention.dispatcher import density_budgets, head_budgets
 from megatron_dsv.attention.grouping import cube_order_coords
 from megatron_dsv.attention.hooks import dsv_layers
+from megatron_dsv.attention.profiler import profile_stats
 # The oracle's validation and chunked softmax / critical-set pass: the same definition of a
 # critical set as the profiler's, not a second copy of it.
-from megatron_dsv.ops.topk_estimation.oracle import _check, _prob_chunks, head_sparsity, profile_stats
+from megatron_dsv.ops.topk_estimation.oracle import _check, _prob_chunks, head_sparsity
 
 __all__ = ["capture_qk", "sample_queries", "key_fractions", "mass_curve", "critical_distance_histogram",
            "cube_overlap", "predictor_recall", "analyze"]

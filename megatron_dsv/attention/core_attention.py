@@ -30,7 +30,9 @@ activation recomputation reproduces the first pass exactly. Counters, the profil
 smoothing, the stage switch and the predictor's Adam step happen in
 :func:`megatron_dsv.attention.hooks.dsv_on_step_end`, with collectives that keep
 every rank's state identical. All DSV state is in buffers (``state_dict`` and
-``sharded_state_dict``, per-head tensors TP-sharded along heads).
+``sharded_state_dict``, per-head tensors TP-sharded along heads); their layout, host mirrors,
+step-end update and metrics are :class:`megatron_dsv.attention.state.LayerState`'s. Backends are
+resolved once, here at construction (``attention/_ops.py``).
 """
 
 from __future__ import annotations
@@ -46,16 +48,14 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_dsv.attention import _ops
 from megatron_dsv.attention.dispatcher import SpeedupTable, density_budgets, head_budgets, plan_layer
 from megatron_dsv.attention.predictor import LowRankPredictor
-from megatron_dsv.attention.schedule import is_profile_step, sampled_queries, smooth, trains_predictor
+from megatron_dsv.attention.profiler import profile_stats, recall_density
+from megatron_dsv.attention.schedule import is_profile_step, sampled_queries, trains_predictor
+from megatron_dsv.attention.state import PER_HEAD_STATE, LayerState
 from megatron_dsv.config import DSVConfig
 from megatron_dsv.ops.dense import dense_attention
 from megatron_dsv.ops.sparse_attention.flex import flex_supported
-from megatron_dsv.ops.topk_estimation.oracle import profile_stats, smallest_k_reaching
 
 __all__ = ["DSVCoreAttention", "SUPPORTED_MASK_TYPES", "PER_HEAD_STATE"]
-
-# Buffers with one entry per local head: TP-sharded along dim 0 in sharded_state_dict.
-PER_HEAD_STATE = ("sparsity", "budget_density", "recall")
 
 SUPPORTED_MASK_TYPES = (AttnMaskType.no_mask, AttnMaskType.padding)
 
@@ -131,32 +131,23 @@ class DSVCoreAttention(MegatronModule):
         self.predictor = LowRankPredictor(cfg, self.num_heads, self.head_dim, config.hidden_size,
                                           self.layer_number, head_offset=tp_rank * self.num_heads,
                                           total_heads=config.num_attention_heads)
-        if cfg.kernel_backend == "flex" and not flex_supported(0, cfg.group_size, cfg.block_size):
-            raise ValueError("DSVConfig.kernel_backend='flex' needs granularity='block' with query groups of 128 "
+        # resolved once: the config, else the environment variables (read here, never per call)
+        self.kernel_backend, self.topk_backend = _ops.resolve_backends(cfg)
+        if self.kernel_backend == "flex" and not flex_supported(0, cfg.group_size, cfg.block_size):
+            source = "DSVConfig.kernel_backend" if cfg.kernel_backend == "flex" else "DSV_SPARSE_ATTN_BACKEND"
+            raise ValueError(f"{source}='flex' needs granularity='block' with query groups of 128 "
                              f"and kv_block_size=128 (the only shape flex lowers); got group_size={cfg.group_size}, "
                              f"block_size={cfg.block_size}")
         self.speedup_table = SpeedupTable.from_config(cfg, self.head_dim)
         # Kernels cover a fixed set of head dims; other models still train predictors and profile,
         # but the dispatcher keeps them dense (reported as kernel_ok=0 in the metrics).
         self.kernel_ok = self.head_dim in _ops.SUPPORTED_HEAD_DIMS
-        H = self.num_heads
-        persistent = {  # the checkpointed state: a resumed run behaves exactly like an uninterrupted one
-            "stage": torch.ones(1, dtype=torch.int64),
-            "step": torch.zeros(1, dtype=torch.int64),
-            "profiles": torch.zeros(1, dtype=torch.int64),
-            "sparsity": torch.zeros(H, dtype=torch.float32),
-            # K_h / S the budget rule asks for, smoothed like sparsity ('sparsity' rule: 1 - s_h)
-            "budget_density": torch.ones(H, dtype=torch.float32),
-            "recall": torch.zeros(H, dtype=torch.float32),
-            "predictor_loss": torch.full((1,), float("nan"), dtype=torch.float32),
-        }
-        for name, t in persistent.items():
-            self.register_buffer(name, t)
-        # per-step accumulators: [loss sum, loss n, profile n, recall n, sparsity sum (H), recall sum (H),
-        # budget density sum (H)]; summed over data-parallel ranks at the step end (hooks.py)
-        self.register_buffer("pending", torch.zeros(4 + 3 * H, dtype=torch.float32), persistent=False)
+        # the buffers (stage, step, profiles, sparsity, budget_density, recall, predictor_loss and the
+        # per-step accumulator 'pending'), their host mirrors and the step-end update: state.py
+        self.dsv_state = LayerState(self.num_heads)
+        self.dsv_state.register_buffers(self)
         # K used per head in the last forward: a host tensor (metrics only), so writing it never syncs
-        self.last_k = torch.zeros(H, dtype=torch.float32)
+        self.last_k = torch.zeros(self.num_heads, dtype=torch.float32)
         self.last_sparse = False
         self._hidden = None  # set by DSVSelfAttention for predictor_input='hidden', only during its forward
         # Run-time switches, not state: benchmarks turn the method's own work off for an A/B of its cost,
@@ -166,28 +157,39 @@ class DSVCoreAttention(MegatronModule):
         self.force_dense = False
         self._decisions = {}
         self._sync_host()
-        self._register_load_state_dict_pre_hook(self._fill_missing_budget_density)
+        self._register_load_state_dict_pre_hook(LayerState.fill_missing_budget_density)
         self.register_load_state_dict_post_hook(lambda module, keys: module._sync_host())
-
-    @staticmethod
-    def _fill_missing_budget_density(state_dict, prefix, *args):
-        """Checkpoints from before the 'recall' budget rule have no budget_density: start from the
-        sparsity rule's density 1 - s_h (the next profile replaces it)."""
-        if prefix + "budget_density" not in state_dict and prefix + "sparsity" in state_dict:
-            state_dict[prefix + "budget_density"] = 1.0 - state_dict[prefix + "sparsity"]
 
     def _sync_host(self):
         """Host copies of the state the forward branches on and the metrics read (read from the
         device once, at construction and after a load; the step end keeps them current)."""
-        self.stage_host = int(self.stage[0])
-        self.step_host = int(self.step[0])
-        self.profiled_host = int(self.profiles[0]) > 0
-        self._sparsity_cpu = self.sparsity.detach().float().cpu()
-        self._measured_cpu = self._sparsity_cpu.clone()  # the last profile's unsmoothed sparsity
-        self._density_cpu = self.budget_density.detach().float().cpu()
-        self._recall_cpu = self.recall.detach().float().cpu()
-        self._loss_host = float(self.predictor_loss[0])
+        self.dsv_state.sync(self)
         self._decisions = {}
+
+    # host mirrors (LayerState): read by the forward, the analysis tools and the tests
+    @property
+    def stage_host(self) -> int:
+        return self.dsv_state.stage
+
+    @property
+    def step_host(self) -> int:
+        return self.dsv_state.step
+
+    @property
+    def profiled_host(self) -> bool:
+        return self.dsv_state.profiled
+
+    @property
+    def _sparsity_cpu(self) -> torch.Tensor:
+        return self.dsv_state.sparsity
+
+    @property
+    def _density_cpu(self) -> torch.Tensor:
+        return self.dsv_state.density
+
+    @property
+    def _recall_cpu(self) -> torch.Tensor:
+        return self.dsv_state.recall
 
     def _apply(self, fn, recurse=True):
         """Device moves apply to DSV state; dtype casts (Float16Module) leave fp32 state in fp32."""
@@ -257,7 +259,7 @@ class DSVCoreAttention(MegatronModule):
         if not sparse:
             return dense_attention(q, k, v, softmax_scale=self.softmax_scale)
         idx, counts = lists
-        return _ops.run_sparse_attention(cfg.kernel_backend, q, k, v, idx, counts, cfg.group_size, cfg.block_size,
+        return _ops.run_sparse_attention(self.kernel_backend, q, k, v, idx, counts, cfg.group_size, cfg.block_size,
                                          self.softmax_scale)
 
     def decide(self, S: int):
@@ -280,7 +282,7 @@ class DSVCoreAttention(MegatronModule):
         q_lr, k_lr = projected if projected is not None else self.predictor.project(q, k, hidden, dtype=q.dtype)
         # budgets stay on the host: the estimator needs Kmax there, and a device copy read back
         # would cost two stream syncs per layer
-        return _ops.run_estimate_topk(cfg.topk_backend, q_lr, k_lr, budgets.cpu(), cfg.group_size, cfg.block_size,
+        return _ops.run_estimate_topk(self.topk_backend, q_lr, k_lr, budgets.cpu(), cfg.group_size, cfg.block_size,
                                       cfg.group_proxy, cfg.block_score)
 
     @torch.no_grad()
@@ -292,7 +294,7 @@ class DSVCoreAttention(MegatronModule):
         smoothed state (or this measurement, before the first smoothing) to show what stage 2 would get.
         The logged recall is measured on those lists with the oracle, never read off the curve.
         """
-        cfg, H, S = self.dsv_config, self.num_heads, k.shape[2]
+        cfg, S = self.dsv_config, k.shape[2]
         projected = self.predictor.project(q, k, hidden, dtype=q.dtype)
         recall_rule = cfg.budget_rule == "recall"
         curve_args = dict(q_lr=projected[0], k_lr=projected[1], group_size=cfg.group_size,
@@ -315,22 +317,12 @@ class DSVCoreAttention(MegatronModule):
                        else head_budgets(measured.cpu(), S, cfg))[0]
             lists = self._estimate(q, k, hidden, budgets, projected)
             recall = profile_stats(q, k, **stats, lists=(lists[0], lists[1], cfg.group_size, cfg.block_size))[2]
-        recall = recall.float().mean(0)
-        dev = self.pending.device
-        self.pending[2] += 1
-        self.pending[3] += 1
-        self.pending[4:4 + H] += measured.to(dev)
-        self.pending[4 + H:4 + 2 * H] += recall.to(dev)
-        self.pending[4 + 2 * H:] += density.to(dev)
+        self.dsv_state.layout.add_profile(self.pending, measured, recall.float().mean(0), density)
         return lists
 
     def _recall_density(self, curve: torch.Tensor, S: int) -> torch.Tensor:
-        """Per head (float32 ``[H]``, device): the list length, in tokens / S, where the recall curve
-        ``[B, H, n_items]`` of the estimator's lists (averaged over the batch) reaches ``recall_target``."""
-        cfg = self.dsv_config
-        unit = cfg.block_size or 1
-        items = smallest_k_reaching(curve.mean(0), cfg.recall_target, min_items=-(-cfg.k_min // unit))
-        return ((items * unit).clamp(max=S).double() / S).float()
+        """Per head (float32 ``[H]``): the budget density the recall curve asks for (profiler.py)."""
+        return recall_density(curve, S, self.dsv_config)
 
     # ---- step-end logic (called by hooks.dsv_on_step_end, after the collectives) --------------
     def finish_step(self, pending: torch.Tensor, step: int, stage: int) -> None:
@@ -340,33 +332,7 @@ class DSVCoreAttention(MegatronModule):
         the smoothing runs on the host mirrors, and the device state is written from them, so no
         value is read back from the device here.
         """
-        pending = pending.detach().float()
-        if pending.device.type != "cpu":  # callers other than the hooks may hand device state
-            pending = pending.cpu()
-        H = self.num_heads
-        loss_sum, loss_n, sp_n, rec_n = (float(x) for x in pending[:4])
-        if loss_n > 0:
-            self._loss_host = loss_sum / loss_n
-            self.predictor_loss.fill_(self._loss_host)
-        if sp_n > 0:
-            first, m = not self.profiled_host, self.dsv_config.sparsity_momentum
-            self._measured_cpu = pending[4:4 + H] / sp_n
-            self._sparsity_cpu = smooth(self._sparsity_cpu, self._measured_cpu, m, first)
-            # the budget rises at once and falls with the momentum: a smoothed value that lags a
-            # growing need would undershoot the recall target until it catches up
-            needed = pending[4 + 2 * H:] / sp_n
-            self._density_cpu = torch.maximum(smooth(self._density_cpu, needed, m, first), needed)
-            _write(self.sparsity, self._sparsity_cpu)
-            _write(self.budget_density, self._density_cpu)
-            self.profiles += 1
-            self.profiled_host = True
-        if rec_n > 0:
-            self._recall_cpu = pending[4 + H:4 + 2 * H] / rec_n
-            _write(self.recall, self._recall_cpu)
-        self.step.fill_(step)
-        self.stage.fill_(stage)
-        self.step_host, self.stage_host = int(step), int(stage)
-        self.pending.zero_()
+        self.dsv_state.finish_step(self, pending, step, stage, self.dsv_config.sparsity_momentum)
         self._decisions = {}
 
     def predictor_lr(self) -> float:
@@ -375,19 +341,8 @@ class DSVCoreAttention(MegatronModule):
 
     def metrics(self) -> dict:
         """Flat per-layer and per-head scalars (host floats) under ``dsv/layer{n}/``."""
-        p = f"dsv/layer{self.layer_number}/"
-        sp, dens, rec = self._sparsity_cpu, self._density_cpu, self._recall_cpu  # host mirrors: no sync
-        out = {p + "sparsity": float(sp.mean()), p + "sparsity_measured": float(self._measured_cpu.mean()),
-               p + "budget_density": float(dens.mean()),
-               p + "sparse": float(self.last_sparse), p + "recall": float(rec.mean()),
-               p + "k_mean": float(self.last_k.mean()), p + "predictor_loss": self._loss_host,
-               p + "kernel_ok": float(self.kernel_ok)}
-        for h in range(self.num_heads):
-            out[f"{p}head{h}/sparsity"] = float(sp[h])
-            out[f"{p}head{h}/budget_density"] = float(dens[h])
-            out[f"{p}head{h}/recall"] = float(rec[h])
-            out[f"{p}head{h}/k"] = float(self.last_k[h])
-        return out
+        return self.dsv_state.metrics(f"dsv/layer{self.layer_number}/", self.last_sparse, self.last_k,
+                                      self.kernel_ok)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """DSV state for dist_checkpointing: per-head tensors TP-sharded on dim 0, scalars replicated."""
@@ -427,9 +382,3 @@ class DSVCoreAttention(MegatronModule):
                              f"got {tuple(attention_mask.shape)}")
         return ~attention_mask
 
-
-def _write(dst: torch.Tensor, host: torch.Tensor) -> None:
-    """Copy a host tensor into device state without a stream sync (pinned, non-blocking on CUDA)."""
-    if dst.is_cuda:
-        host = host.pin_memory()
-    dst.copy_(host, non_blocking=dst.is_cuda)

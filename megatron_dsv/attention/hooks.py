@@ -30,6 +30,7 @@ import torch.distributed as dist
 from megatron_dsv.attention.core_attention import DSVCoreAttention
 from megatron_dsv.attention.predictor import adam_step_many, from_host, train_predictors
 from megatron_dsv.attention.schedule import should_switch
+from megatron_dsv.attention.state import StepScalars
 
 __all__ = ["dsv_layers", "dsv_on_step_end", "dsv_metrics", "dsv_stage"]
 
@@ -66,39 +67,13 @@ def _world_size(group) -> int:
     return dist.get_world_size(group)
 
 
-class _StepScalars:
-    """Every layer's step scalars in one flat buffer: ``[loss sums (L) | loss counts (L) | per layer:
-    pending[2:], grad_count]``; the loss columns come first so the world all-reduce reads them as
-    two contiguous slices."""
-
-    def __init__(self, layers: List[DSVCoreAttention]):
-        self.layers = layers
-        self.rest = [layer.pending.numel() - 2 + 1 for layer in layers]
-
-    def device_flat(self) -> List[torch.Tensor]:
-        loss = [layer.pending[0:1] for layer in self.layers]
-        count = [layer.pending[1:2] for layer in self.layers]
-        rest = [t for layer in self.layers for t in (layer.pending[2:], layer.predictor.grad_count)]
-        return loss + count + rest
-
-    def split(self, host: torch.Tensor):
-        """Per layer ``(pending [4 + 3H] float32, grad count float)`` from the host copy."""
-        L = len(self.layers)
-        out, offset = [], 2 * L
-        for i, n in enumerate(self.rest):
-            part = host[offset:offset + n]
-            out.append((torch.cat([host[i:i + 1], host[L + i:L + i + 1], part[:-1]]), float(part[-1])))
-            offset += n
-        return out
-
-
 def _exchange(layers: List[DSVCoreAttention], dp_group):
     """The collectives and the one host copy of the step end.
 
     Returns ``(per-layer (pending, grad count) host values, mean predictor loss over all layers of
     all ranks or None, whether any layer anywhere is in stage 2)``.
     """
-    scalars = _StepScalars(layers)
+    scalars = StepScalars(layers)
     small = scalars.device_flat()
     grads = [g for layer in layers for g in layer.predictor.grad_buffers()]
     n_small = sum(t.numel() for t in small)
@@ -115,12 +90,12 @@ def _exchange(layers: List[DSVCoreAttention], dp_group):
     if _world_size(world) <= 1:
         host = flat[:n_small].cpu()
         loss_sum, loss_layers = 0.0, 0.0
-        for l_sum, l_n in zip(host[:len(layers)].tolist(), host[len(layers):2 * len(layers)].tolist()):
+        for l_sum, l_n in zip(scalars.loss_sums(host).tolist(), scalars.loss_counts(host).tolist()):
             if l_n > 0:
                 loss_sum += l_sum / l_n
                 loss_layers += 1
         return scalars.split(host), (loss_sum / loss_layers if loss_layers else None), in_stage2 > 0
-    stats = _local_loss_stats(flat, len(layers), in_stage2)
+    stats = _local_loss_stats(scalars, flat, in_stage2)
     dist.all_reduce(stats, op=dist.ReduceOp.SUM)
     host = torch.cat([flat[:n_small].to(stats), stats]).cpu()  # float32 values are exact in float64
     loss_sum, loss_layers, stage2 = host[n_small:].tolist()
@@ -128,13 +103,14 @@ def _exchange(layers: List[DSVCoreAttention], dp_group):
             stage2 > 0)
 
 
-def _local_loss_stats(flat: torch.Tensor, L: int, in_stage2: float) -> torch.Tensor:
+def _local_loss_stats(scalars: StepScalars, flat: torch.Tensor, in_stage2: float) -> torch.Tensor:
     """float64 ``[loss sum over layers of mean loss, layers with a loss, layers in stage 2]`` on the
     device the world all-reduce needs (CUDA under NCCL), computed without a host read."""
     device = flat.device
     if dist.get_backend() == "nccl" and device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    l_sum, l_n = flat[:L].to(device, torch.float64), flat[L:2 * L].to(device, torch.float64)
+    l_sum = scalars.loss_sums(flat).to(device, torch.float64)
+    l_n = scalars.loss_counts(flat).to(device, torch.float64)
     has = l_n > 0
     mean = torch.where(has, l_sum / l_n.clamp_min(1.0), torch.zeros_like(l_sum))
     stage2 = torch.full((1,), in_stage2, dtype=torch.float64, device=device)
@@ -151,7 +127,7 @@ def _train_predictors(layers: List[DSVCoreAttention]) -> None:
         return
     device = layers[0].pending.device
     totals = torch.stack([sums.to(device), from_host(counts, device, torch.float32)], 1)
-    torch._foreach_add_([layer.pending[0:2] for layer in layers], list(totals.unbind(0)))
+    torch._foreach_add_([layer.dsv_state.layout.loss(layer.pending) for layer in layers], list(totals.unbind(0)))
 
 
 def dsv_on_step_end(model, iteration: Optional[int] = None, dp_group=None) -> int:

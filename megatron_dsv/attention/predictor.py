@@ -329,15 +329,6 @@ class LowRankPredictor(nn.Module):
     def grad_buffers(self):
         return [getattr(self, f"{n}_grad") for n, _ in self._weights()]
 
-    @torch.no_grad()
-    def adam_step(self, lr: float, grad_count: Optional[float] = None) -> None:
-        """One Adam step on the accumulated (already DP-summed) gradient, then clear it.
-
-        ``grad_count``: the host value of the ``grad_count`` buffer when the caller has it (the step
-        end fetches every layer's in one copy); ``None`` reads it from the device.
-        """
-        adam_step_many([self], [lr], [grad_count])
-
 
 @torch.no_grad()
 def adam_step_many(predictors: Sequence["LowRankPredictor"], lrs: Sequence[float],

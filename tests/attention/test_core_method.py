@@ -236,3 +236,23 @@ def test_config_backends_are_honoured(make_layer, fast_table, monkeypatch):
     with torch.no_grad():
         layer(as_megatron(q), as_megatron(k), as_megatron(k), None)
     assert layer.last_sparse and len(calls) == 1 and calls[0][-1] is False  # no host-syncing value check
+
+
+def test_backend_environment_is_read_at_construction(make_layer, fast_table, monkeypatch):
+    """With 'auto' in the config, DSV_SPARSE_ATTN_BACKEND / DSV_TOPK_BACKEND force a backend when the
+    layer is built; later changes to them do not reach its forwards."""
+    monkeypatch.setenv("DSV_TOPK_BACKEND", "fastest")
+    with pytest.raises(ValueError, match="DSV_TOPK_BACKEND"):
+        make_layer(kernel_backend="auto", topk_backend="auto")
+    monkeypatch.setenv("DSV_TOPK_BACKEND", "naive")
+    monkeypatch.setenv("DSV_SPARSE_ATTN_BACKEND", "naive")
+    layer = make_layer(kernel_backend="auto", topk_backend="auto", sparsity_threshold=0.0, speedup_table=fast_table)
+    assert (layer.kernel_backend, layer.topk_backend) == ("naive", "naive")
+    monkeypatch.setenv("DSV_TOPK_BACKEND", "fastest")
+    monkeypatch.setenv("DSV_SPARSE_ATTN_BACKEND", "fastest")
+    force_state(layer, stage=2, sparsity=0.5)
+    layer.eval()
+    q, k = planted(S=256)
+    with torch.no_grad():
+        layer(as_megatron(q), as_megatron(k), as_megatron(k), None)
+    assert layer.last_sparse

@@ -23,15 +23,6 @@ def flex_supported(S: int, group_size: int, block_size: int) -> bool:
     return group_size == 128 and block_size == 128
 
 
-def flex_kernel_options(group_size: int, block_size: int) -> Optional[dict]:
-    """Flex's default H200 tiles (128 query rows; 128 keys in backward) must divide the
-    BlockMask's blocks: below 128, fall back to 64x64 tiles in every pass (the
-    defaults fail to lower there: 'Q and KV block size must be divisible by BLOCK_M and BLOCK_N')."""
-    if group_size >= 128 and block_size >= 128:
-        return None
-    return {name: 64 for name in ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")}
-
-
 def build_block_mask(kv_indices: torch.Tensor, kv_counts: torch.Tensor, S: int,
                      group_size: int, block_size: int):
     from torch.nn.attention.flex_attention import BlockMask
@@ -58,10 +49,10 @@ def _compiled_flex():
 
 def sparse_attention_flex(q, k, v, kv_indices, kv_counts, group_size: int, block_size: int,
                           softmax_scale: Optional[float] = None, block_mask=None) -> torch.Tensor:
-    """Same contract as sparse_attention, block-level lists only; differentiable."""
+    """Same contract as sparse_attention for the shapes :func:`flex_supported` accepts (128x128
+    blocks, which flex's default tiles divide); differentiable."""
     S = q.shape[2]
     if block_mask is None:
         block_mask = build_block_mask(kv_indices, kv_counts, S, group_size, block_size)
     # always compiled: eager flex ignores the BlockMask's sparsity and attends densely
-    return _compiled_flex()(q, k, v, block_mask=block_mask, scale=softmax_scale, enable_gqa=k.shape[1] != q.shape[1],
-                            kernel_options=flex_kernel_options(group_size, block_size))
+    return _compiled_flex()(q, k, v, block_mask=block_mask, scale=softmax_scale, enable_gqa=k.shape[1] != q.shape[1])

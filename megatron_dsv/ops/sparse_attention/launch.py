@@ -138,7 +138,7 @@ def build_inverse_map(kv_indices: torch.Tensor, kv_counts: torch.Tensor, nkb: in
 
 def sparse_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scale: float,
                atomic_kv: Optional[bool] = None, cfg_q: Optional[Config] = None,
-               cfg_kv: Optional[Config] = None, _only_dq: bool = False, mode: Optional[str] = None):
+               cfg_kv: Optional[Config] = None, mode: Optional[str] = None):
     """dq, dk, dv. Token lists (or atomic_kv=True) scatter dk/dv with fp32 atomics;
     block lists take the atomic-free inverse-map kernel, after the dq kernel
     (mode split) or adding dq itself with atomics (mode fused; cfg_kv then
@@ -151,8 +151,29 @@ def sparse_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scal
             raise ValueError(f"fused backward: key tile BN={cfg_kv['BN']} must not exceed block_size={BS}")
         return _sparse_bwd_fused(do.contiguous(), q, k, v, o, lse, kv_indices, kv_counts, G, BS, scale, cfg_kv)
     hkv = k.shape[1]
-    NG = kv_indices.shape[2]
     do = do.contiguous()
+    dq, delta, dk32, dv32 = sparse_bwd_q(do, q, k, v, o, lse, kv_indices, kv_counts, G, BS, scale, atomic_kv, cfg_q)
+    if atomic_kv:
+        return dq, dk32.to(k.dtype), dv32.to(v.dtype)
+    nkb = math.ceil(T / BS)
+    inv_ptr, inv_grp = build_inverse_map(kv_indices, kv_counts, nkb)
+    cfg_kv = cfg_kv or pick_config("bwd_kv", D, G, BS)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    bwd_kv_kernel[(nkb * (BS // cfg_kv["BN"]), B * hkv)](
+        q, k, v, do, lse, delta, dk, dv, dq, inv_ptr, inv_grp, T, nkb, scale * LOG2E, scale,
+        BM=cfg_kv["BM"], BN=cfg_kv["BN"], DQ=0, H=H, HR=H // hkv, K=D, BD=_bd(D), G=G, BS=BS,
+        **_launch_opts(cfg_kv))
+    return dq, dk, dv
+
+
+def sparse_bwd_q(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scale: float, atomic_kv: bool,
+                 cfg_q: Optional[Config] = None):
+    """The split backward's first kernel alone (the tuning sweep also times it alone): ``(dq,
+    delta [B, H, T] fp32, dk32, dv32)``; dk32/dv32 are the fp32 atomic dk/dv with ``atomic_kv``,
+    else placeholders the kernel never touches. ``do`` must be contiguous."""
+    B, H, T, D = q.shape
+    NG = kv_indices.shape[2]
     delta = torch.empty(B, H, T, device=q.device, dtype=torch.float32)  # written by bwd_q_kernel
     cfg_q = cfg_q or pick_config("bwd_q", D, G, BS)
     dq = torch.empty_like(q)
@@ -161,25 +182,13 @@ def sparse_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scal
         dv32 = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
     else:
         dk32 = dv32 = dq  # unused by the kernel when ATOMIC_KV is off
-    common = dict(H=H, HR=H // hkv, K=D, BD=_bd(D), G=G, BS=BS)
     bwd_q_kernel[(NG * (G // cfg_q["BM"]), B * H)](
         q, k, v, o, do, lse, delta, dq, dk32, dv32, kv_indices, kv_counts,
         T, NG, kv_indices.shape[3], scale * LOG2E, scale,
+        H=H, HR=H // k.shape[1], K=D, BD=_bd(D), G=G, BS=BS,
         BM=cfg_q["BM"], BN=cfg_q["BN"], EVEN_T=(BS == 0 or T % BS == 0), ATOMIC_KV=atomic_kv,
-        **common, **_launch_opts(cfg_q))
-    if atomic_kv:
-        return dq, dk32.to(k.dtype), dv32.to(v.dtype)
-    if _only_dq:  # timing aid for the tuning sweep
-        return dq, None, None
-    nkb = math.ceil(T / BS)
-    inv_ptr, inv_grp = build_inverse_map(kv_indices, kv_counts, nkb)
-    cfg_kv = cfg_kv or pick_config("bwd_kv", D, G, BS)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
-    bwd_kv_kernel[(nkb * (BS // cfg_kv["BN"]), B * hkv)](
-        q, k, v, do, lse, delta, dk, dv, dq, inv_ptr, inv_grp, T, nkb, scale * LOG2E, scale,
-        BM=cfg_kv["BM"], BN=cfg_kv["BN"], DQ=0, **common, **_launch_opts(cfg_kv))
-    return dq, dk, dv
+        **_launch_opts(cfg_q))
+    return dq, delta, dk32, dv32
 
 
 def _sparse_bwd_fused(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scale: float,

@@ -39,10 +39,10 @@ def flex_is_faster(q: torch.Tensor, kv_indices: torch.Tensor, group_size: int, b
     return S * kept < FLEX_BELOW_WORK or kept / S < FLEX_BELOW_DENSITY
 
 
-def choose_backend(q: torch.Tensor, kv_indices: torch.Tensor, group_size: int, block_size: int,
-                   requested: Optional[str] = None) -> str:
-    """The one place a backend is chosen: ``requested`` (e.g. ``DSVConfig.kernel_backend``) when it
-    is not None or "auto", else ``DSV_SPARSE_ATTN_BACKEND`` in {auto, triton, flex, naive}, default auto."""
+def requested_backend(requested: Optional[str] = None) -> str:
+    """The backend asked for, validated: ``requested`` (e.g. ``DSVConfig.kernel_backend``) when it is
+    not None or "auto", else ``DSV_SPARSE_ATTN_BACKEND`` in {auto, triton, flex, naive}, default auto.
+    May be "auto" (then :func:`auto_backend` picks per call, from shapes)."""
     if requested not in (None, "auto"):
         name, source = str(requested).strip().lower(), "backend"
     else:
@@ -50,19 +50,32 @@ def choose_backend(q: torch.Tensor, kv_indices: torch.Tensor, group_size: int, b
             "DSV_SPARSE_ATTN_BACKEND"
     if name not in BACKENDS:
         raise ValueError(f"{source} must be one of {BACKENDS}; got {name!r}")
-    if name != "auto":
-        if name == "flex" and not flex_supported(q.shape[2], group_size, block_size):
-            raise ValueError(f"{source}=flex needs block-level lists with group_size 128 and "
-                             f"block_size 128 (the only shape flex lowers); got group_size={group_size}, "
-                             f"block_size={block_size}")
-        return name
+    return name
+
+
+def auto_backend(q: torch.Tensor, kv_indices: torch.Tensor, group_size: int, block_size: int) -> str:
+    """The "auto" rule, from shapes alone: Triton on CUDA (flex where it measured faster), the
+    reference on CPU (Triton there only under its interpreter, i.e. in tests)."""
     if q.is_cuda:
         if flex_supported(q.shape[2], group_size, block_size) and flex_is_faster(q, kv_indices, group_size,
                                                                                  block_size):
             return "flex"
         return "triton"
-    # CPU: Triton only runs here under its interpreter (tests); otherwise the reference
     return "triton" if os.environ.get("TRITON_INTERPRET", "0") == "1" else "naive"
+
+
+def choose_backend(q: torch.Tensor, kv_indices: torch.Tensor, group_size: int, block_size: int,
+                   requested: Optional[str] = None) -> str:
+    """The one place a backend is chosen: :func:`requested_backend`, then :func:`auto_backend` for "auto"."""
+    name = requested_backend(requested)
+    if name == "auto":
+        return auto_backend(q, kv_indices, group_size, block_size)
+    if name == "flex" and not flex_supported(q.shape[2], group_size, block_size):
+        source = "backend" if requested not in (None, "auto") else "DSV_SPARSE_ATTN_BACKEND"
+        raise ValueError(f"{source}=flex needs block-level lists with group_size 128 and "
+                         f"block_size 128 (the only shape flex lowers); got group_size={group_size}, "
+                         f"block_size={block_size}")
+    return name
 
 
 @torch.library.custom_op("megatron_dsv::sparse_attn_fwd", mutates_args=())

@@ -21,27 +21,38 @@ from .naive import estimate_topk_naive
 from .oracle import critical_counts, critical_mass_recall, head_sparsity
 
 __all__ = ["estimate_topk", "estimate_topk_naive", "critical_counts", "head_sparsity",
-           "critical_mass_recall", "topk_backend"]
+           "critical_mass_recall", "topk_backend", "requested_topk_backend", "auto_topk_backend"]
 
 BACKENDS = ("auto", "cuda", "triton", "naive")
 
 
-def topk_backend(device, requested=None) -> str:
-    """The backend estimate_topk uses for tensors on ``device`` (the one place this is decided):
-    ``requested`` (e.g. ``DSVConfig.topk_backend``) unless None or "auto", else ``DSV_TOPK_BACKEND``."""
+def requested_topk_backend(requested=None) -> str:
+    """The backend asked for, validated: ``requested`` (e.g. ``DSVConfig.topk_backend``) unless None or
+    "auto", else ``DSV_TOPK_BACKEND``. May be "auto" (then :func:`auto_topk_backend` picks per device)."""
     if requested not in (None, "auto"):
         want, source = str(requested).strip().lower(), "backend"
     else:
         want, source = os.environ.get("DSV_TOPK_BACKEND", "auto").strip().lower() or "auto", "DSV_TOPK_BACKEND"
     if want not in BACKENDS:
         raise ValueError(f"{source} must be one of {BACKENDS}, got {want!r}")
-    if want != "auto":
-        return want
+    return want
+
+
+def auto_topk_backend(device) -> str:
+    """The "auto" rule: the CUDA extension when built and the tensors are on CUDA, else Triton on
+    CUDA, else naive."""
     if getattr(device, "type", str(device)) != "cuda":
         return "naive"
     from .cuda_impl import cuda_extension
 
     return "cuda" if cuda_extension() is not None else "triton"
+
+
+def topk_backend(device, requested=None) -> str:
+    """The backend estimate_topk uses for tensors on ``device`` (the one place this is decided):
+    :func:`requested_topk_backend`, then :func:`auto_topk_backend` for "auto"."""
+    want = requested_topk_backend(requested)
+    return auto_topk_backend(device) if want == "auto" else want
 
 
 def estimate_topk(q_lr, k_lr, budgets, group_size, block_size=0, proxy="mean", block_score="max", *,

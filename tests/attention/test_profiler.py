@@ -7,8 +7,8 @@ Checked against the ops themselves: lists from ``estimate_topk_naive`` scored wi
 import pytest
 import torch
 
+from megatron_dsv.attention.profiler import budget_for_recall, recall_curve, smallest_k_reaching
 from megatron_dsv.ops.topk_estimation import critical_counts, critical_mass_recall, estimate_topk_naive
-from megatron_dsv.ops.topk_estimation.oracle import budget_for_recall, recall_curve, smallest_k_reaching
 
 
 def _planted(B=2, H=2, hkv=2, S=640, D=32, r=16, clusters=6, seed=0):
@@ -101,8 +101,8 @@ def test_min_items_and_bad_arguments():
 def test_profile_stats_one_pass_equals_the_three_functions(block):
     """The profiler's single pass gives exactly what head_sparsity, recall_curve and
     critical_mass_recall give separately (small chunks: several chunks per call)."""
+    from megatron_dsv.attention.profiler import profile_stats
     from megatron_dsv.ops.topk_estimation import head_sparsity
-    from megatron_dsv.ops.topk_estimation.oracle import profile_stats
 
     q, k, q_lr, k_lr = _planted(hkv=1)
     k_full = k.repeat_interleave(2, dim=1)
