@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import init_dist, sync, write_results  # noqa: E402
+from benchmarks.common import flow_matching_step, init_dist, sync, write_results  # noqa: E402
 from megatron_dsv.attention import dsv_layers, dsv_metrics, dsv_on_step_end, dsv_stage  # noqa: E402
 from megatron_dsv.attention.predictor import predictor_flops_per_token  # noqa: E402
 from megatron_dsv.attention.schedule import is_profile_step, trains_predictor  # noqa: E402
@@ -75,8 +75,6 @@ def _train(model, data, steps, dtype, device, args, first_step=0, log=None):
     AdamW at ``args.lr`` with a linear warm-up over ``args.warmup`` steps and gradient clipping at 1.
     ``log(step, loss)``, when given, is called after every step's timing (it may sync the device).
     """
-    from megatron_dsv.models.video_dit import flow_matching_loss
-
     lr, warmup = args.lr, args.warmup
     opt = getattr(model, "_bench_opt", None) or torch.optim.AdamW(model.parameters(), lr=lr)
     model._bench_opt = opt
@@ -88,11 +86,7 @@ def _train(model, data, steps, dtype, device, args, first_step=0, log=None):
         latents, labels = data.batch_at(it)
         sync()
         t0 = time.perf_counter()
-        loss = flow_matching_loss(model, latents, labels, generator=g)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = flow_matching_step(model, opt, latents, labels, g)
         dsv_on_step_end(model, it + 1)
         sync()
         times.append(1e3 * (time.perf_counter() - t0))

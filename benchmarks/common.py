@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-__all__ = ["collect_meta", "gpu_slug", "write_results", "bench_ms", "dense_fwd_bwd_ms", "init_dist", "sync"]
+__all__ = ["collect_meta", "gpu_slug", "write_results", "bench_ms", "dense_fwd_bwd_ms", "init_dist", "sync", "flow_matching_step"]
 
 
 def _git_commit() -> str:
@@ -122,3 +122,15 @@ def sync():
     """Wait for the device (no-op on CPU)."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def flow_matching_step(model, opt, latents, labels, generator) -> torch.Tensor:
+    """One optimizer step of the video DiT's flow-matching loss, gradients clipped at 1; returns the loss."""
+    from megatron_dsv.models.video_dit import flow_matching_loss
+
+    loss = flow_matching_loss(model, latents, labels, generator=generator)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss

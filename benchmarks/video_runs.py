@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import sync  # noqa: E402
+from benchmarks.common import flow_matching_step, sync  # noqa: E402
 from megatron_dsv.attention import dsv_layers, dsv_metrics, dsv_on_step_end, dsv_stage  # noqa: E402
 from megatron_dsv.attention.schedule import is_profile_step  # noqa: E402
 from megatron_dsv.config import DSVConfig  # noqa: E402
@@ -188,8 +188,6 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
     validation (every ``args.val_every`` steps and at the end). AdamW, linear warm-up over
     ``args.warmup`` steps, gradient clipping at 1, batch ``args.batch``.
     """
-    from megatron_dsv.models.video_dit import flow_matching_loss
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model, cfg = build_model(arm, args, device, dtype)
@@ -211,11 +209,7 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
             group["lr"] = arm["lr"] * min(1.0, (step + 1) / max(1, args.warmup))
         latents, labels = clips.batch_at(step, args.batch)
         t0 = time.perf_counter()
-        loss = flow_matching_loss(model, latents, labels, generator=g)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = flow_matching_step(model, opt, latents, labels, g)
         if dsv:
             if dsv_stage(model) == 2:
                 counters["layer_steps"] += len(dsv)

@@ -19,7 +19,20 @@ from megatron.core.transformer.module import MegatronModule
 
 from megatron_dsv.ops.dense import dense_attention
 
-__all__ = ["DenseCoreAttention"]
+__all__ = ["DenseCoreAttention", "check_core_attention_args"]
+
+
+def check_core_attention_args(owner: str, config, attn_mask_type, attention_dropout, pg_collection,
+                              cp_hint: str) -> None:
+    """The constructor checks of this package's non-causal, dropout-free, single-CP-rank core attentions."""
+    if attn_mask_type not in (AttnMaskType.no_mask, AttnMaskType.padding):
+        raise ValueError(f"attn_mask_type must be no_mask or padding (a DiT is non-causal), got {attn_mask_type}")
+    dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+    if dropout != 0.0:
+        raise ValueError(f"{owner} supports attention_dropout=0.0 only, got {dropout}")
+    cp = getattr(getattr(pg_collection, "cp", None), "size", lambda: 1)()
+    if cp > 1:
+        raise ValueError(f"{owner} has no context parallelism (cp={cp}); {cp_hint}")
 
 
 class DenseCoreAttention(MegatronModule):
@@ -29,14 +42,8 @@ class DenseCoreAttention(MegatronModule):
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
                  cp_comm_type: Optional[str] = None, pg_collection=None):
         super().__init__(config=config)
-        if attn_mask_type not in (AttnMaskType.no_mask, AttnMaskType.padding):
-            raise ValueError(f"attn_mask_type must be no_mask or padding (a DiT is non-causal), got {attn_mask_type}")
-        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
-        if dropout != 0.0:
-            raise ValueError(f"DenseCoreAttention supports attention_dropout=0.0 only, got {dropout}")
-        cp = getattr(getattr(pg_collection, "cp", None), "size", lambda: 1)()
-        if cp > 1:
-            raise ValueError(f"DenseCoreAttention has no context parallelism (cp={cp}); use TE or DSV attention")
+        check_core_attention_args("DenseCoreAttention", config, attn_mask_type, attention_dropout, pg_collection,
+                                  cp_hint="use TE or DSV attention")
         self.attn_mask_type = attn_mask_type
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
 

@@ -71,17 +71,26 @@ def have_transformer_engine() -> bool:
     return True
 
 
-def _swap_core_attention(layer_spec: ModuleSpec, dsv_config: DSVConfig, attn_mask_type) -> ModuleSpec:
+def replace_core_attention(layer_spec: ModuleSpec, core_attention: ModuleSpec, attn_mask_type) -> ModuleSpec:
+    """Copy of a transformer-layer spec whose self-attention uses ``core_attention`` with mask type
+    ``attn_mask_type`` (the one way this package swaps core attention: DSV, the window baseline)."""
     spec = copy.deepcopy(layer_spec)
     attn = getattr(getattr(spec, "submodules", None), "self_attention", None)
     core_holder = getattr(attn, "submodules", None)
     if core_holder is None or not hasattr(core_holder, "core_attention"):
         raise ValueError("base_spec has no submodules.self_attention.submodules.core_attention to replace: "
                          "pass a Megatron-Core transformer-layer spec (e.g. get_gpt_layer_local_spec())")
-    core_holder.core_attention = ModuleSpec(module=DSVCoreAttention, params={"dsv_config": dsv_config})
-    if dsv_config.predictor_input == "hidden":
-        attn.module = _with_hidden_states(attn.module)
+    core_holder.core_attention = core_attention
     attn.params = {**(attn.params or {}), "attn_mask_type": attn_mask_type}
+    return spec
+
+
+def _swap_core_attention(layer_spec: ModuleSpec, dsv_config: DSVConfig, attn_mask_type) -> ModuleSpec:
+    spec = replace_core_attention(layer_spec, ModuleSpec(module=DSVCoreAttention, params={"dsv_config": dsv_config}),
+                                  attn_mask_type)
+    if dsv_config.predictor_input == "hidden":
+        attn = spec.submodules.self_attention
+        attn.module = _with_hidden_states(attn.module)
     return spec
 
 

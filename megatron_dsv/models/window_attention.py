@@ -29,6 +29,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_dsv.models.dense_core_attention import check_core_attention_args
 from megatron_dsv.ops.sparse_attention import SUPPORTED_HEAD_DIMS, sparse_attention, sparse_attention_naive
 
 __all__ = ["WindowConfig", "WindowCoreAttention", "window_block_lists", "kept_fraction", "radius_for_fraction",
@@ -180,14 +181,8 @@ class WindowCoreAttention(MegatronModule):
             raise ValueError(f"window_config must be a WindowConfig, got {type(window_config).__name__}")
         if token_grid is None:
             raise ValueError("token_grid (T, H, W) of the patch tokens is required")
-        if attn_mask_type not in (AttnMaskType.no_mask, AttnMaskType.padding):
-            raise ValueError(f"attn_mask_type must be no_mask or padding (a DiT is non-causal), got {attn_mask_type}")
-        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
-        if dropout != 0.0:
-            raise ValueError(f"WindowCoreAttention supports attention_dropout=0.0 only, got {dropout}")
-        cp = getattr(getattr(pg_collection, "cp", None), "size", lambda: 1)()
-        if cp > 1:
-            raise ValueError(f"WindowCoreAttention has no context parallelism (cp={cp}); use cp=1")
+        check_core_attention_args("WindowCoreAttention", config, attn_mask_type, attention_dropout, pg_collection,
+                                  cp_hint="use cp=1")
         if config.kv_channels not in SUPPORTED_HEAD_DIMS:
             raise ValueError(f"kv_channels (head dim) must be one of {SUPPORTED_HEAD_DIMS} for the sparse kernel, "
                              f"got {config.kv_channels}")
@@ -237,16 +232,10 @@ class WindowCoreAttention(MegatronModule):
 
 
 def _swap(layer_spec: ModuleSpec, window_config: WindowConfig, token_grid: Triple) -> ModuleSpec:
-    spec = copy.deepcopy(layer_spec)
-    attn = getattr(getattr(spec, "submodules", None), "self_attention", None)
-    core_holder = getattr(attn, "submodules", None)
-    if core_holder is None or not hasattr(core_holder, "core_attention"):
-        raise ValueError("base_spec has no submodules.self_attention.submodules.core_attention to replace: "
-                         "pass a Megatron-Core transformer-layer spec")
-    core_holder.core_attention = ModuleSpec(module=WindowCoreAttention,
-                                            params={"window_config": window_config, "token_grid": token_grid})
-    attn.params = {**(attn.params or {}), "attn_mask_type": AttnMaskType.no_mask}
-    return spec
+    from megatron_dsv.models.specs import replace_core_attention
+
+    core = ModuleSpec(module=WindowCoreAttention, params={"window_config": window_config, "token_grid": token_grid})
+    return replace_core_attention(layer_spec, core, AttnMaskType.no_mask)
 
 
 def get_window_layer_spec(base_spec, window_config: WindowConfig, token_grid: Sequence[int]):
