@@ -323,7 +323,11 @@ class RenderedVideoDataset(Dataset):
             raise IndexError(f"index {index} out of range for {self.num_samples} samples")
         if self._cache is not None and index in self._cache:
             return self._cache[index]
-        latents = self._raw(index)
+        return self.item_from_frames(index, self.frames(index))
+
+    def item_from_frames(self, index: int, frames: np.ndarray) -> dict:
+        """Sample ``index`` from its already rendered ``frames`` (what ``ds[index]`` returns)."""
+        latents = encode_video(frames, self.channels, self.factor)
         if self.normalize:
             mean, std = self.channel_stats()
             latents = (latents - mean) / std
@@ -339,34 +343,44 @@ def _one_thread():
 
 
 def _render_one(args):
-    ds, index = args
+    """``(index, sample, frames or None)``: the clip is rendered once, and its frames kept on request."""
+    ds, index, keep_frames = args
+    frames = ds.frames(index)
+    return index, ds.item_from_frames(index, frames), frames if keep_frames else None
+
+
+def _render_in_worker(args):
     try:
-        return index, ds[index]
+        return _render_one(args)
     finally:  # pool workers end without atexit handlers: no engine may outlive its task
         close_engines()
 
 
-def render_dataset(ds: RenderedVideoDataset, workers: int = 1, progress: bool = False) -> List[dict]:
-    """Every sample of ``ds`` (in index order), rendered by ``workers`` processes."""
-    indices = range(len(ds))
+def render_dataset(ds: RenderedVideoDataset, workers: int = 1, progress: bool = False,
+                   keep_frames: bool = False) -> List[dict]:
+    """Every sample of ``ds`` (in index order), rendered by ``workers`` processes; with ``keep_frames``
+    each sample also holds its uint8 ``"frames"`` (rendered once for both)."""
     if ds.normalize:
-        ds.channel_stats()  # once, before the workers fork
+        ds.channel_stats()  # once, before the workers start
+    tasks = [(ds, i, keep_frames) for i in range(len(ds))]
+    items = [None] * len(ds)
+
+    def take(n, result):
+        i, item, frames = result
+        items[i] = dict(item, frames=frames) if keep_frames else item
+        if progress:
+            print(f"\rrendered {n}/{len(ds)} {ds.source} clips", end="", flush=True)
+
     if workers <= 1:
-        items = []
-        for i in indices:
-            items.append(ds[i])
-            if progress:
-                print(f"\rrendered {i + 1}/{len(ds)} {ds.source} clips", end="", flush=True)
+        for n, task in enumerate(tasks, 1):
+            take(n, _render_one(task))
     else:
         import multiprocessing as mp
 
-        items = [None] * len(ds)
         # spawn, not fork: a child forked after the parent ran OpenMP-threaded torch ops can hang
         with mp.get_context("spawn").Pool(workers, initializer=_one_thread) as pool:
-            for n, (i, item) in enumerate(pool.imap_unordered(_render_one, [(ds, i) for i in indices]), 1):
-                items[i] = item
-                if progress:
-                    print(f"\rrendered {n}/{len(ds)} {ds.source} clips", end="", flush=True)
+            for n, result in enumerate(pool.imap_unordered(_render_in_worker, tasks), 1):
+                take(n, result)
     if progress:
         print()
     return items
@@ -382,7 +396,7 @@ def write_rendered_shards(out_dir: str, ds: RenderedVideoDataset, shard_size: in
     if shard_size < 1:
         raise ValueError(f"shard_size must be >= 1, got {shard_size}")
     os.makedirs(out_dir, exist_ok=True)
-    items = render_dataset(ds, workers, progress)
+    items = render_dataset(ds, workers, progress, keep_frames=raw_frames)
     paths = []
     for s, start in enumerate(range(0, len(items), shard_size)):
         chunk = items[start:start + shard_size]
@@ -391,7 +405,7 @@ def write_rendered_shards(out_dir: str, ds: RenderedVideoDataset, shard_size: in
         paths.append(write_shard(os.path.join(out_dir, f"shard_{s:05d}.safetensors"), latents, labels))
         if raw_frames:
             os.makedirs(os.path.join(out_dir, "frames"), exist_ok=True)
-            frames = np.stack([ds.frames(i) for i in range(start, start + len(chunk))])
+            frames = np.stack([x["frames"] for x in chunk])
             np.save(os.path.join(out_dir, "frames", f"shard_{s:05d}.npy"), frames, allow_pickle=False)
     return paths
 
