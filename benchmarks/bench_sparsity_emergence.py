@@ -40,7 +40,7 @@ def _row(arm, args, step, model) -> dict:
     sp = layer_sparsity(model)
     n = len(sp)
     return dict(bench="sparsity_emergence", arm=arm["label"], data=arm["data"], S=tokens_of(arm),
-                frames=arm["frames"], res=arm["res"], preset=args.preset, layers=n, lr=arm["lr"],
+                frames=arm["frames"], res=arm["res"], preset=args.preset, layers=n, samples=args.samples, lr=arm["lr"],
                 qk_norm=arm["qk_norm"], rope=arm["rope"], step=step, stage=int(m["dsv/stage"]),
                 sparsity_mean=sum(sp) / n, sparsity_max=max(sp), sparsity=sp,
                 sparsity_smoothed=m["dsv/sparsity_mean"], budget_density=m["dsv/budget_density_mean"],

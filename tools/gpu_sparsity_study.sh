@@ -7,6 +7,10 @@
 #   long     ViZDoom 32K with and without QK-norm, saved under runs/sparsity/ and resumed from there:
 #            call it again within the device machine's warm window and the runs continue
 #   ablate   the 8K lr and RoPE-base arms the 2026-12-01 run could not reach
+#   screen   levers on the rate at which sparsity grows, at 8K (lr 1e-3, RoPE base 1e5, 64 clips, 8 layers,
+#            no QK-norm at lr 1e-3), beside a resumable ViZDoom 32K arm on 64 clips and 6 layers (`lead`),
+#            and the GPU tests (CUDA extension built first); call `lead` next to continue the 32K arm
+#   lead     continue the 32K 64-clip 6-layer arm from runs/sparsity/ (back-to-back calls on a warm machine)
 # Installs carried wheels (.whl/: megatron-core, vizdoom, ale-py for the GPU machine's Python) if any.
 # Arms run as concurrent processes on the one GPU: the small 8K arms are launch-bound and fill the
 # gaps the 32K arm leaves. Logs: OUT_DIR/<arm group>.log; JSON + PNG: OUT_DIR.
@@ -37,12 +41,31 @@ long32k() { $study --tag=-32k-long --save-dir runs/sparsity --arm $long > "$out/
   wait; }
 ablate8k() { $study --tag=-8k-ablate --arm $small,lr=1e-3 --arm $small,rope=100000 --arm $small \
   > "$out/ablate.log" 2>&1; }
+lead=data=vizdoom,frames=32,res=256,steps=20000,stage1=15000,label=vizdoom-dsv-S32K-64clips-6layers
+lead32k() { $study --tag=-32k-lead --samples 64 --layers 6 --save-dir runs/sparsity \
+  --arm $lead,minutes=${MINUTES:-8.2} > "$out/lead.log" 2>&1; }
+screen8k() {  # one process per lever: samples and layers are run-level settings
+  local m=${SCREEN_MINUTES:-7.8} big=data=vizdoom,frames=32,res=128,steps=20000,stage1=15000
+  $study --tag=-8k-lr --arm $big,lr=1e-3,minutes=$m > "$out/screen-lr.log" 2>&1 &
+  $study --tag=-8k-rope --arm $big,rope=100000,minutes=$m > "$out/screen-rope.log" 2>&1 &
+  $study --tag=-8k-64clips --samples 64 --arm $big,minutes=$m,label=vizdoom-dsv-S8K-64clips \
+    > "$out/screen-64clips.log" 2>&1 &
+  $study --tag=-8k-8layers --layers 8 --arm $big,minutes=$m,label=vizdoom-dsv-S8K-8layers \
+    > "$out/screen-8layers.log" 2>&1 &
+  $study --tag=-8k-noqk-lr --arm $big,qk_norm=0,lr=1e-3,minutes=$m > "$out/screen-noqk-lr.log" 2>&1 &
+  wait; }
+gputests() { timeout 300 env DSV_FORCE_CUDA_BUILD=1 python3 setup.py -q build_ext --inplace > "$out/build.log" 2>&1
+  echo "== build rc=$?"; tail -n 5 "$out/build.log"
+  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops tests/attention tests/models tests/training \
+    -k "not slow" > "$out/tests.log" 2>&1; echo "== gpu tests rc=$?"; tail -n 15 "$out/tests.log"; }
 case $stage in
   study) study32k & study8k & wait ;;
   quality) quality8k ;;
   all) study32k & study8k & quality8k & wait ;;
   long) long32k ;;
   ablate) ablate8k ;;
+  screen) lead32k & screen8k & gputests & wait ;;
+  lead) lead32k ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 for f in "$out"/*.log; do echo "== $f"; grep -E "^==|^val loss|iteration .*(000|500)/|Error|error:" "$f" | tail -n 25; done
