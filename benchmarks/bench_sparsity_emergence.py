@@ -16,12 +16,19 @@ short keeps what it measured.
     PYTHONPATH=. python benchmarks/bench_sparsity_emergence.py --quick              # CPU check
     PYTHONPATH=. python benchmarks/bench_sparsity_emergence.py \\
         --arm data=vizdoom,frames=32,res=256,steps=2000,minutes=4 --arm data=ale,frames=32,res=256  # H200
+
+Runs spread over several GPU calls (concurrent processes, a resumed arm) are merged into one file and
+one plot with ``--merge PART.json ... --out FILE.json``; a call whose JSON did not come back can add
+its log (``--log``): the iteration lines every ``--log-every`` steps become ``kind="log"`` rows with
+the last profile's mean sparsity (no per-layer values).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import signal
 import sys
 
@@ -55,13 +62,16 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
-    arms = list(dict.fromkeys(r["arm"] for r in rows if r.get("kind") == "profile"))
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    arms = list(dict.fromkeys(r["arm"] for r in rows if r.get("kind") in ("profile", "log")))
     for i, name in enumerate(arms):
-        mine = [r for r in rows if r["arm"] == name and r.get("kind") == "profile"]
+        mine = [r for r in rows if r["arm"] == name and r.get("kind") in ("profile", "log")]
         color = f"C{i % 10}"
-        ax.plot([r["step"] for r in mine], [r["sparsity_mean"] for r in mine], color=color, label=name)
-        ax.plot([r["step"] for r in mine], [r["sparsity_max"] for r in mine], color=color, ls="--", lw=0.8)
+        from_log = all(r["kind"] == "log" for r in mine)
+        ax.plot([r["step"] for r in mine], [r["sparsity_mean"] for r in mine], color=color,
+                label=name + (" (from log)" if from_log else ""), marker="." if from_log else None)
+        best = [r for r in mine if "sparsity_max" in r]
+        ax.plot([r["step"] for r in best], [r["sparsity_max"] for r in best], color=color, ls="--", lw=0.8)
     ax.axhline(0.8, color="grey", lw=0.8, ls=":")
     ax.set_xlabel("training step")
     ax.set_ylabel("exact sparsity at theta = 0.9 (mean; dashed: best layer)")
@@ -71,6 +81,59 @@ def plot(rows, path):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+_LOG_LINE = re.compile(r"\[(?P<arm>[^\]]+)\] iteration\s+(?P<step>\d+)/\d+ .*\| loss (?P<loss>[\d.]+) \| stage (?P<stage>\d) "
+                       r"\| sparsity (?P<sp>[\d.]+) \(smoothed (?P<sm>[\d.]+)\) \| density (?P<dens>[\d.]+) \| "
+                       r"recall (?P<rec>[\d.]+) \| sparse layers (?P<nsp>\d+)/(?P<n>\d+)")
+
+
+def rows_from_log(path: str) -> list:
+    """``kind="log"`` rows from a run's iteration lines (for a call whose JSON was lost; no per-layer values)."""
+    rows = []
+    with open(path) as f:
+        for line in f:
+            m = _LOG_LINE.search(line)
+            if m:
+                rows.append(dict(kind="log", bench="sparsity_emergence", arm=m["arm"], step=int(m["step"]),
+                                 layers=int(m["n"]), stage=int(m["stage"]), loss=float(m["loss"]),
+                                 sparsity_mean=float(m["sp"]), sparsity_smoothed=float(m["sm"]),
+                                 budget_density=float(m["dens"]), recall=float(m["rec"]),
+                                 sparse_layers=int(m["nsp"]), source=os.path.basename(path)))
+    if not rows:
+        raise ValueError(f"--log {path!r} holds no iteration lines of a DSV run")
+    return rows
+
+
+def merge(parts: list, logs: list, note: str = "") -> dict:
+    """One result from several: rows of every part and log, de-duplicated by (arm, step, kind), in step order.
+
+    ``meta`` is the newest part's, with ``parts`` listing each input file, its date and its arms.
+    """
+    rows, listed, newest = {}, [], None
+    for path in parts:
+        with open(path) as f:
+            data = json.load(f)
+        if not isinstance(data, dict) or "rows" not in data or "meta" not in data:
+            raise ValueError(f"--merge {path!r} is not a benchmark result (a JSON object with meta and rows)")
+        for sub in data["meta"].get("parts", []):  # an earlier merge: keep its list
+            listed.append(sub)
+        if not data["meta"].get("parts"):
+            listed.append(dict(file=os.path.basename(path), date=data["meta"].get("date"),
+                               arms=sorted({r["arm"] for r in data["rows"]})))
+        if newest is None or str(data["meta"].get("date")) > str(newest.get("date")):
+            newest = data["meta"]
+        for r in data["rows"]:
+            rows.setdefault((r["arm"], r["step"], r.get("kind")), r)
+    for path in logs:
+        log_rows = rows_from_log(path)
+        listed.append(dict(file=os.path.basename(path), arms=sorted({r["arm"] for r in log_rows}), kind="log"))
+        for r in log_rows:
+            rows.setdefault((r["arm"], r["step"], r["kind"]), r)
+    meta = dict(newest or {}, parts=listed)
+    if note:
+        meta["note"] = note
+    return dict(meta=meta, rows=sorted(rows.values(), key=lambda r: (r["arm"], r["step"], str(r.get("kind")))))
 
 
 def _stop(signum, frame):
@@ -83,7 +146,21 @@ def main(argv=None):
     ap.add_argument("--arm", action="append", default=[], help="an arm (repeatable; video_runs.py has the keys)")
     ap.add_argument("--tag", default="", help="suffix of the result file name (sparsity_emergence<tag>-...)")
     ap.add_argument("--quick", action="store_true", help="CPU check: tiny model, two small arms")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="PART.json",
+                    help="merge these result files (and --log files) into --out instead of training")
+    ap.add_argument("--log", nargs="+", default=[], help="with --merge: run logs whose JSON was lost")
+    ap.add_argument("--out", default=None, help="with --merge: the merged JSON (its PNG is written beside it)")
+    ap.add_argument("--note", default="", help="with --merge: meta note (how the parts ran)")
     args = ap.parse_args(argv)
+    if args.merge:
+        if not args.out:
+            ap.error("--merge needs --out FILE.json")
+        merged = merge(args.merge, args.log, args.note)
+        with open(args.out, "w") as f:
+            json.dump(merged, f, indent=1)
+        plot(merged["rows"], args.out.replace(".json", ".png"))
+        print(f"wrote {args.out}: {len(merged['rows'])} rows, arms {sorted({r['arm'] for r in merged['rows']})}")
+        return
     if args.quick:
         args.preset, args.layers, args.samples, args.val_samples = "tiny", 2, 4, 1
         args.profile_every, args.log_every, args.val_every, args.warmup = 3, 6, 6, 2

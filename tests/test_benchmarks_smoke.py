@@ -66,6 +66,36 @@ def test_bench_sparsity_emergence_quick_rows_per_arm(tmp_path):
     assert [r["steps"] for r in final] == [9, 9] and all(r["val_loss"] > 0 for r in final)
 
 
+def test_bench_sparsity_emergence_merge_parts_and_lost_logs(tmp_path):
+    """Calls' JSONs merge by (arm, step, kind) and a lost JSON's log adds kind=log rows, plotted."""
+    sys.path.insert(0, ROOT)
+    from benchmarks.bench_sparsity_emergence import main, rows_from_log
+
+    def part(name, date, arm, steps):
+        rows = [dict(kind="profile", arm=arm, step=s, sparsity_mean=0.5, sparsity_max=0.6) for s in steps]
+        (tmp_path / name).write_text(json.dumps(dict(meta=dict(date=date, gpu="G"), rows=rows)))
+        return str(tmp_path / name)
+
+    a = part("a.json", "2026-12-01T01", "x", [1, 26])
+    b = part("b.json", "2026-12-01T02", "x", [26, 51])  # step 26 in both: kept once
+    log = tmp_path / "lost.log"
+    log.write_text("warning\n [y-S8K] iteration     50/900 | ms/step    150.0 | tokens/s      54000 | loss 1.9000 | "
+                   "stage 1 | sparsity 0.881 (smoothed 0.825) | density 0.792 | recall 0.980 | sparse layers 0/4\n")
+    out = tmp_path / "m.json"
+    main(["--merge", a, b, "--log", str(log), "--out", str(out), "--note", "two calls"])
+    merged = json.loads(out.read_text())
+    assert [(r["arm"], r["step"], r["kind"]) for r in merged["rows"]] == [
+        ("x", 1, "profile"), ("x", 26, "profile"), ("x", 51, "profile"), ("y-S8K", 50, "log")]
+    assert merged["meta"]["date"] == "2026-12-01T02" and merged["meta"]["note"] == "two calls"
+    assert [p["file"] for p in merged["meta"]["parts"]] == ["a.json", "b.json", "lost.log"]
+    log_row = merged["rows"][-1]
+    assert log_row["sparsity_mean"] == 0.881 and log_row["layers"] == 4 and log_row["loss"] == 1.9
+    assert out.with_suffix(".png").stat().st_size > 0
+    (tmp_path / "empty.log").write_text("no iteration lines\n")
+    with pytest.raises(ValueError, match="empty.log"):
+        rows_from_log(str(tmp_path / "empty.log"))
+
+
 @pytest.mark.timeout(600)
 def test_bench_quality_quick_three_arms_same_data(tmp_path):
     proc = _run_bench("bench_quality.py", tmp_path, "--samples-out", str(tmp_path / "samples"))

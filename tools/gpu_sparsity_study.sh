@@ -69,5 +69,7 @@ case $stage in
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 for f in "$out"/*.log; do echo "== $f"; grep -E "^==|^val loss|iteration .*(000|500)/|Error|error:" "$f" | tail -n 25; done
-# the device returns at most 8 files: logs and sample grids travel as one archive
-tar -czf "$out/extras.tgz" -C "$out" $(cd "$out" && ls -d *.log samples 2>/dev/null) && rm -rf "$out"/*.log "$out/samples"
+# the device returns at most 8 files: logs, per-call plots and sample grids travel as one archive, the JSONs
+# (merge them with bench_sparsity_emergence.py --merge) and the quality plot stay files
+tar -czf "$out/extras.tgz" -C "$out" $(cd "$out" && ls -d *.log sparsity_emergence*.png samples 2>/dev/null) \
+  && rm -rf "$out"/*.log "$out"/sparsity_emergence*.png "$out/samples"
