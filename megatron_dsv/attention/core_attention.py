@@ -41,6 +41,7 @@ import math
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -62,6 +63,22 @@ SUPPORTED_MASK_TYPES = (AttnMaskType.no_mask, AttnMaskType.padding)
 
 def _group_size(pg) -> int:
     return 1 if pg is None else pg.size()
+
+
+def _group_mean(tensors, group):
+    """Each tensor (None passes through) averaged over ``group``, in one float64 all-reduce."""
+    present = [t for t in tensors if t is not None]
+    flat = torch.cat([t.reshape(-1).double() for t in present])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    out, offset = [], 0
+    for t in tensors:
+        if t is None:
+            out.append(None)
+            continue
+        out.append(flat[offset:offset + t.numel()].view(t.shape).to(t.dtype))
+        offset += t.numel()
+    return tuple(out)
 
 
 class DSVCoreAttention(MegatronModule):
@@ -109,10 +126,15 @@ class DSVCoreAttention(MegatronModule):
         self.num_heads = config.num_attention_heads // tp
         self.num_kv_heads = config.num_query_groups // tp
         self.head_dim = config.kv_channels
-        cp = _group_size(self.cp_group)
-        if cp > 1:
-            raise ValueError(f"DSV attention with context_parallel_size={cp} needs DSVConfig.cp_mode in "
-                             f"('head', 'seq', 'hybrid'), which this release does not provide yet; use cp=1")
+        self.cp_size = _group_size(self.cp_group)
+        self.cp_ctx = None
+        if self.cp_size > 1:
+            if self.dsv_config.cp_mode == "none":
+                raise ValueError(f"DSV attention with context_parallel_size={self.cp_size} needs DSVConfig.cp_mode "
+                                 "(--dsv-cp-mode) in ('head', 'seq', 'hybrid'); got 'none'")
+            from megatron_dsv.parallel.cp_attention import CPContext
+
+            self.cp_ctx = CPContext.get(self.cp_group, self.num_heads, tp)
         # apply_query_key_layer_scaling only rescales inside fp16 softmax and cancels out: not needed here.
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         self._init_dsv_state(config, tp)
@@ -156,8 +178,9 @@ class DSVCoreAttention(MegatronModule):
         self.profiling = True
         self.force_dense = False
         self._decisions = {}
+        self.cp_plan = None  # the LayerPlan in use under context parallelism (cp_plan buffer: its checkpoint)
         self._sync_host()
-        self._register_load_state_dict_pre_hook(LayerState.fill_missing_budget_density)
+        self._register_load_state_dict_pre_hook(LayerState.fill_missing_state)
         self.register_load_state_dict_post_hook(lambda module, keys: module._sync_host())
 
     def _sync_host(self):
@@ -165,6 +188,10 @@ class DSVCoreAttention(MegatronModule):
         device once, at construction and after a load; the step end keeps them current)."""
         self.dsv_state.sync(self)
         self._decisions = {}
+        if self.cp_size > 1:
+            from megatron_dsv.parallel.cp_attention import decode_plan
+
+            self.cp_plan = decode_plan(self.cp_plan_state.cpu())
 
     # host mirrors (LayerState): read by the forward, the analysis tools and the tests
     @property
@@ -237,6 +264,8 @@ class DSVCoreAttention(MegatronModule):
         if keep is not None:
             self.last_sparse = False
             return dense_attention(q, k, v, softmax_scale=self.softmax_scale, attn_mask=keep)
+        if self.cp_size > 1:
+            return self._attend_cp(q, k, v, hidden)
         S = k.shape[2]
         # grad mode on = the pass whose backward runs: reentrant recompute trains once, eval never
         learn = self.training and torch.is_grad_enabled()
@@ -262,6 +291,82 @@ class DSVCoreAttention(MegatronModule):
         return _ops.run_sparse_attention(self.kernel_backend, q, k, v, idx, counts, cfg.group_size, cfg.block_size,
                                          self.softmax_scale)
 
+    def _attend_cp(self, q, k, v, hidden) -> torch.Tensor:
+        """:meth:`_attend` on this CP rank's sequence shard (q, k, v ``[b, heads, s, hn]``).
+
+        The method's own work runs on the shard, for all heads, and sees the whole sequence through
+        small collectives: the predictor's sequence moments are summed over the CP group, the
+        low-rank q and k (rank r) are gathered so the lists are exactly those one GPU would build, and
+        profile steps gather q and k once (no V) for the exact oracle. Each rank measures its own
+        sampled queries; the step end averages ranks like data-parallel replicas. The attention
+        itself follows the layer's :class:`~megatron_dsv.parallel.planner.LayerPlan`
+        (:func:`~megatron_dsv.parallel.cp_attention.cp_attention`)."""
+        from megatron_dsv.parallel.collectives import gather_seq
+        from megatron_dsv.parallel.cp_attention import cp_attention
+
+        cfg, cp, rank = self.dsv_config, self.cp_size, self.cp_ctx.cp_rank
+        s = k.shape[2]
+        self._check_cp_shard(s)
+        S = s * cp
+        learn = self.training and torch.is_grad_enabled()
+        train = learn and self.predictor_training and trains_predictor(self.step_host, self.stage_host, cfg)
+        profile = learn and self.profiling and is_profile_step(self.step_host, cfg)
+        qidx = None  # this rank's share of the sampled queries, as global positions
+        if train or profile:
+            qidx = sampled_queries(S, cfg.predictor_query_stride, self.step_host, q.device)
+            qidx = qidx[(qidx >= rank * s) & (qidx < (rank + 1) * s)]
+        if train:
+            self.predictor.collect(q, k, hidden, qidx - rank * s, seq_group=self.cp_group)
+        sparse, budgets, tokens = self.decide(S)
+        lists = None
+        if profile or sparse:
+            with torch.no_grad():
+                projected = tuple(gather_seq(t, self.cp_group)
+                                  for t in self.predictor.project(q, k, hidden, dtype=q.dtype))
+                if profile:
+                    q_all, k_all = gather_seq(q.detach(), self.cp_group), gather_seq(k.detach(), self.cp_group)
+                    lists = self._profile(q_all, k_all, None, qidx, budgets if sparse else None, projected,
+                                          seq_group=self.cp_group)
+                else:
+                    lists = self._estimate(None, None, None, budgets, projected)
+        self.last_sparse = sparse
+        self.last_k.copy_(tokens)
+        if sparse:  # this shard's query groups
+            ng = s // cfg.group_size
+            lists = (lists[0][:, :, rank * ng:(rank + 1) * ng].contiguous(), lists[1])
+        plan = self._plan_cp(S, sparse, tokens)
+
+        def sparse_fn(qq, kk, vv, idx, counts):
+            return _ops.run_sparse_attention(self.kernel_backend, qq, kk, vv, idx, counts, cfg.group_size,
+                                             cfg.block_size, self.softmax_scale)
+
+        return cp_attention(q, k, v, self.cp_ctx, plan, lists=lists if sparse else None, group_size=cfg.group_size,
+                            block_size=cfg.block_size, softmax_scale=self.softmax_scale, sparse_fn=sparse_fn)
+
+    def _check_cp_shard(self, s: int) -> None:
+        cfg = self.dsv_config
+        unit = max(cfg.group_size, cfg.block_size)
+        if s % unit:
+            raise ValueError(f"context parallelism: each CP rank's sequence shard ({s} tokens) must be a multiple of "
+                             f"DSVConfig.group_size ({cfg.group_size}) and kv_block_size ({cfg.block_size}): a CP "
+                             "shard never splits a query-group cube")
+
+    def _plan_cp(self, S: int, sparse: bool, tokens: torch.Tensor):
+        """The layer's CP plan for this step's decision (planned again whenever the decision is new,
+        i.e. after every profile update; logged when it changes; kept in the ``cp_plan_state`` buffer)."""
+        from megatron_dsv.parallel.cp_attention import encode_plan, plan_for_layer
+
+        key = ("cp_plan", S, sparse, tuple(tokens.tolist()))
+        if key not in self._decisions:
+            plan = plan_for_layer(self, S, sparse, tokens)
+            if self.cp_plan is None or plan.describe() != self.cp_plan.describe():
+                if dist.get_rank() == 0:
+                    print(f" [dsv layer {self.layer_number}] CP plan: {plan.describe()}", flush=True)
+            self.cp_plan = plan
+            self.cp_plan_state.copy_(encode_plan(plan, self.num_heads).to(self.cp_plan_state.device))
+            self._decisions[key] = plan
+        return self._decisions[key]
+
     def decide(self, S: int):
         """``(sparse, budgets, tokens)`` for sequence length S (cached until the state changes)."""
         key = (S, self.training, self.force_dense)
@@ -286,16 +391,20 @@ class DSVCoreAttention(MegatronModule):
                                       cfg.group_proxy, cfg.block_score)
 
     @torch.no_grad()
-    def _profile(self, q, k, hidden, qidx, budgets):
+    def _profile(self, q, k, hidden, qidx, budgets, projected=None, seq_group=None):
         """Exact per-head sparsity, the budget density the budget rule asks for, and the recall of
         the lists actually built, all on the sampled queries.
 
         ``budgets`` are the dispatcher's (a sparse layer); otherwise the lists are built from the
         smoothed state (or this measurement, before the first smoothing) to show what stage 2 would get.
         The logged recall is measured on those lists with the oracle, never read off the curve.
+        Under context parallelism (``seq_group``) ``qidx`` is this rank's share of the sampled queries;
+        the measurements are averaged over the group before the budget is read off the curve, so
+        every rank takes the value one GPU measuring all sampled queries would.
         """
         cfg, S = self.dsv_config, k.shape[2]
-        projected = self.predictor.project(q, k, hidden, dtype=q.dtype)
+        if projected is None:
+            projected = self.predictor.project(q, k, hidden, dtype=q.dtype)
         recall_rule = cfg.budget_rule == "recall"
         curve_args = dict(q_lr=projected[0], k_lr=projected[1], group_size=cfg.group_size,
                           block_size=cfg.block_size, proxy=cfg.group_proxy,
@@ -309,7 +418,9 @@ class DSVCoreAttention(MegatronModule):
             sparsity, curve, recall = profile_stats(q, k, **stats, curve=curve_args,
                                                     lists=(lists[0], lists[1], cfg.group_size, cfg.block_size))
         else:  # first profile: the budgets come from this very measurement, then a second pass
-            sparsity, curve, _ = profile_stats(q, k, **stats, curve=curve_args)
+            sparsity, curve, recall = profile_stats(q, k, **stats, curve=curve_args)
+        if seq_group is not None:
+            sparsity, curve, recall = _group_mean((sparsity, curve, recall), seq_group)
         measured = sparsity.float().mean(0)
         density = self._recall_density(curve, S) if recall_rule else 1.0 - measured
         if budgets is None:
@@ -317,6 +428,8 @@ class DSVCoreAttention(MegatronModule):
                        else head_budgets(measured.cpu(), S, cfg))[0]
             lists = self._estimate(q, k, hidden, budgets, projected)
             recall = profile_stats(q, k, **stats, lists=(lists[0], lists[1], cfg.group_size, cfg.block_size))[2]
+            if seq_group is not None:
+                (recall,) = _group_mean((recall,), seq_group)
         self.dsv_state.layout.add_profile(self.pending, measured, recall.float().mean(0), density)
         return lists
 

@@ -206,6 +206,16 @@ def train_predictors(predictors: Sequence["LowRankPredictor"]) -> Tuple[torch.Te
     return sums, counts
 
 
+def _all_reduce_many(tensors: Sequence[torch.Tensor], group) -> None:
+    """Sum ``tensors`` over ``group`` in place, in one all-reduce."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    torch.distributed.all_reduce(flat, group=group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
 def from_host(values: Sequence, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """A small tensor of host values on ``device`` without a stream sync (pinned, non-blocking on CUDA)."""
     t = torch.tensor(values, dtype=dtype)
@@ -284,16 +294,23 @@ class LowRankPredictor(nn.Module):
                              "megatron_dsv.models.specs.get_dsv_layer_spec (it installs DSVSelfAttention)")
 
     # ---- training --------------------------------------------------------------
-    def collect(self, q, k, hidden, query_index: torch.Tensor) -> None:
+    def collect(self, q, k, hidden, query_index: torch.Tensor, seq_group=None) -> None:
         """Record one training call on the sampled queries: its loss's sufficient statistics.
 
         A few kernels in the attention forward (the sampled q rows and ``k^T k``, plus ``X^T X`` and
         ``X^T k`` for 'hidden'); the loss and gradient are computed for all layers at once by
         :func:`train_predictors` at the step end. Runs under ``no_grad``: the main model's gradients
         never see the predictor. Counts one gradient contribution (``grad_count``).
+
+        ``seq_group``: under context parallelism q, k (and hidden) are this rank's sequence shard and
+        ``query_index`` indexes the shard; the second moments are sums over the sequence, so one
+        all-reduce (sum) over the CP group makes them the full sequence's, and each rank's rows
+        are its share of the sampled queries (the step end averages the ranks' gradients).
         """
         self._need_hidden(hidden)
         B, H, S, _ = q.shape
+        cp = 1 if seq_group is None else torch.distributed.get_world_size(seq_group)
+        S = S * cp
         cfg = self.cfg
         # On unit rows MSE = 2 (1 - cos) / S, so the paper's loss is one weight times (1 - cos).
         weight = cfg.predictor_loss_cos_weight + 2.0 * cfg.predictor_loss_mse_weight / S
@@ -301,16 +318,21 @@ class LowRankPredictor(nn.Module):
             q_rows = q.index_select(2, query_index).float()
             gk = _gram_fp32(k)  # k^T k in fp32 (tensor cores for bf16 keys)
             if self.mode == "qk":
+                if cp > 1:
+                    _all_reduce_many([gk], seq_group)
                 gk_h = gk.repeat_interleave(H // gk.shape[1], dim=1) if gk.shape[1] != H else gk  # D x D: small
                 stats = _Moments(q_rows, q_rows, gk, gk_h, gk, weight)
             else:
-                x = hidden.transpose(0, 1)  # [B, S, F]
+                x = hidden.transpose(0, 1)  # [B, s, F]
                 hkv, D = k.shape[1], k.shape[3]
-                # X^T k for every key head in one product: keys laid out [B, S, Hkv * D]
-                c = _gram_fp32(x, k.permute(0, 2, 1, 3).reshape(B, S, hkv * D))
-                c = c.view(B, -1, hkv, D).permute(0, 2, 1, 3)  # [B, Hkv, F, D]
+                # X^T k for every key head in one product: keys laid out [B, s, Hkv * D]
+                c = _gram_fp32(x, k.permute(0, 2, 1, 3).reshape(B, k.shape[2], hkv * D))
+                c = c.view(B, -1, hkv, D).permute(0, 2, 1, 3).contiguous()  # [B, Hkv, F, D]
+                gx = _gram_fp32(x).unsqueeze(1)
+                if cp > 1:
+                    _all_reduce_many([gk, gx, c], seq_group)
                 xq = hidden.index_select(0, query_index).transpose(0, 1).unsqueeze(1).float()
-                stats = _Moments(xq, q_rows, gk, _gram_fp32(x).unsqueeze(1), c, weight)  # xq shared by heads
+                stats = _Moments(xq, q_rows, gk, gx, c, weight)  # xq shared by heads
             self._stash.append(stats)
             self.grad_count += 1
         if len(self._stash) >= _MAX_STASH:  # bounded memory for a caller that never ends a step

@@ -17,10 +17,13 @@ import torch
 
 from megatron_dsv.attention.schedule import smooth
 
-__all__ = ["PER_HEAD_STATE", "PendingLayout", "StepScalars", "LayerState"]
+__all__ = ["PER_HEAD_STATE", "CP_PLAN_COLUMNS", "PendingLayout", "StepScalars", "LayerState"]
 
 # Buffers with one entry per local head: TP-sharded along dim 0 in sharded_state_dict.
-PER_HEAD_STATE = ("sparsity", "budget_density", "recall")
+PER_HEAD_STATE = ("sparsity", "budget_density", "recall", "cp_plan_state")
+# cp_plan_state: the context-parallel plan in use, one row per head (parallel/cp_attention.encode_plan);
+# all zeros = no plan yet (and always without context parallelism)
+CP_PLAN_COLUMNS = 5
 
 
 class PendingLayout:
@@ -139,6 +142,7 @@ class LayerState:
             "budget_density": torch.ones(H, dtype=torch.float32),
             "recall": torch.zeros(H, dtype=torch.float32),
             "predictor_loss": torch.full((1,), float("nan"), dtype=torch.float32),
+            "cp_plan_state": torch.zeros(H, CP_PLAN_COLUMNS, dtype=torch.int64),
         }
         for name, t in persistent.items():
             module.register_buffer(name, t)
@@ -146,11 +150,15 @@ class LayerState:
         module.register_buffer("pending", self.layout.zeros(), persistent=False)
 
     @staticmethod
-    def fill_missing_budget_density(state_dict, prefix, *args):
-        """Checkpoints from before the 'recall' budget rule have no budget_density: start from the
-        sparsity rule's density 1 - s_h (the next profile replaces it)."""
+    def fill_missing_state(state_dict, prefix, *args):
+        """Older checkpoints: without budget_density (before the 'recall' budget rule) start from the
+        sparsity rule's density 1 - s_h (the next profile replaces it); without cp_plan_state
+        (before context parallelism) from no plan."""
         if prefix + "budget_density" not in state_dict and prefix + "sparsity" in state_dict:
             state_dict[prefix + "budget_density"] = 1.0 - state_dict[prefix + "sparsity"]
+        if prefix + "cp_plan_state" not in state_dict and prefix + "sparsity" in state_dict:  # before CP: no plan
+            heads = state_dict[prefix + "sparsity"].shape[0]
+            state_dict[prefix + "cp_plan_state"] = torch.zeros(heads, CP_PLAN_COLUMNS, dtype=torch.int64)
 
     def sync(self, module: torch.nn.Module) -> None:
         """Read the host mirrors from the module's buffers (one device read per buffer)."""

@@ -9,8 +9,12 @@ Data path (one forward):
       -> TransformerBlock of DiT layers (adaLN-Zero, 3D RoPE, optional text cross-attention)
       -> final adaLN + linear -> raster order (once) -> unpatchify -> velocity [B, C, T, H, W]
 
-The model never knows about context parallelism: a CP trainer shards the cube-ordered
-sequence outside (a cube is G consecutive tokens, so a CP shard of whole cubes is a slice).
+Context parallelism (``pg_collection.cp`` of size cp > 1): after the patch embedding each CP rank
+keeps its contiguous slice of the cube-ordered sequence (whole cubes: a cube is G consecutive
+tokens) and of the RoPE table; the layers see only that shard (DSV attention does the rest,
+``megatron_dsv.parallel``); the final projection's shards are all-gathered (autograd: each rank's
+shard receives the gradient of every rank's identical loss, summed, which the data-parallel
+gradient average over DP x CP ranks turns back into the one-GPU gradient).
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ class VideoDiT(MegatronModule):
         self.text_proj = torch.nn.Linear(dc.text_dim, h) if dc.text_dim is not None else None
         self.decoder = TransformerBlock(config=config, spec=layer_spec, post_layer_norm=False, pre_process=True,
                                         post_process=False, pg_collection=pg_collection)
+        self.cp_group = _cp_group(pg_collection)
         self.final_norm = torch.nn.LayerNorm(h, elementwise_affine=False, eps=dc.layernorm_epsilon)
         self.final_adaln = torch.nn.Linear(h, 2 * h)
         self.final_linear = torch.nn.Linear(h, dc.patch_dim)
@@ -123,13 +128,38 @@ class VideoDiT(MegatronModule):
         x = self.patch_embed(tokens.to(self.patch_embed.weight.dtype)).transpose(0, 1).contiguous()
         cond, context, context_mask = self._conditioning(timesteps, labels, text, text_mask)
         rope = rope_3d_table(token_grid, self.cube, self.config.kv_channels, dc.rope_theta, device=x.device)
+        x, rope = self._cp_shard(x), self._cp_shard(rope)
         # The block's attention_mask slot carries the adaLN conditioning (see dit_layer.py).
         x = self.decoder(hidden_states=x, attention_mask=cond, context=context, context_mask=context_mask,
                          rotary_pos_emb=rope)
         shift, scale = self.final_adaln(F.silu(cond)).chunk(2, dim=-1)
-        x = self.final_linear(modulate(self.final_norm(x), shift, scale))
+        x = self._cp_gather(self.final_linear(modulate(self.final_norm(x), shift, scale)))
         x = from_cube_order(x.transpose(0, 1), token_grid, self.cube, dim=1)
         return unpatchify(x, token_grid, dc.patch, dc.in_channels)
+
+    def _cp_size(self) -> int:
+        return 1 if self.cp_group is None else self.cp_group.size()
+
+    def _cp_shard(self, x: torch.Tensor) -> torch.Tensor:
+        """This CP rank's contiguous slice (dim 0) of the cube-ordered sequence."""
+        cp = self._cp_size()
+        if cp == 1:
+            return x
+        S, cube = x.shape[0], math.prod(self.cube)
+        if S % (cp * cube):
+            raise ValueError(f"context parallelism: the video's {S} tokens must split into context_parallel_size "
+                             f"({cp}) shards of whole {'x'.join(map(str, self.cube))} cubes ({cube} tokens)")
+        s, r = S // cp, self.cp_group.rank()
+        return x[r * s:(r + 1) * s]
+
+    def _cp_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """``[s, B, F]`` shards of all CP ranks -> ``[S, B, F]`` (autograd)."""
+        if self._cp_size() == 1:
+            return x
+        from megatron_dsv.parallel.collectives import gather_seq
+
+        s, B, F_ = x.shape
+        return gather_seq(x.reshape(1, 1, s, B * F_), self.cp_group).reshape(-1, B, F_)
 
     def _conditioning(self, timesteps, labels, text, text_mask):
         dtype = self.patch_embed.weight.dtype
@@ -177,6 +207,15 @@ class VideoDiT(MegatronModule):
             if text_mask is not None and tuple(text_mask.shape) != tuple(text.shape[:2]):
                 raise ValueError(f"text_mask must be [B, L] = {tuple(text.shape[:2])}, got {tuple(text_mask.shape)}")
         return token_grid
+
+
+def _cp_group(pg_collection):
+    """The context-parallel group: ``pg_collection.cp``, else Megatron's when initialised, else None."""
+    if pg_collection is not None:
+        return getattr(pg_collection, "cp", None)
+    from megatron.core import parallel_state
+
+    return parallel_state.get_context_parallel_group() if parallel_state.model_parallel_is_initialized() else None
 
 
 def build_video_dit(cfg: VideoDiTConfig, dsv_config=None, use_te: Optional[bool] = None, pg_collection=None,

@@ -172,7 +172,7 @@ def _qk(shape=(1, 2, 64, 16), dtype=torch.float32):
 @pytest.mark.parametrize("kwargs,arg", [
     (dict(q_lr=torch.randn(2, 64, 16)), "q_lr"),
     (dict(q_lr=torch.randn(1, 2, 64, 12), k_lr=torch.randn(1, 2, 64, 12)), "q_lr"),
-    (dict(k_lr=torch.randn(1, 2, 65, 16)), "k_lr"),
+    (dict(k_lr=torch.randn(1, 3, 64, 16)), "k_lr"),
     (dict(k_lr=torch.randn(1, 2, 64, 16, dtype=torch.float64)), "k_lr"),
     (dict(q_lr=torch.randint(0, 3, (1, 2, 64, 16)), k_lr=torch.randint(0, 3, (1, 2, 64, 16))), "q_lr"),
     (dict(k_lr=torch.randn(1, 2, 64, 16).half()), "k_lr"),

@@ -2,7 +2,9 @@
 
 ``sparse_attention`` is the fast path (Triton on CUDA, FlexAttention where it
 measured faster, the reference elsewhere); ``sparse_attention_naive`` is the
-readable spec with the same signature.
+readable spec with the same signature. q is ``[B, H, Sq, D]``, k and v
+``[B, Hkv, Sk, D]`` with any Sk (a context-parallel rank's queries against its
+gathered keys): lists index Sk's tokens or key blocks, query groups tile Sq.
 """
 
 from .checks import SUPPORTED_HEAD_DIMS

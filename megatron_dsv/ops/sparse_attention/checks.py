@@ -20,7 +20,12 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def check_shapes(q, k, v, kv_indices, kv_counts, group_size: int, block_size: int) -> None:
-    """Raise ValueError naming the argument for any metadata mismatch."""
+    """Raise ValueError naming the argument for any metadata mismatch.
+
+    q ``[B, H, Sq, D]``; k, v ``[B, Hkv, Sk, D]`` with any ``Sk >= 1`` (Sk != Sq: a context-parallel
+    rank's queries against its gathered keys); kv_indices ``[B, H, ceil(Sq / G), Kmax]``;
+    kv_counts ``[B, H]``.
+    """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor [B, H, S, D]; got {getattr(t, 'shape', type(t))}")
@@ -29,8 +34,8 @@ def check_shapes(q, k, v, kv_indices, kv_counts, group_size: int, block_size: in
     B, H, S, D = q.shape
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if k.shape[0] != B or k.shape[2] != S or k.shape[3] != D:
-        raise ValueError(f"k/v must be [B={B}, Hkv, S={S}, D={D}]; got {tuple(k.shape)}")
+    if k.shape[0] != B or k.shape[2] < 1 or k.shape[3] != D:
+        raise ValueError(f"k/v must be [B={B}, Hkv, Sk>=1, D={D}]; got {tuple(k.shape)}")
     hkv = k.shape[1]
     if hkv == 0 or H % hkv != 0:
         raise ValueError(f"q heads ({H}) must be a multiple of k/v heads ({hkv})")
@@ -47,7 +52,8 @@ def check_shapes(q, k, v, kv_indices, kv_counts, group_size: int, block_size: in
         raise ValueError(f"kv_indices must be an int32 tensor [B, H, NG, Kmax]; got "
                          f"{getattr(kv_indices, 'dtype', type(kv_indices))} {tuple(getattr(kv_indices, 'shape', ()))}")
     if tuple(kv_indices.shape[:3]) != (B, H, ng):
-        raise ValueError(f"kv_indices must be [B={B}, H={H}, NG=ceil(S/group_size)={ng}, Kmax]; "
+        raise ValueError(f"kv_indices must be [B={B}, H={H}, NG=ceil(S/group_size)={ng}, Kmax] "
+                         f"(S = q's length); "
                          f"got {tuple(kv_indices.shape)}")
     if not isinstance(kv_counts, torch.Tensor) or kv_counts.dtype != torch.int32 or tuple(kv_counts.shape) != (B, H):
         raise ValueError(f"kv_counts must be an int32 tensor [B={B}, H={H}]; got "
@@ -58,7 +64,7 @@ def check_shapes(q, k, v, kv_indices, kv_counts, group_size: int, block_size: in
 
 
 def num_keys(S: int, block_size: int) -> int:
-    """How many distinct list entries exist: tokens or key blocks."""
+    """How many distinct list entries exist for S keys: tokens or key blocks (the last may be partial)."""
     return S if block_size == 0 else math.ceil(S / block_size)
 
 
@@ -68,6 +74,8 @@ def skip_value_checks() -> bool:
 
 def check_values(kv_indices: torch.Tensor, kv_counts: torch.Tensor, S: int, block_size: int) -> None:
     """Counts within [0, min(Kmax, #keys)], valid entries in range and strictly ascending.
+
+    ``S`` is the KEY length (k.shape[2]): entries index its tokens or its key blocks.
 
     One reduction over the lists and one host sync for five scalars; padding
     entries (past the count) are masked out, never interpreted.

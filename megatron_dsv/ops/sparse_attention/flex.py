@@ -3,7 +3,8 @@ dispatch target where it measured faster (block-level only).
 
 The BlockMask is built straight from the lists (every listed block marked
 *full*), so flex evaluates no mask function per token; the partial last key
-block is bounded by flex's own sequence-length masking.
+block is bounded by flex's own sequence-length masking. Query and key lengths
+must be equal here (``op.choose_backend`` never routes Sk != Sq to flex).
 """
 
 from __future__ import annotations
@@ -50,8 +51,12 @@ def _compiled_flex():
 def sparse_attention_flex(q, k, v, kv_indices, kv_counts, group_size: int, block_size: int,
                           softmax_scale: Optional[float] = None, block_mask=None) -> torch.Tensor:
     """Same contract as sparse_attention for the shapes :func:`flex_supported` accepts (128x128
-    blocks, which flex's default tiles divide); differentiable."""
+    blocks, which flex's default tiles divide) and equal lengths (k, v ``[B, Hkv, S, D]`` like
+    q ``[B, H, S, D]``); differentiable."""
     S = q.shape[2]
+    if k.shape[2] != S:
+        raise ValueError(f"sparse_attention_flex: k's length Sk={k.shape[2]} must equal q's length "
+                         f"Sq={S}; use the triton or naive backend for Sk != Sq")
     if block_mask is None:
         block_mask = build_block_mask(kv_indices, kv_counts, S, group_size, block_size)
     # always compiled: eager flex ignores the BlockMask's sparsity and attends densely

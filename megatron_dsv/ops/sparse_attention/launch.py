@@ -4,6 +4,11 @@ Configs are picked per (head dim, group size, block size, pass) in
 ``pick_config``; the H200 sweep in benchmarks/bench_sparse_attention.py
 (``--tune``) measured the defaults (see benchmarks/NOTES_sparse_attention.md).
 ``cfg`` arguments override a pass's config for that sweep.
+
+q, o, do are [B, H, T, D] and k, v [B, Hkv, TK, D]: T queries against TK keys
+(TK != T for a context-parallel rank's queries against its gathered keys).
+List entries index TK's tokens or its ceil(TK / BS) key blocks; query groups
+tile T. Kernels mask query rows with T and key rows with TK.
 """
 
 from __future__ import annotations
@@ -102,22 +107,31 @@ def _bd(D: int) -> int:
 
 def sparse_fwd(q, k, v, kv_indices, kv_counts, G: int, BS: int, scale: float,
                cfg: Optional[Config] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """o [B, H, T, D] in q's dtype and lse [B, H, T] fp32 (log2 units)."""
+    """o [B, H, T, D] in q's dtype and lse [B, H, T] fp32 (log2 units); k, v [B, Hkv, TK, D]."""
     B, H, T, D = q.shape
+    TK = k.shape[2]
     NG = kv_indices.shape[2]
     cfg = cfg or pick_config("fwd", D, G, BS)
     o = torch.empty_like(q)
     lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
     grid = (NG * (G // cfg["BM"]), B * H)
     sparse_attn_fwd_kernel[grid](
-        q, k, v, o, lse, kv_indices, kv_counts, T, NG, kv_indices.shape[3], scale * LOG2E,
+        q, k, v, o, lse, kv_indices, kv_counts, T, TK, NG, kv_indices.shape[3], scale * LOG2E,
         H=H, HR=H // k.shape[1], K=D, BD=_bd(D), G=G, BM=cfg["BM"], BN=cfg["BN"], BS=BS,
-        EVEN_T=(BS == 0 or T % BS == 0), **_launch_opts(cfg))
+        EVEN_T=_even_keys(TK, BS), **_launch_opts(cfg))
     return o, lse
+
+
+def _even_keys(TK: int, BS: int) -> bool:
+    """The kernels' EVEN_T: no key block is partial (always true for token lists)."""
+    return BS == 0 or TK % BS == 0
 
 
 def build_inverse_map(kv_indices: torch.Tensor, kv_counts: torch.Tensor, nkb: int):
     """CSR map key block -> query groups, per (batch, head), groups ascending.
+
+    kv_indices int32 [B, H, NG, Kmax] (NG groups of the queries), kv_counts int32 [B, H];
+    nkb = ceil(TK / BS), the number of key blocks of the KEY length.
 
     inv_ptr [B*H*nkb + 1] int32, inv_grp [B*H*NG*Kmax] int32 (tail unused).
     One stable sort of the flat entries; no host sync, so it can run inside a
@@ -142,8 +156,9 @@ def sparse_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scal
     """dq, dk, dv. Token lists (or atomic_kv=True) scatter dk/dv with fp32 atomics;
     block lists take the atomic-free inverse-map kernel, after the dq kernel
     (mode split) or adding dq itself with atomics (mode fused; cfg_kv then
-    overrides the fused config). mode None: ``bwd_mode``."""
+    overrides the fused config). mode None: ``bwd_mode``. q, o, do [B, H, T, D]; k, v [B, Hkv, TK, D]."""
     B, H, T, D = q.shape
+    TK = k.shape[2]
     atomic_kv = (BS == 0) if atomic_kv is None else atomic_kv
     mode = mode or bwd_mode(G, BS, D)
     if mode == "fused" and not atomic_kv:
@@ -155,13 +170,13 @@ def sparse_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scal
     dq, delta, dk32, dv32 = sparse_bwd_q(do, q, k, v, o, lse, kv_indices, kv_counts, G, BS, scale, atomic_kv, cfg_q)
     if atomic_kv:
         return dq, dk32.to(k.dtype), dv32.to(v.dtype)
-    nkb = math.ceil(T / BS)
+    nkb = math.ceil(TK / BS)
     inv_ptr, inv_grp = build_inverse_map(kv_indices, kv_counts, nkb)
     cfg_kv = cfg_kv or pick_config("bwd_kv", D, G, BS)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     bwd_kv_kernel[(nkb * (BS // cfg_kv["BN"]), B * hkv)](
-        q, k, v, do, lse, delta, dk, dv, dq, inv_ptr, inv_grp, T, nkb, scale * LOG2E, scale,
+        q, k, v, do, lse, delta, dk, dv, dq, inv_ptr, inv_grp, T, TK, nkb, scale * LOG2E, scale,
         BM=cfg_kv["BM"], BN=cfg_kv["BN"], DQ=0, H=H, HR=H // hkv, K=D, BD=_bd(D), G=G, BS=BS,
         **_launch_opts(cfg_kv))
     return dq, dk, dv
@@ -173,6 +188,7 @@ def sparse_bwd_q(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, sc
     delta [B, H, T] fp32, dk32, dv32)``; dk32/dv32 are the fp32 atomic dk/dv with ``atomic_kv``,
     else placeholders the kernel never touches. ``do`` must be contiguous."""
     B, H, T, D = q.shape
+    TK = k.shape[2]
     NG = kv_indices.shape[2]
     delta = torch.empty(B, H, T, device=q.device, dtype=torch.float32)  # written by bwd_q_kernel
     cfg_q = cfg_q or pick_config("bwd_q", D, G, BS)
@@ -184,9 +200,9 @@ def sparse_bwd_q(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, sc
         dk32 = dv32 = dq  # unused by the kernel when ATOMIC_KV is off
     bwd_q_kernel[(NG * (G // cfg_q["BM"]), B * H)](
         q, k, v, o, do, lse, delta, dq, dk32, dv32, kv_indices, kv_counts,
-        T, NG, kv_indices.shape[3], scale * LOG2E, scale,
+        T, TK, NG, kv_indices.shape[3], scale * LOG2E, scale,
         H=H, HR=H // k.shape[1], K=D, BD=_bd(D), G=G, BS=BS,
-        BM=cfg_q["BM"], BN=cfg_q["BN"], EVEN_T=(BS == 0 or T % BS == 0), ATOMIC_KV=atomic_kv,
+        BM=cfg_q["BM"], BN=cfg_q["BN"], EVEN_T=_even_keys(TK, BS), ATOMIC_KV=atomic_kv,
         **_launch_opts(cfg_q))
     return dq, delta, dk32, dv32
 
@@ -196,6 +212,7 @@ def _sparse_bwd_fused(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: in
     """Block lists, 5 matmuls: delta pre-pass, one inverse-map kernel that adds
     dq with fp32 atomics, then dq32 -> q's dtype (softmax scale already applied)."""
     B, H, T, D = q.shape
+    TK = k.shape[2]
     hkv = k.shape[1]
     cfg = cfg or pick_config("bwd_fused", D, G, BS)
     dqm = int(cfg.get("DQ", 1))
@@ -210,12 +227,12 @@ def _sparse_bwd_fused(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: in
 
         dq_arg = TensorDescriptor(dq32.view(B * H, T, D), shape=[B * H, T, D], strides=[T * D, D, 1],
                                   block_shape=[1, cfg["BM"], D])
-    nkb = math.ceil(T / BS)
+    nkb = math.ceil(TK / BS)
     inv_ptr, inv_grp = build_inverse_map(kv_indices, kv_counts, nkb)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     bwd_kv_kernel[(nkb * (BS // cfg["BN"]), B * hkv)](
-        q, k, v, do, lse, delta, dk, dv, dq_arg, inv_ptr, inv_grp, T, nkb, scale * LOG2E, scale,
+        q, k, v, do, lse, delta, dk, dv, dq_arg, inv_ptr, inv_grp, T, TK, nkb, scale * LOG2E, scale,
         H=H, HR=H // hkv, K=D, BD=_bd(D), G=G, BS=BS, BM=cfg["BM"], BN=cfg["BN"], DQ=dqm,
         **_launch_opts(cfg))
     return dq32.to(q.dtype), dk, dv

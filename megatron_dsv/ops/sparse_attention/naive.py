@@ -1,8 +1,9 @@
 """PyTorch reference for sparse attention over per-query-group KV lists.
 
 The spec, the CPU path and the last fallback: fp32 upcast, an explicit dense
-[B, H, S, S] mask built from the lists, ordinary softmax attention. Memory is
-O(B*H*S^2): for tests and small inputs only.
+[B, H, Sq, Sk] mask built from the lists, ordinary softmax attention. Memory is
+O(B*H*Sq*Sk): for tests and small inputs only. Sq (queries) and Sk (keys) may
+differ: lists index Sk's tokens or key blocks, query groups tile Sq.
 """
 
 from __future__ import annotations
@@ -16,10 +17,15 @@ from .checks import check_shapes, check_values, num_keys
 
 
 def build_dense_mask(kv_indices: torch.Tensor, kv_counts: torch.Tensor, S: int,
-                     group_size: int, block_size: int) -> torch.Tensor:
-    """Boolean [B, H, S, S] mask, True where query row attends key column."""
+                     group_size: int, block_size: int, Sk: Optional[int] = None) -> torch.Tensor:
+    """Boolean [B, H, S, Sk] mask, True where query row attends key column.
+
+    kv_indices int32 [B, H, ceil(S / group_size), Kmax], kv_counts int32 [B, H]; S is the query
+    length, Sk the key length (None: Sk = S).
+    """
+    Sk = S if Sk is None else Sk
     B, H, NG, kmax = kv_indices.shape
-    nk = num_keys(S, block_size)
+    nk = num_keys(Sk, block_size)
     pos = torch.arange(kmax, device=kv_indices.device)
     valid = pos < kv_counts[:, :, None, None].long()
     # padding entries go to a spare column nk, dropped below, so they are never used
@@ -28,22 +34,26 @@ def build_dense_mask(kv_indices: torch.Tensor, kv_counts: torch.Tensor, S: int,
     sel.scatter_(3, col, True)
     sel = sel[..., :nk]
     if block_size > 0:
-        sel = sel.repeat_interleave(block_size, dim=3)[..., :S]
+        sel = sel.repeat_interleave(block_size, dim=3)[..., :Sk]
     return sel.repeat_interleave(group_size, dim=2)[:, :, :S]
 
 
 def sparse_attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            kv_indices: torch.Tensor, kv_counts: torch.Tensor, group_size: int,
                            block_size: int = 0, softmax_scale: Optional[float] = None) -> torch.Tensor:
-    """Reference sparse attention; same contract as :func:`sparse_attention`."""
+    """Reference sparse attention; same contract as :func:`sparse_attention`.
+
+    q [B, H, Sq, D]; k, v [B, Hkv, Sk, D]; returns [B, H, Sq, D] in q's dtype.
+    """
     check_shapes(q, k, v, kv_indices, kv_counts, group_size, block_size)
     B, H, S, D = q.shape
-    check_values(kv_indices, kv_counts, S, block_size)
+    Sk = k.shape[2]
+    check_values(kv_indices, kv_counts, Sk, block_size)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
     rep = H // k.shape[1]
     kf = k.float().repeat_interleave(rep, dim=1)
     vf = v.float().repeat_interleave(rep, dim=1)
-    mask = build_dense_mask(kv_indices, kv_counts, S, group_size, block_size)
+    mask = build_dense_mask(kv_indices, kv_counts, S, group_size, block_size, Sk)
     scores = torch.matmul(q.float(), kf.transpose(-1, -2)) * scale
     has_any = mask.any(-1, keepdim=True)
     # rows with an empty list output zeros; keep their softmax finite so grads stay 0, not NaN

@@ -53,25 +53,32 @@ def requested_backend(requested: Optional[str] = None) -> str:
     return name
 
 
-def auto_backend(q: torch.Tensor, kv_indices: torch.Tensor, group_size: int, block_size: int) -> str:
+def auto_backend(q: torch.Tensor, kv_indices: torch.Tensor, group_size: int, block_size: int,
+                 k_len: Optional[int] = None) -> str:
     """The "auto" rule, from shapes alone: Triton on CUDA (flex where it measured faster), the
-    reference on CPU (Triton there only under its interpreter, i.e. in tests)."""
+    reference on CPU (Triton there only under its interpreter, i.e. in tests). ``k_len``: the key
+    length (None: q's length); flex is never picked when it differs from q's."""
     if q.is_cuda:
-        if flex_supported(q.shape[2], group_size, block_size) and flex_is_faster(q, kv_indices, group_size,
-                                                                                 block_size):
+        same_len = k_len is None or k_len == q.shape[2]
+        if same_len and flex_supported(q.shape[2], group_size, block_size) and \
+                flex_is_faster(q, kv_indices, group_size, block_size):
             return "flex"
         return "triton"
     return "triton" if os.environ.get("TRITON_INTERPRET", "0") == "1" else "naive"
 
 
 def choose_backend(q: torch.Tensor, kv_indices: torch.Tensor, group_size: int, block_size: int,
-                   requested: Optional[str] = None) -> str:
-    """The one place a backend is chosen: :func:`requested_backend`, then :func:`auto_backend` for "auto"."""
+                   requested: Optional[str] = None, k_len: Optional[int] = None) -> str:
+    """The one place a backend is chosen: :func:`requested_backend`, then :func:`auto_backend` for "auto".
+    ``k_len``: the key length (None: q's length)."""
     name = requested_backend(requested)
     if name == "auto":
-        return auto_backend(q, kv_indices, group_size, block_size)
+        return auto_backend(q, kv_indices, group_size, block_size, k_len)
+    source = "backend" if requested not in (None, "auto") else "DSV_SPARSE_ATTN_BACKEND"
+    if name == "flex" and k_len is not None and k_len != q.shape[2]:
+        raise ValueError(f"{source}=flex needs k's length to equal q's; got k length Sk={k_len}, "
+                         f"q length Sq={q.shape[2]} (use triton or naive for Sk != Sq)")
     if name == "flex" and not flex_supported(q.shape[2], group_size, block_size):
-        source = "backend" if requested not in (None, "auto") else "DSV_SPARSE_ATTN_BACKEND"
         raise ValueError(f"{source}=flex needs block-level lists with group_size 128 and "
                          f"block_size 128 (the only shape flex lowers); got group_size={group_size}, "
                          f"block_size={block_size}")
@@ -86,7 +93,7 @@ def sparse_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_indice
 
     # value checks live inside the op: they need real data, which torch.compile never traces
     if validate:
-        check_values(kv_indices, kv_counts, q.shape[2], block_size)
+        check_values(kv_indices, kv_counts, k.shape[2], block_size)
     return sparse_fwd(q, k, v, kv_indices, kv_counts, group_size, block_size, softmax_scale)
 
 
@@ -134,16 +141,18 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_indic
     """Non-causal attention where each query group attends only its listed keys.
 
     Args:
-        q: ``[B, H, S, D]``, float16 / bfloat16 (float32 accepted).
-        k, v: ``[B, Hkv, S, D]``, same dtype and device as q, ``H % Hkv == 0``
+        q: ``[B, H, Sq, D]``, float16 / bfloat16 (float32 accepted).
+        k, v: ``[B, Hkv, Sk, D]``, same dtype and device as q, ``H % Hkv == 0``
             (GQA: kv head j serves query heads ``j*H/Hkv .. (j+1)*H/Hkv - 1``).
-        kv_indices: int32 ``[B, H, NG, Kmax]``, ``NG = ceil(S / group_size)``.
-            Query group g is tokens ``[g*G, min((g+1)*G, S))``. For each (b, h, g)
+            Any ``Sk >= 1``: Sk != Sq is a context-parallel rank's query shard
+            against its gathered keys (not the flex backend).
+        kv_indices: int32 ``[B, H, NG, Kmax]``, ``NG = ceil(Sq / group_size)``.
+            Query group g is tokens ``[g*G, min((g+1)*G, Sq))``. For each (b, h, g)
             the first ``kv_counts[b, h]`` entries are sorted ascending and unique;
             later entries are padding and are never read (any value, e.g. -1).
-            ``block_size == 0``: entries are key token positions in ``[0, S)``.
+            ``block_size == 0``: entries are key token positions in ``[0, Sk)``.
             ``block_size in {64, 128}``: entries are key-block ids in
-            ``[0, ceil(S / block_size))``; the last block may be partial.
+            ``[0, ceil(Sk / block_size))``; the last block may be partial.
         kv_counts: int32 ``[B, H]``, each in ``[0, min(Kmax, #keys or #blocks)]``.
             A count of 0 gives zero output and zero gradients for that head.
         group_size: G in {16, 32, 64, 128}.
@@ -154,7 +163,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_indic
         backend: force one of {triton, flex, naive} (None or "auto": the rule below).
     Head dims D: 64, 96 (padded to 128 inside the kernel), 128, 256.
     Returns:
-        o ``[B, H, S, D]`` in q's dtype; differentiable w.r.t. q, k, v.
+        o ``[B, H, Sq, D]`` in q's dtype; differentiable w.r.t. q, k, v.
     Raises:
         ValueError naming the argument for a bad shape, dtype, device, head dim,
         group/block size, count, or index (the value checks cost one reduction
@@ -167,12 +176,12 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_indic
     """
     check_shapes(q, k, v, kv_indices, kv_counts, group_size, block_size)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    backend = choose_backend(q, kv_indices, group_size, block_size, backend)
+    backend = choose_backend(q, kv_indices, group_size, block_size, backend, k_len=k.shape[2])
     if backend == "naive":
         return sparse_attention_naive(q, k, v, kv_indices, kv_counts, group_size, block_size, scale)
     if backend == "flex":
         if check_values:
-            _check_values(kv_indices, kv_counts, q.shape[2], block_size)
+            _check_values(kv_indices, kv_counts, k.shape[2], block_size)
         return sparse_attention_flex(q, k, v, kv_indices, kv_counts, group_size, block_size, scale)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     o, _ = sparse_attn_fwd(q, k, v, kv_indices.contiguous(), kv_counts.contiguous(),

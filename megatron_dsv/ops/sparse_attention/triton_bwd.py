@@ -13,7 +13,8 @@
   also adds dS k into an fp32 dq buffer with atomics (5 matmuls, no recompute
   of P and dP for dq), and a cast finishes dq.
 
-Shape letters as in triton_fwd.py; lse is log2-domain, scores are multiplied
+Shape letters as in triton_fwd.py (T query length, TK key length; query-row
+masks use T, key-row masks TK); lse is log2-domain, scores are multiplied
 by qk_scale = softmax_scale * log2(e).
 """
 
@@ -28,7 +29,7 @@ from .triton_fwd import _load_kv_tile, _num_steps
 @triton.jit
 def bwd_q_kernel(
     q, k, v, o, do, lse, delta, dq, dk32, dv32, idx, cnt_ptr,
-    T, NG, KMAX, qk_scale, sm_scale,
+    T, TK, NG, KMAX, qk_scale, sm_scale,
     H: tl.constexpr, HR: tl.constexpr, K: tl.constexpr, BD: tl.constexpr,
     G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr,
     EVEN_T: tl.constexpr, ATOMIC_KV: tl.constexpr,
@@ -36,7 +37,7 @@ def bwd_q_kernel(
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     i_g = i_m // (G // BM)
-    p_kv_base = (i_b * (H // HR) + i_h // HR).to(tl.int64) * T * K
+    p_kv_base = (i_b * (H // HR) + i_h // HR).to(tl.int64) * TK * K
     p_q_base = i_bh.to(tl.int64) * T * K
 
     o_m = i_g * G + (i_m % (G // BM)) * BM + tl.arange(0, BM)
@@ -60,7 +61,7 @@ def bwd_q_kernel(
 
     b_dq = tl.zeros([BM, BD], tl.float32)
     for i_it in range(n_it):
-        o_n, m_n, m_ld = _load_kv_tile(i_it, cnt, p_idx, T, K, BD, BN, BS, EVEN_T)
+        o_n, m_n, m_ld = _load_kv_tile(i_it, cnt, p_idx, TK, K, BD, BN, BS, EVEN_T)
         p_rows = p_kv_base + o_n[:, None] * K + o_d[None, :]
         # [BN, BD]
         b_k = tl.load(k + p_rows, mask=m_ld, other=0.)
@@ -100,7 +101,7 @@ def bwd_delta_kernel(o, do, delta, T, K: tl.constexpr, BD: tl.constexpr, BM: tl.
 @triton.jit
 def bwd_kv_kernel(
     q, k, v, do, lse, delta, dk, dv, dq32, inv_ptr, inv_grp,
-    T, NKB, qk_scale, sm_scale,
+    T, TK, NKB, qk_scale, sm_scale,
     H: tl.constexpr, HR: tl.constexpr, K: tl.constexpr, BD: tl.constexpr,
     G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr,
     DQ: tl.constexpr,
@@ -117,11 +118,11 @@ def bwd_kv_kernel(
     HKV: tl.constexpr = H // HR
     i_b, i_hkv = i_bhkv // HKV, i_bhkv % HKV
     i_kb = i_n // (BS // BN)
-    p_kv_base = i_bhkv.to(tl.int64) * T * K
+    p_kv_base = i_bhkv.to(tl.int64) * TK * K
 
     o_n = i_kb * BS + (i_n % (BS // BN)) * BN + tl.arange(0, BN)
     o_d = tl.arange(0, BD)
-    m_n = o_n < T
+    m_n = o_n < TK
     m_kv = m_n[:, None] & (o_d[None, :] < K)
     p_rows = p_kv_base + o_n[:, None] * K + o_d[None, :]
     # [BN, BD]

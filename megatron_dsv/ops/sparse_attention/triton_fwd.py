@@ -1,11 +1,13 @@
 """Triton forward: one program per (query tile of a group, batch*head).
 
 Shapes: B batch, H query heads, HR = H // Hkv query heads per kv head (GQA by
-index arithmetic), T sequence length, G group size, BM query rows per program
+index arithmetic), T query length, TK key length (TK != T for a context-parallel
+rank's queries against its gathered keys), G group size, BM query rows per program
 (divides G), BN keys per inner step, BS key-block size (0 = token lists), K/BD
 head dim (BD = K rounded up to a power of two; 96 runs padded to 128 with a
-mask). q, k, v, o are contiguous [B, H(kv), T, K]; lse is [B, H, T] fp32 in
-log2 units of the scaled scores, kept for backward.
+mask). q, o are contiguous [B, H, T, K], k, v [B, Hkv, TK, K]; lse is [B, H, T] fp32 in
+log2 units of the scaled scores, kept for backward. EVEN_T: no partial key
+block (TK % BS == 0, or token lists), so key rows need no TK mask.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _load_kv_tile(i_it, cnt, p_idx, T, K: tl.constexpr, BD: tl.constexpr,
+def _load_kv_tile(i_it, cnt, p_idx, TK, K: tl.constexpr, BD: tl.constexpr,
                   BN: tl.constexpr, BS: tl.constexpr, EVEN_T: tl.constexpr):
-    """Key rows of inner step i_it and their validity.
+    """Key rows of inner step i_it and their validity (TK: the key length).
 
     Token lists gather BN rows by index. Block lists with BN <= BS read BN
     consecutive rows of block idx[i_it // (BS // BN)] (a block takes BS // BN
@@ -36,14 +38,14 @@ def _load_kv_tile(i_it, cnt, p_idx, T, K: tl.constexpr, BD: tl.constexpr,
         m_n = o_j < cnt
         o_n = tl.load(p_idx + o_j, mask=m_n, other=0) * BS + tl.arange(0, BN) % BS
         if not EVEN_T:
-            m_n = m_n & (o_n < T)
+            m_n = m_n & (o_n < TK)
     else:
         i_blk = tl.load(p_idx + i_it // (BS // BN))
         o_n = i_blk * BS + (i_it % (BS // BN)) * BN + tl.arange(0, BN)
         if EVEN_T:
             m_n = tl.full([BN], 1, tl.int1)
         else:
-            m_n = o_n < T
+            m_n = o_n < TK
     m_ld = m_n[:, None]
     if BD != K:
         m_ld = m_ld & (o_d[None, :] < K)
@@ -65,7 +67,7 @@ def _num_steps(cnt, BN: tl.constexpr, BS: tl.constexpr):
 @triton.jit
 def sparse_attn_fwd_kernel(
     q, k, v, o, lse, idx, cnt_ptr,
-    T, NG, KMAX, qk_scale,
+    T, TK, NG, KMAX, qk_scale,
     H: tl.constexpr, HR: tl.constexpr, K: tl.constexpr, BD: tl.constexpr,
     G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr,
     EVEN_T: tl.constexpr,
@@ -75,7 +77,7 @@ def sparse_attn_fwd_kernel(
     i_g = i_m // (G // BM)
     # int64 bases: B*H*T*K overflows int32 past ~2^31 elements
     i_bhkv = (i_b * (H // HR) + i_h // HR).to(tl.int64)
-    p_kv_base = i_bhkv * T * K
+    p_kv_base = i_bhkv * TK * K
     p_q_base = i_bh.to(tl.int64) * T * K
 
     o_m = i_g * G + (i_m % (G // BM)) * BM + tl.arange(0, BM)
@@ -93,7 +95,7 @@ def sparse_attn_fwd_kernel(
     b_l = tl.zeros([BM], tl.float32)
     b_acc = tl.zeros([BM, BD], tl.float32)
     for i_it in range(n_it):
-        o_n, m_n, m_ld = _load_kv_tile(i_it, cnt, p_idx, T, K, BD, BN, BS, EVEN_T)
+        o_n, m_n, m_ld = _load_kv_tile(i_it, cnt, p_idx, TK, K, BD, BN, BS, EVEN_T)
         p_rows = p_kv_base + o_n[:, None] * K + o_d[None, :]
         # [BN, BD]
         b_k = tl.load(k + p_rows, mask=m_ld, other=0.)

@@ -1,9 +1,12 @@
 """Fused low-rank QK^T + per-group top-k estimation, and the exact critical-set oracle.
 
 ``estimate_topk(q_lr, k_lr, budgets, group_size, block_size=0, proxy="mean", block_score="max")``
-  q_lr, k_lr: (batch, heads, seqlen, r), r in {8, 16, 32}, float32/float16/bfloat16.
+  q_lr: (batch, heads, seqlen, r), k_lr: (batch, heads, seqlen_k, r), r in {8, 16, 32},
+    float32/float16/bfloat16; seqlen_k may differ from seqlen (a context-parallel rank's queries
+    against its gathered keys; naive and triton backends only, cuda raises ValueError).
   budgets: int, or int tensor (heads,) or (batch, heads): items per query group (tokens when
-    block_size == 0, key blocks of block_size in {64, 128} otherwise), clipped to what exists.
+    block_size == 0, key blocks of block_size in {64, 128} otherwise, of seqlen_k), clipped to what
+    exists.
   Returns idx int32 (batch, heads, ceil(seqlen / group_size), Kmax): for each query group, the
     counts[b, h] best items by proxy . key (ties: lower index), ascending, then -1 padding;
     and counts int32 (batch, heads).

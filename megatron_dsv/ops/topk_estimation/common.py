@@ -35,12 +35,13 @@ class TopkProblem:
 
     B: int
     H: int
-    S: int
+    S: int  # query length Sq
+    Sk: int  # key length (may differ from S: a context-parallel rank's queries vs its gathered keys)
     r: int
     group_size: int
     block_size: int
-    num_groups: int  # NG = ceil(S / G)
-    num_items: int  # keys (token granularity) or key blocks
+    num_groups: int  # NG = ceil(S / G), groups of the queries
+    num_items: int  # keys of Sk (token granularity) or key blocks of Sk
     counts: torch.Tensor  # int32 [B, H] on the inputs' device, clipped budgets
     kmax: int
     proxy: str
@@ -53,7 +54,11 @@ def _fail(name: str, msg: str):
 
 def check_problem(q_lr, k_lr, budgets: Union[int, torch.Tensor], group_size, block_size=0,
                   proxy="mean", block_score="max") -> TopkProblem:
-    """Validate every argument; return sizes and the clipped per-(batch, head) counts."""
+    """Validate every argument; return sizes and the clipped per-(batch, head) counts.
+
+    q_lr ``[B, H, Sq, r]``, k_lr ``[B, H, Sk, r]`` (any ``Sk >= 1``): items range over Sk's
+    tokens or key blocks, groups over Sq, budgets are clipped to the items of Sk.
+    """
     for name, t in (("q_lr", q_lr), ("k_lr", k_lr)):
         if not isinstance(t, torch.Tensor):
             _fail(name, f"must be a torch.Tensor, got {type(t).__name__}")
@@ -61,8 +66,10 @@ def check_problem(q_lr, k_lr, budgets: Union[int, torch.Tensor], group_size, blo
             _fail(name, f"must be [B, H, S, r], got shape {tuple(t.shape)}")
         if t.dtype not in DTYPES:
             _fail(name, f"dtype must be one of float32/float16/bfloat16, got {t.dtype}")
-    if q_lr.shape != k_lr.shape:
-        _fail("k_lr", f"shape {tuple(k_lr.shape)} must equal q_lr's {tuple(q_lr.shape)} (no GQA here)")
+    if (k_lr.shape[0], k_lr.shape[1], k_lr.shape[3]) != (q_lr.shape[0], q_lr.shape[1], q_lr.shape[3]) \
+            or k_lr.shape[2] < 1:
+        _fail("k_lr", f"shape {tuple(k_lr.shape)} must be [B, H, Sk >= 1, r] with q_lr's B, H, r "
+                      f"{tuple(q_lr.shape)} (no GQA here)")
     if q_lr.dtype != k_lr.dtype:
         _fail("k_lr", f"dtype {k_lr.dtype} must equal q_lr's {q_lr.dtype}")
     if q_lr.device != k_lr.device:
@@ -80,14 +87,15 @@ def check_problem(q_lr, k_lr, budgets: Union[int, torch.Tensor], group_size, blo
         _fail("proxy", f"must be one of {PROXIES}, got {proxy!r}")
     if block_score not in BLOCK_SCORES:
         _fail("block_score", f"must be one of {BLOCK_SCORES}, got {block_score!r}")
-    num_items = S if block_size == 0 else -(-S // block_size)
+    Sk = k_lr.shape[2]
+    num_items = Sk if block_size == 0 else -(-Sk // block_size)
     counts = _budget_counts(budgets, B, H, num_items, q_lr.device)
     kmax = int(counts.max().item())  # counts live on the host: no device sync
     if q_lr.is_cuda:  # pinned + non_blocking: a plain .to() of pageable memory syncs the stream
         device_counts = counts.pin_memory().to(q_lr.device, non_blocking=True)
     else:
         device_counts = counts.to(q_lr.device)
-    return TopkProblem(B, H, S, r, group_size, block_size, -(-S // group_size), num_items,
+    return TopkProblem(B, H, S, Sk, r, group_size, block_size, -(-S // group_size), num_items,
                        device_counts, kmax, proxy, block_score)
 
 

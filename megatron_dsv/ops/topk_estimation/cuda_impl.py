@@ -38,9 +38,12 @@ def estimate_topk_cuda(q_lr, k_lr, budgets, group_size, block_size=0, proxy="mea
     output's size (or 16 MiB): peak extra memory <= 2x the lists. ``sample_stride`` (0 = the
     kernel's choice) and ``force_fallback`` exist for tests of the kernel's internal paths;
     ``debug_flags`` 2 / 4 stop the kernel after its main pass / before its compaction (stage
-    timing only: the lists are then incomplete).
+    timing only: the lists are then incomplete). Needs Sq == Sk: the kernel takes one length.
     """
     P = check_problem(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score)
+    if P.Sk != P.S:
+        raise ValueError(f"estimate_topk: the cuda backend needs Sq == Sk (the kernel takes one length); got "
+                         f"q_lr length Sq={P.S}, k_lr length Sk={P.Sk}; use backend triton or naive")
     if not q_lr.is_cuda:
         raise ValueError(f"estimate_topk: the cuda backend needs CUDA tensors, got `q_lr` on {q_lr.device}")
     ext = cuda_extension()

@@ -2,6 +2,8 @@
 
 Scores follow the bit-exact definition in ``common.py``. Memory: one chunk of
 groups x items scores at a time (``chunk_elems`` elements), never all heads.
+Query and key lengths may differ: groups tile q_lr's Sq, items are k_lr's Sk
+tokens or key blocks.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def group_proxies(q: torch.Tensor, group_size: int, proxy: str) -> torch.Tensor:
 
 
 def token_scores(p: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """p [..., n, r], k [..., S, r] -> float32 [..., n, S], summed in order d = 0..r-1."""
+    """p [..., n, r], k [..., Sk, r] -> float32 [..., n, Sk], summed in order d = 0..r-1."""
     pf, kf = p.float(), k.float()
     s = pf[..., :, None, 0] * kf[..., None, :, 0]
     for d in range(1, p.shape[-1]):
@@ -85,13 +87,16 @@ def select_topk_sorted(s: torch.Tensor, K: int) -> torch.Tensor:
 
 def estimate_topk_naive(q_lr, k_lr, budgets, group_size, block_size=0, proxy="mean",
                         block_score="max", chunk_elems: int = 1 << 24):
-    """Same contract as :func:`estimate_topk`; chunked over groups, one (b, h) at a time."""
+    """Same contract as :func:`estimate_topk`; chunked over groups, one (b, h) at a time.
+
+    q_lr [B, H, Sq, r], k_lr [B, H, Sk, r] -> idx int32 [B, H, ceil(Sq / G), Kmax], counts int32 [B, H].
+    """
     P = check_problem(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score)
     idx = torch.full((P.B, P.H, P.num_groups, P.kmax), -1, dtype=torch.int32, device=q_lr.device)
     counts = P.counts
     counts_cpu = counts.cpu()
     proxies = group_proxies(q_lr, group_size, proxy)  # [B, H, NG, r]
-    chunk = max(1, chunk_elems // max(1, P.S))
+    chunk = max(1, chunk_elems // max(1, P.Sk))
     for b in range(P.B):
         for h in range(P.H):
             K = int(counts_cpu[b, h])

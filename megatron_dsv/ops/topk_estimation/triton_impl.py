@@ -6,6 +6,8 @@ items at or above 16 probes), plus the number of items strictly above it.
 ``_tk_write``: one ordered pass writing items above the threshold and the first
 (K - above) items equal to it, lower index first; lists come out ascending.
 Scores are recomputed in every pass (r is tiny), so memory is the output alone.
+The kernels' ``S`` is the KEY length (k_lr's Sk, may differ from q_lr's Sq):
+proxies are precomputed per query group, so the kernels never see Sq.
 """
 
 from __future__ import annotations
@@ -126,7 +128,8 @@ def _tk_write(P, Kp, Counts, Tin, GTin, Out, S, n_items, NG, KMAX,
 
 def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="mean", block_score="max",
                          BG: int = 16, BN: int = 0):
-    """Same contract as :func:`estimate_topk`, on Triton (GPU, or CPU under TRITON_INTERPRET=1)."""
+    """Same contract as :func:`estimate_topk`, on Triton (GPU, or CPU under TRITON_INTERPRET=1).
+    q_lr [B, H, Sq, r], k_lr [B, H, Sk, r]: Sk may differ from Sq."""
     P = check_problem(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score)
     out = torch.full((P.B, P.H, P.num_groups, P.kmax), -1, dtype=torch.int32, device=q_lr.device)
     if P.kmax == 0:
@@ -139,7 +142,7 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     BN = BN or (64 if block_size == 0 else 16)
     grid = (triton.cdiv(P.num_groups, BG), P.B * P.H)
     meta = dict(R=P.r, BG=BG, BN=BN, BS=block_size, LSE=block_score == "lse")
-    _tk_threshold[grid](proxies, k, counts, thr, above, P.S, P.num_items, P.num_groups,
+    _tk_threshold[grid](proxies, k, counts, thr, above, P.Sk, P.num_items, P.num_groups,
                         NPROBE=_NPROBE, NPASS=_NPASS, **meta)
-    _tk_write[grid](proxies, k, counts, thr, above, out, P.S, P.num_items, P.num_groups, P.kmax, **meta)
+    _tk_write[grid](proxies, k, counts, thr, above, out, P.Sk, P.num_items, P.num_groups, P.kmax, **meta)
     return out, counts

@@ -1,0 +1,146 @@
+"""DSV attention under context parallelism equals the single-process result (gloo, 2 and 4 CPU ranks).
+
+Two levels, each in one spawned world per size (``spawn.run_world``):
+
+* :func:`cp_attention` for every layout (hcp x scp, both placements) and head placement (even,
+  LPT on uneven budgets), token lists (G=16) and block lists (G=64, 64-key blocks), dense, and
+  GQA: outputs and dq, dk, dv of each rank's shard equal the slices of one process's naive sparse
+  attention with the same global lists.
+* ``DSVCoreAttention`` with a CP group (``cp_mode`` 'hybrid' and 'seq') against the same layer
+  without CP: a stage-1 step (dense, predictor collects, profiler measures) gives the same outputs
+  and gradients and, after ``dsv_on_step_end``, the same profiled state and predictor weights; a
+  stage-2 step runs sparse with the same lists and gives the same outputs and gradients.
+"""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.parallel.spawn import run_world
+
+H, D = 4, 64
+
+
+def _randn(seed, *shape):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _close(name, got, want, atol=2e-5):
+    err = (got - want).abs().max().item()
+    assert err <= atol * max(1.0, want.abs().max().item()), f"{name}: max error {err:.3g}"
+
+
+def _shard(t, rank, world, dim=2):
+    n = t.shape[dim] // world
+    return t.narrow(dim, rank * n, n)
+
+
+def _check_cp_attention(rank, world):
+    from megatron_dsv.ops.sparse_attention import sparse_attention_naive
+    from megatron_dsv.ops.topk_estimation import estimate_topk_naive
+    from megatron_dsv.parallel.cp_attention import CPContext, cp_attention
+    from megatron_dsv.parallel.groups import cp_layouts
+    from megatron_dsv.parallel.placement import even_placement, head_costs, lpt_placement
+    from megatron_dsv.parallel.planner import LayerPlan
+
+    ctx = CPContext.get(dist.group.WORLD, H)
+    S, scale = 512, 1.0 / math.sqrt(D)
+    cases = [(16, 0, [24, 96, 200, 512], H), (64, 64, [1, 2, 5, 8], H), (16, 0, [40, 40, 300, 100], 2)]
+    for case, (G, block, budgets, hkv) in enumerate(cases):
+        q = _randn(10 + case, 1, H, S, D)
+        k, v = _randn(20 + case, 1, hkv, S, D), _randn(30 + case, 1, hkv, S, D)
+        do = _randn(40 + case, 1, H, S, D)
+        lists = estimate_topk_naive(_randn(50, 1, H, S, 8), _randn(51, 1, H, S, 8), torch.tensor(budgets), G, block)
+        ng = S // world // G
+
+        def naive(qq, kk, vv, idx, counts, G=G, block=block):
+            return sparse_attention_naive(qq, kk, vv, idx, counts, G, block, scale)
+
+        for sparse in (True, False):
+            ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+            if sparse:
+                ref = naive(*ref_in, *lists)
+            else:
+                kk, vv = (t.repeat_interleave(H // hkv, 1) for t in ref_in[1:])
+                ref = torch.softmax(ref_in[0] @ kk.transpose(-1, -2) * scale, -1) @ vv
+            ref.backward(do)
+            unit = max(block, 1)
+            density = [min(1.0, b * unit / S) for b in budgets]
+            for layout in cp_layouts(world):
+                for placement in ("even", "lpt"):
+                    heads = (even_placement(H, layout.hcp) if placement == "even"
+                             else lpt_placement(head_costs(density, True), layout.hcp))
+                    plan = LayerPlan(layout=layout, placement=placement, heads=heads, est_ms=0.0, compute_ms=0.0,
+                                     comm_ms=0.0, peak_bytes=0)
+                    mine = [_shard(t, rank, world).clone().requires_grad_() for t in (q, k, v)]
+                    local = (lists[0][:, :, rank * ng:(rank + 1) * ng].contiguous(), lists[1]) if sparse else None
+                    out = cp_attention(*mine, ctx, plan, lists=local, group_size=G, block_size=block,
+                                       softmax_scale=scale, sparse_fn=naive)
+                    out.backward(_shard(do, rank, world))
+                    what = f"case {case} sparse={sparse} {layout.name} {placement} rank {rank}"
+                    _close(f"out {what}", out, _shard(ref, rank, world))
+                    for name, got, full in zip("qkv", mine, ref_in):
+                        _close(f"d{name} {what}", got.grad, _shard(full.grad, rank, world))
+
+
+def _check_core_attention(rank, world):
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_dsv.attention import dsv_on_step_end
+    from megatron_dsv.attention.core_attention import DSVCoreAttention
+    from tests.attention.conftest import dsv_config, force_state, planted, tf_config
+
+    S = 512
+    qb, kb = planted(S=S, H=H, D=D, seed=3)
+    vb = _randn(7, 1, H, S, D)
+    do = _randn(8, S, 1, H * D)
+    q, k, v = (t.permute(2, 0, 1, 3).contiguous() for t in (qb, kb, vb))  # Megatron's [s, b, heads, hn]
+    for mode in ("hybrid", "seq"):
+        cfg = dsv_config(cp_mode=mode, sparsity_threshold=0.3)
+        tf = tf_config(hidden=H * D, heads=H)
+        layers = {name: DSVCoreAttention(tf, 1, AttnMaskType.no_mask, "self", dsv_config=cfg,
+                                         pg_collection=SimpleNamespace(tp=None, cp=group))
+                  for name, group in (("one", None), ("cp", dist.group.WORLD))}
+
+        def step(what):
+            outs = {}
+            for name, layer in layers.items():
+                ins = [t.clone() if name == "one" else _shard(t, rank, world, dim=0).clone() for t in (q, k, v)]
+                ins = [t.requires_grad_() for t in ins]
+                out = layer(*ins, None)
+                out.backward(do if name == "one" else _shard(do, rank, world, dim=0))
+                outs[name] = (out, ins)
+            (out1, in1), (outc, inc) = outs["one"], outs["cp"]
+            _close(f"{mode} {what} out rank {rank}", outc, _shard(out1, rank, world, dim=0))
+            for n, a, b in zip("qkv", inc, in1):
+                _close(f"{mode} {what} d{n} rank {rank}", a.grad, _shard(b.grad, rank, world, dim=0))
+
+        step("stage 1")  # dense; predictor collects, profiler measures (profile_interval=1)
+        for layer in layers.values():
+            dsv_on_step_end(layer, 1)
+        one, cp = layers["one"], layers["cp"]
+        for name in ("sparsity", "budget_density", "recall", "predictor_loss"):
+            _close(f"{mode} state {name}", getattr(cp, name), getattr(one, name), atol=1e-5)
+        for (name, a), (_, b) in zip(cp.predictor.named_parameters(), one.predictor.named_parameters()):
+            _close(f"{mode} predictor {name}", a, b, atol=1e-5)
+        for layer in layers.values():
+            force_state(layer, stage=2, sparsity=[0.5, 0.7, 0.85, 0.95], density=[0.5, 0.3, 0.15, 0.05])
+        step("stage 2 + profile")
+        assert cp.last_sparse and one.last_sparse, "the stage-2 step must run sparse"
+        assert cp.cp_plan is not None and int(cp.cp_plan_state[0, 0]) == cp.cp_plan.layout.hcp
+        for layer in layers.values():
+            layer.profiling = layer.predictor_training = False
+        step("stage 2")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_cp_attention_every_layout_matches_one_process(world, tmp_path):
+    run_world(_check_cp_attention, world, tmp_path)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_core_attention_under_cp_matches_one_process(world, tmp_path):
+    run_world(_check_core_attention, world, tmp_path)
