@@ -146,3 +146,23 @@ def test_video_run_resumes_exactly(megatron_cpu, tmp_path):
     (tmp_path / "runs" / "synthetic-dsv-S256.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="cannot read run checkpoint"):
         train_arm(parse_arm(arm + "12"), args)
+
+
+@pytest.mark.timeout(300)
+def test_bench_cp_quick_two_ranks(tmp_path):
+    """bench_cp.py under torchrun on 2 gloo ranks: four methods, bytes counted, the DSV plan recorded."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "benchmarks", "bench_cp.py"), "--quick", "--out-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (path,) = tmp_path.glob("cp-quick-*.json")
+    data = json.loads(path.read_text())
+    rows = {r["method"]: r for r in data["rows"]}
+    assert sorted(rows) == sorted(["dsv_hybrid", "naive_hcp", "naive_scp", "dense_ulysses"])
+    assert data["meta"]["gpu_count"] == 2 and rows["dsv_hybrid"]["plan"]["layout"]["hcp"] in (1, 2)
+    assert rows["naive_scp"]["bytes_vs_full_kv_gather"] == 1.0
+    # naive SCP receives all of the other rank's K and V (4 heads x 256 rows x 64, fp32) and returns their grads
+    assert rows["naive_scp"]["bytes_recv_per_rank"] == 2 * 2 * 4 * 256 * 64 * 4
+    for r in rows.values():
+        assert r["ms_fwd_bwd"] > 0 and r["speedup_vs_dense_ulysses"] > 0

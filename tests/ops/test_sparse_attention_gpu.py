@@ -16,9 +16,10 @@ from megatron_dsv.ops.sparse_attention import sparse_attention
 pytestmark = pytest.mark.gpu
 
 
-def gpu_lists(B, H, S, G, BS, density, seed=0):
+def gpu_lists(B, H, S, G, BS, density, seed=0, Sk=None):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    NG, nk = math.ceil(S / G), (S if BS == 0 else math.ceil(S / BS))
+    Sk = S if Sk is None else Sk
+    NG, nk = math.ceil(S / G), (Sk if BS == 0 else math.ceil(Sk / BS))
     K = max(1, round(density * nk))
     idx = torch.full((B, H, NG, K + 2), -1, device="cuda", dtype=torch.int32)
     for b in range(B):
@@ -31,15 +32,15 @@ def gpu_lists(B, H, S, G, BS, density, seed=0):
 def grouped_attention(q, k, v, idx, cnt, G, BS, dtype, chunk=64):
     """Attention of each query group over its gathered keys, SDPA in `dtype`; differentiable."""
     B, H, S, D = q.shape
-    rep = H // k.shape[1]
+    rep, Sk = H // k.shape[1], k.shape[2]
     heads = []
     for b in range(B):
         for h in range(H):
             c = int(cnt[b, h])
             ent = idx[b, h, :, :c].long()
             cols = ent if BS == 0 else (ent[..., None] * BS + torch.arange(BS, device=q.device)).flatten(1)
-            valid = cols < S  # the partial last key block
-            cols = cols.clamp_max(S - 1)
+            valid = cols < Sk  # the partial last key block
+            cols = cols.clamp_max(Sk - 1)
             qh = q[b, h].to(dtype)
             qh = torch.nn.functional.pad(qh, (0, 0, 0, cols.shape[0] * G - S)).view(-1, G, D)
             kh, vh = k[b, h // rep].to(dtype), v[b, h // rep].to(dtype)
@@ -57,12 +58,15 @@ def err(x, ref):
     return ((x.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def check_against_torch(B, H, Hkv, S, D, G, BS, density, seed=0):
+def check_against_torch(B, H, Hkv, S, D, G, BS, density, seed=0, Sk=None):
+    """bf16 kernel vs an fp32 reference, within 2x (o) / 3x (grads) of torch's own bf16 error;
+    ``Sk``: a key length other than the query length S (sequence-wise context parallelism)."""
     torch.manual_seed(seed)
+    Sk = S if Sk is None else Sk
     q = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(B, Hkv, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn(B, Hkv, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    idx, cnt = gpu_lists(B, H, S, G, BS, density, seed)
+    k = torch.randn(B, Hkv, Sk, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(B, Hkv, Sk, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    idx, cnt = gpu_lists(B, H, S, G, BS, density, seed, Sk)
     do = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
     results = []
@@ -89,6 +93,15 @@ def check_against_torch(B, H, Hkv, S, D, G, BS, density, seed=0):
 ])
 def test_bf16_matches_reference(B, H, Hkv, S, D, G, BS, density):
     check_against_torch(B, H, Hkv, S, D, G, BS, density)
+
+
+@pytest.mark.parametrize("Sq,Sk,D,G,BS,density", [
+    pytest.param(1000, 2304, 128, 128, 128, 0.3, id="Tq1000-Tk2304-D128-G128-blk128"),
+    pytest.param(4100, 1000, 128, 128, 0, 0.2, id="Tq4100-Tk1000-D128-G128-tok"),
+    pytest.param(700, 1500, 64, 64, 64, 0.25, id="Tq700-Tk1500-D64-G64-blk64"),
+])
+def test_bf16_key_length_differs(Sq, Sk, D, G, BS, density):
+    check_against_torch(1, 2, 1, Sq, D, G, BS, density, Sk=Sk)
 
 
 @pytest.mark.parametrize("BS,density", [pytest.param(128, 0.1, id="T65536-blk128"),

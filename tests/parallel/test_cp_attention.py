@@ -98,6 +98,14 @@ def _check_core_attention(rank, world):
     vb = _randn(7, 1, H, S, D)
     do = _randn(8, S, 1, H * D)
     q, k, v = (t.permute(2, 0, 1, 3).contiguous() for t in (qb, kb, vb))  # Megatron's [s, b, heads, hn]
+    world_group = SimpleNamespace(tp=None, cp=dist.group.WORLD)
+    with pytest.raises(ValueError, match="needs DSVConfig.cp_mode"):
+        DSVCoreAttention(tf_config(hidden=H * D, heads=H), 1, AttnMaskType.no_mask, "self",
+                         dsv_config=dsv_config(), pg_collection=world_group)
+    if world == 4:  # 2 heads cannot be split over 4 CP ranks
+        with pytest.raises(ValueError, match="must be divisible by context_parallel_size"):
+            DSVCoreAttention(tf_config(hidden=2 * D, heads=2), 1, AttnMaskType.no_mask, "self",
+                             dsv_config=dsv_config(cp_mode="hybrid"), pg_collection=world_group)
     for mode in ("hybrid", "seq"):
         cfg = dsv_config(cp_mode=mode, sparsity_threshold=0.3)
         tf = tf_config(hidden=H * D, heads=H)
