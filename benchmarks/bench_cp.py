@@ -36,16 +36,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import collect_meta, sync, write_results  # noqa: E402
+from benchmarks.common import collect_meta, head_sparsity, sync, write_results  # noqa: E402
 
 METHODS = ("dsv_hybrid", "naive_hcp", "naive_scp", "dense_ulysses")
-
-
-def head_sparsity(H: int, lo: float, hi: float, mean: float):
-    """H sparsities from lo to hi (evenly spaced), shifted so their mean is ``mean`` (clipped to [lo, hi])."""
-    base = [lo + (hi - lo) * i / max(1, H - 1) for i in range(H)]
-    shift = mean - sum(base) / H
-    return [min(hi, max(lo, s + shift)) for s in base]
 
 
 @contextmanager

@@ -100,6 +100,14 @@ def dense_fwd_bwd_ms(B: int, H: int, S: int, D: int, dtype=torch.bfloat16, rep: 
     return {"ms_dense_fwd": fwd, "ms_dense_bwd": bwd, "dense_backend": "cudnn (torch SDPA, priority)"}
 
 
+def head_sparsity(H: int, lo: float, hi: float, mean: float):
+    """H per-head sparsities spread evenly from ``lo`` to ``hi``, shifted so their mean is ``mean``
+    (clipped to [lo, hi]): the heterogeneous-head workload of the CP and end-to-end benchmarks."""
+    base = [lo + (hi - lo) * i / max(1, H - 1) for i in range(H)]
+    shift = mean - sum(base) / H
+    return [min(hi, max(lo, s + shift)) for s in base]
+
+
 def init_dist():
     """A one-process group (NCCL on a GPU, gloo on CPU) and Megatron's parallel state, for benches that
     build Megatron-Core models."""

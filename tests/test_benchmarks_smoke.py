@@ -166,3 +166,19 @@ def test_bench_cp_quick_two_ranks(tmp_path):
     assert rows["naive_scp"]["bytes_recv_per_rank"] == 2 * 2 * 4 * 256 * 64 * 4
     for r in rows.values():
         assert r["ms_fwd_bwd"] > 0 and r["speedup_vs_dense_ulysses"] > 0
+
+
+@pytest.mark.timeout(600)
+def test_bench_e2e_quick_four_arms(tmp_path):
+    """bench_e2e.py --quick: every arm timed on the tiny model, the step split into parts, a plot written."""
+    _run_bench("bench_e2e.py", tmp_path)
+    (path,) = tmp_path.glob("e2e-*.json")
+    assert path.with_suffix(".png").stat().st_size > 0
+    rows = {r["arm"]: r for r in json.loads(path.read_text())["rows"]}
+    assert sorted(rows) == sorted(["full", "dsv_stage2", "dsv_stage1", "window"])
+    for r in rows.values():
+        assert r["S"] == 256 and r["ms_step"] > 0 and r["ms_dense_step"] == rows["full"]["ms_step"]
+        parts = sum(r[f"ms_{p}"] for p in ("attention", "selection", "predictor", "profiler", "linear_rest"))
+        assert parts == pytest.approx(r["ms_step"]) or r["ms_linear_rest"] == 0.0
+    assert rows["dsv_stage2"]["budget_source"].startswith("spread 0.80..0.98")
+    assert rows["dsv_stage1"]["ms_profile_step"] > 0 and rows["dsv_stage1"]["profile_every"] == 25
