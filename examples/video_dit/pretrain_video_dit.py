@@ -90,10 +90,16 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
 
 
 def _dsv_step_end(model, args):
-    """Megatron-LM has no after-optimizer-step hook: the first forward of iteration k closes step k."""
-    from megatron_dsv.attention import dsv_on_step_end
+    """Unpatched Megatron-LM has no after-optimizer-step hook: the first forward of iteration k closes
+    step k. A tree with our patch set (patches/megatron-lm) runs the hook right after the optimizer
+    step; the layers' step counter then already shows it, and nothing is done here."""
+    from megatron_dsv.attention import dsv_layers, dsv_on_step_end
 
     iteration = int(getattr(args, "curr_iteration", 0) or 0)
+    layers = dsv_layers(model)
+    if layers and layers[0].step_host >= iteration:  # the patched train loop closed this step already
+        _LAST_DSV_STEP["iteration"] = max(_LAST_DSV_STEP["iteration"], iteration)
+        return
     if iteration > _LAST_DSV_STEP["iteration"]:
         from megatron.core import parallel_state
 
