@@ -173,7 +173,6 @@ def run_arm(arm: str, args, frames: int, res: int, device, dtype) -> dict:
     flops = args.layers * (6 * layer_params * S + 4 * S * S * cfg.hidden * 3.5 * kept)
     out["mfu"] = flops / (out["ms_step"] / 1e3) / (args.peak_tflops * 1e12)
     out["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-    del model, opt
     return out
 
 

@@ -22,7 +22,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import types
 
 import pytest
 import torch

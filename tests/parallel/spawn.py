@@ -2,8 +2,9 @@
 
 The pytest process already holds a 1-process gloo world (tests/conftest.py), so a multi-rank world
 needs new processes: ``run_world(fn, world, tmp_path)`` spawns ``world`` workers that join a gloo
-group through a file store in ``tmp_path`` and call ``fn(rank, world)``; a worker's exception
-fails the test, and workers still running at the deadline are killed.
+group through a file store in ``tmp_path`` and call ``fn(rank, world, *args)``; a worker's exception
+fails the test, and workers still running at the deadline are killed. Workers use one thread each
+(two cores run four ranks).
 """
 
 import datetime
@@ -14,19 +15,23 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank, fn, world, store):
+def _entry(rank, fn, world, store, args):
+    import torch
+
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
-        fn(rank, world)
+        fn(rank, world, *args)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def run_world(fn, world: int, tmp_path, deadline_s: float = 120.0) -> None:
-    """``fn(rank, world)`` on each rank of a new gloo world (``fn`` must be importable: module level)."""
-    ctx = mp.start_processes(_entry, args=(fn, world, str(tmp_path / f"store{world}")), nprocs=world, join=False,
-                             start_method="spawn")
+def run_world(fn, world: int, tmp_path, deadline_s: float = 120.0, args=()) -> None:
+    """``fn(rank, world, *args)`` on each rank of a new gloo world (``fn`` must be importable: module level)."""
+    ctx = mp.start_processes(_entry, args=(fn, world, str(tmp_path / f"store{world}"), tuple(args)), nprocs=world,
+                             join=False, start_method="spawn")
     deadline = time.monotonic() + deadline_s
     try:
         while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):

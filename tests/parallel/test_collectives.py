@@ -6,13 +6,11 @@ with fixed seeds, so it can compute the single-process reference of all ranks by
 per world size runs every check; a deadline kills the workers if anything hangs.
 """
 
-import datetime
-import time
-
 import pytest
 import torch
-import torch.multiprocessing as mp
+import torch.distributed as dist
 
+from tests.parallel.spawn import run_world
 from megatron_dsv.parallel.collectives import (
     KVGatherPlan,
     _distinct_items,
@@ -232,34 +230,13 @@ def _run_checks(rank, world, group):
     _check_selective(rank, world, group)
 
 
-def _worker(rank, world, store):
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
-    )
-    try:
-        _run_checks(rank, world, dist.group.WORLD)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _world_checks(rank, world):
+    _run_checks(rank, world, dist.group.WORLD)
 
 
 @pytest.mark.parametrize("world", [2, 4], ids=["P2", "P4"])
 def test_collectives_match_single_process(world, tmp_path):
-    store = str(tmp_path / "store")
-    ctx = mp.start_processes(_worker, args=(world, store), nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + WORLD_DEADLINE_S
-    try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                pytest.fail(f"world of {world} ranks did not finish within {WORLD_DEADLINE_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    run_world(_world_checks, world, tmp_path, deadline_s=WORLD_DEADLINE_S)
 
 
 def test_one_rank_paths_match_reference():

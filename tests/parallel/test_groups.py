@@ -2,16 +2,14 @@
 
 import json
 import os
-import time
-from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megatron_dsv.parallel import CPLayout, DSVCPGroups, cp_layouts, layout_groups
+from tests.parallel.spawn import run_world
 
 WORLD = 4
 DEADLINE_S = 120.0
@@ -98,11 +96,9 @@ def _expect_error(fn, match):
     raise AssertionError(f"no ValueError matching {match!r}")
 
 
-def _worker(rank, store, out_dir):
+def _worker(rank, world, out_dir):
     from megatron_dsv.parallel import measure_bandwidth
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=60))
     result = {}
     # 1. the world is one CP group of 4
     world_group = dist.new_group(list(range(WORLD)))
@@ -128,8 +124,6 @@ def _worker(rank, store, out_dir):
                                           "groups do not match Megatron's"))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def _expected(cp_ranks, layout, me):
@@ -140,17 +134,7 @@ def _expected(cp_ranks, layout, me):
 
 
 def test_dsv_cp_groups_on_four_gloo_processes(tmp_path):
-    ctx = mp.start_processes(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while not ctx.join(timeout=max(deadline - time.monotonic(), 0.1)):
-            if time.monotonic() > deadline:
-                pytest.fail(f"workers did not finish within {DEADLINE_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    run_world(_worker, WORLD, tmp_path, deadline_s=DEADLINE_S, args=(str(tmp_path),))
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     for me, res in enumerate(results):
         assert list(res["one"]) == [l.name for l in cp_layouts(4)]

@@ -80,3 +80,24 @@ def test_two_process_context_parallel_matches_one_process(tmp_path):
     assert single.losses == pytest.approx(ranks[0]["losses"], rel=1e-4)
     sparse_steps = [line for line in stdout.splitlines() if line.startswith(" dsv layers") and " sparse" in line]
     assert sparse_steps, "stage 2 must run some layers sparse under CP:\n" + stdout[-3000:]
+
+
+def test_context_parallel_checkpoint_resumes_exactly(tmp_path):
+    """A CP=2 run saved at iteration 3 and resumed (CP=2) continues with the uninterrupted run's losses,
+    DSV state and CP plan included."""
+    flags = [*SMALL, "--hidden-size", "128", "--model-override", "head_dim=64", "--model-override", "latent_height=16",
+             "--model-override", "latent_width=16", "--micro-batch-size", "2", "--global-batch-size", "2",
+             "--dsv-stage-switch-steps", "2", "--dsv-profile-interval", "1", "--dsv-cp-mode", "hybrid",
+             "--dsv-granularity", "token", "--dsv-sparsity-threshold", "0.3", "--context-parallel-size", "2"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    for d in (full, part):
+        d.mkdir()
+    _torchrun(full, [*flags, "--train-iters", "6", "--output-dir", str(full), "--no-save"])
+    _torchrun(part, [*flags, "--train-iters", "6", "--exit-interval", "3", "--output-dir", str(part),
+                     "--save", str(part / "ckpt"), "--save-interval", "3"])
+    stdout = _torchrun(part, [*flags, "--train-iters", "6", "--output-dir", str(part), "--load", str(part / "ckpt"),
+                              "--no-save"])
+    assert "resumed from" in stdout and "at iteration 3" in stdout
+    whole = json.load(open(full / "losses_rank0.json"))["losses"]
+    resumed = json.load(open(part / "losses_rank0.json"))["losses"]
+    assert resumed == pytest.approx(whole[3:], rel=1e-5)
