@@ -4,6 +4,8 @@ module of $PYTHON, and say what to set when that interpreter lacks megatron_dsv.
 import glob
 import os
 import re
+import shlex
+import shutil
 import subprocess
 import sys
 
@@ -50,3 +52,122 @@ def test_launcher_names_the_fix_when_python_lacks_the_package(tmp_path):
     script = os.path.join(ROOT, "examples", "video_dit", "train_torchrun.sh")
     proc = subprocess.run(["bash", script], cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "set PYTHON to the interpreter" in proc.stderr, proc.stderr
+
+
+# shellcheck -S error only on these (they carry quoting/`cd` warnings); every other script must be clean
+SHELLCHECK_WARNINGS_KNOWN = {"tools/gpu_check.sh", "tools/gpu_sparsity_study.sh"}
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed (apt-get install shellcheck)")
+@pytest.mark.parametrize("script", SCRIPTS, ids=[os.path.relpath(s, ROOT) for s in SCRIPTS])
+def test_scripts_pass_shellcheck(script):
+    rel = os.path.relpath(script, ROOT)
+    severity = ["-S", "error"] if rel in SHELLCHECK_WARNINGS_KNOWN else []
+    proc = subprocess.run(["shellcheck", "-s", "bash", *severity, script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _torchrun_dry_run(tmp_path, **env):
+    script = os.path.join(ROOT, "examples", "video_dit", "train_torchrun.sh")
+    proc = subprocess.run(["bash", script, "--seed", "7"], cwd=str(tmp_path), capture_output=True, text=True,
+                          timeout=60, env=_bare_env(PYTHON=sys.executable, DSV_DRY_RUN="1", **env))
+    return proc
+
+
+def _value(argv, flag):
+    return argv[len(argv) - 1 - argv[::-1].index(flag) + 1]
+
+
+@pytest.mark.parametrize("preset,nproc,tp,gbs,mbs,recompute", [
+    ("tiny", "2", "1", "8", "4", False),
+    ("0.8b", "8", "1", "8", "1", True),
+    ("2.7b", "8", "2", "4", "1", True),
+    ("30b", "8", "8", "1", "1", True),
+])
+def test_torchrun_launcher_preset_defaults(tmp_path, preset, nproc, tp, gbs, mbs, recompute):
+    proc = _torchrun_dry_run(tmp_path, PRESET=preset)
+    assert proc.returncode == 0, proc.stderr
+    argv = proc.stdout.splitlines()[-1].split()
+    assert argv[1:4] == ["-m", "torch.distributed.run", "--standalone"], argv
+    assert _value(argv, "--nproc-per-node") == nproc and _value(argv, "--preset") == preset
+    assert _value(argv, "--tensor-model-parallel-size") == tp and _value(argv, "--context-parallel-size") == "1"
+    assert _value(argv, "--global-batch-size") == gbs and _value(argv, "--micro-batch-size") == mbs
+    assert ("--recompute-granularity" in argv) == recompute
+    assert "--model-override" not in argv  # the preset's own latent grid
+    assert argv[-2:] == ["--seed", "7"]
+
+
+def test_torchrun_launcher_sequence_length_and_parallel_sizes(tmp_path):
+    proc = _torchrun_dry_run(tmp_path, PRESET="2.7b", NPROC="16", TP="2", CP="4", SEQ_LEN="65536")
+    assert proc.returncode == 0, proc.stderr
+    assert "latents 64x64x64 = 65536 tokens/video" in proc.stdout, proc.stdout
+    argv = proc.stdout.splitlines()[-1].split()
+    assert _value(argv, "--context-parallel-size") == "4" and _value(argv, "--global-batch-size") == "2"
+    overrides = [argv[i + 1] for i, a in enumerate(argv) if a == "--model-override"]
+    assert overrides == ["latent_frames=64", "latent_height=64", "latent_width=64"]
+
+
+@pytest.mark.parametrize("env,message", [
+    (dict(SEQ_LEN="1000"), "must be a multiple of (SIZE/2)^2 = 64"),
+    (dict(PRESET="7b"), "PRESET must be one of tiny, 0.8b, 2.7b, 30b"),
+])
+def test_torchrun_launcher_rejects_bad_settings(tmp_path, env, message):
+    proc = _torchrun_dry_run(tmp_path, **env)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+OFFLINE = os.path.join(ROOT, "tools", "offline_wheels.sh")
+
+
+def _offline(*args, **env):
+    return subprocess.run(["bash", OFFLINE, *args], capture_output=True, text=True, timeout=60,
+                          env=_bare_env(PYTHON=sys.executable, **env))
+
+
+def test_offline_wheels_help():
+    proc = _offline("--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "download DIR" in proc.stdout and "install DIR" in proc.stdout and "--python-version" in proc.stdout
+
+
+def test_offline_wheels_download_commands(tmp_path):
+    wheels = str(tmp_path / "wheels")
+    proc = _offline("download", wheels, "--python-version", "3.12", "--platform", "manylinux_2_34_x86_64",
+                    "--extras", "video", "--torch-index-url", "https://download.pytorch.org/whl/cu128", DRY_RUN="1")
+    assert proc.returncode == 0, proc.stderr
+    assert not os.path.exists(wheels)  # a dry run downloads nothing
+    lines = [shlex.split(line) for line in proc.stdout.splitlines()]
+    assert len(lines) == 3, proc.stdout
+    for argv in lines:
+        assert argv[:4] == [sys.executable, "-m", "pip", "download"], argv
+        assert _value(argv, "--dest") == wheels and "--only-binary=:all:" in argv
+        assert _value(argv, "--platform") == "manylinux_2_34_x86_64" and _value(argv, "--python-version") == "3.12"
+    assert _value(lines[0], "--index-url") == "https://download.pytorch.org/whl/cu128" and lines[0][-1] == "torch==2.13.0"
+    deps = lines[1]
+    assert _value(deps, "--find-links") == wheels and "torch==2.13.0" in deps
+    for req in ("megatron-core>=0.16.1,<0.20", "safetensors", "vizdoom>=1.2", "ale-py>=0.9"):
+        assert req in deps, deps
+    assert "pytest>=7" not in deps  # the test extra was not asked for
+    assert "setuptools>=64" in lines[2] and "pybind11>=2.10" in lines[2]
+
+
+def test_offline_wheels_install_commands(tmp_path):
+    proc = _offline("install", str(tmp_path), "--extras", "test", "--torch", "torch==2.7.1", DRY_RUN="1")
+    assert proc.returncode == 0, proc.stderr
+    first, second = (shlex.split(line) for line in proc.stdout.splitlines())
+    for argv in (first, second):
+        assert argv[:4] == [sys.executable, "-m", "pip", "install"] and "--no-index" in argv
+        assert _value(argv, "--find-links") == str(tmp_path)
+    assert first[-1] == "torch==2.7.1" and second[-2:] == ["-e", f"{ROOT}[test]"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (("download",), "download needs a folder"),
+    (("install", "/nonexistent/wheels"), "does not exist"),
+    (("download", "/tmp/w", "--extras", "nope"), "unknown extra 'nope'"),
+    (("download", "/tmp/w", "--bogus"), "unknown option '--bogus'"),
+    (("upload", "/tmp/w"), "unknown command 'upload'"),
+])
+def test_offline_wheels_rejects_bad_usage(args, message):
+    proc = _offline(*args, DRY_RUN="1" if args[0] == "download" else "0")
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr

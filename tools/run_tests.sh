@@ -9,7 +9,9 @@
 # The install (which compiles csrc/ when nvcc exists) is skipped when nothing it depends on
 # changed since the last one in this environment: a stamp in the environment holds a hash of
 # setup.py, pyproject.toml, csrc/ and the DSV_* build variables. DSV_SKIP_CUDA_BUILD=1 skips the
-# CUDA build; DSV_FORCE_REINSTALL=1 reinstalls anyway.
+# CUDA build; DSV_FORCE_REINSTALL=1 reinstalls anyway. As root on Debian/Ubuntu it also installs the
+# system packages of the real-Slurm and shellcheck tests (slurm-wlm, munge, shellcheck; ~15 s, once);
+# elsewhere, or with DSV_NO_APT=1, those tests skip and say why.
 #   bash tools/run_tests.sh [pytest args]      bash tools/run_tests.sh --install-only
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -41,6 +43,18 @@ else
   "$py" -m pip install -q -e ".[test]"
   echo "$key" > "$stamp"
 fi
+system_packages() {
+  if [ "${DSV_NO_APT:-0}" = "1" ] || { command -v slurmctld && command -v munged && command -v shellcheck; } >/dev/null; then
+    return 0
+  fi
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then
+    echo "installing slurm-wlm, munge, shellcheck (the real-Slurm and shellcheck tests)"
+    { timeout 300 apt-get update -qq && DEBIAN_FRONTEND=noninteractive timeout 300 apt-get install -y -qq \
+        slurm-wlm munge shellcheck; } >/dev/null 2>&1 ||
+      echo "apt-get install slurm-wlm munge shellcheck failed: the real-Slurm tests will skip"
+  fi
+}
+system_packages
 if [ "${1:-}" = "--install-only" ]; then
   exit 0
 fi
