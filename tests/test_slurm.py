@@ -324,3 +324,23 @@ def test_requeued_job_resumes_from_its_checkpoint(slurm_cluster, tmp_path):
     assert re.search(r"iteration +4/ +4 \|", log), log[-4000:]
     assert "attempt 2" in log, log[-4000:]
     assert _tracker(run_dir) == "4"
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_saves_before_the_job_ends(slurm_cluster, tmp_path):
+    """What Slurm sends before a time limit (--signal=TERM@90) or on preemption: SIGTERM to the job step.
+    srun and torchrun forward it; the trainers (--exit-signal-handler) save together and stop."""
+    run_dir = tmp_path / "run"
+    job = _submit(slurm_cluster, str(tmp_path), run_dir, "--train-iters 100000 --save-interval 100000 --log-interval 1")
+    deadline = time.monotonic() + 90
+    while not re.search(r"iteration +3/", _job_log(str(tmp_path), job)):
+        assert time.monotonic() < deadline, _job_log(str(tmp_path), job)[-4000:] + slurm_cluster.diagnostics()
+        time.sleep(0.5)
+    slurm_cluster.cmd("scancel", "--signal=TERM", job)
+    slurm_cluster.wait_job(job, timeout=90)
+    log = _job_log(str(tmp_path), job)
+    found = re.search(r"SIGTERM received: exiting at iteration (\d+) after saving", log)
+    assert found, log[-4000:]
+    stopped = int(found.group(1))
+    assert stopped >= 3 and _tracker(run_dir) == str(stopped), log[-4000:]
+    assert (run_dir / "checkpoints" / f"iter_{stopped:07d}").is_dir()

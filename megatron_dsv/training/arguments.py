@@ -146,6 +146,11 @@ def _add_logging_checkpoint_args(parser):
                    help="On --load, take the LR schedule from these flags, not the checkpoint (e.g. longer runs).")
     g.add_argument("--exit-interval", type=_positive_int, default=None,
                    help="Stop (after saving) once the iteration count is a multiple of this.")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="On --exit-signal (any rank), finish the iteration, save a checkpoint (with --save) and exit "
+                        "0: Slurm's preemption / time-limit warning (sbatch --signal=TERM@90) then loses no work.")
+    g.add_argument("--exit-signal", default="SIGTERM", choices=["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT"],
+                   help="The signal --exit-signal-handler catches (torchrun forwards SIGTERM to its workers).")
     g.add_argument("--no-sample", dest="sample", action="store_false", help="Skip the sample GIF at the end.")
     g.add_argument("--num-sample-videos", type=_positive_int, default=4)
     g.add_argument("--sample-steps", type=_positive_int, default=20, help="Euler steps of the sampler.")

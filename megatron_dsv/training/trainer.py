@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import List, Optional
@@ -41,6 +42,7 @@ class TrainResult:
     checkpoint: Optional[str] = None
     samples: Optional[str] = None
     dsv_stages: List[int] = field(default_factory=list)
+    signalled: bool = False  # stopped by --exit-signal-handler
     model: Optional[torch.nn.Module] = field(default=None, repr=False)
 
 
@@ -177,7 +179,7 @@ def train(args) -> TrainResult:
                                                          result.consumed_samples),
                                             checksums=not args.no_checkpoint_checksums)
     result.model = unwrap(ddp_model)
-    if args.sample and env.dp_rank == 0:
+    if args.sample and env.dp_rank == 0 and not result.signalled:
         # every tensor-parallel rank of replica 0 runs the forward (TP collectives: rank 0 alone would hang)
         from megatron_dsv.training.samples import write_samples
 
@@ -192,6 +194,7 @@ def _loop(args, env, cfg, dsv_config, ddp_model, optimizer, scheduler, batches, 
     tokens_per_sample = _tokens_per_sample(cfg)
     tb = TensorBoardWriter(args.tensorboard_dir, enabled=is_rank0())
     window = {"loss": [], "grad_norm": [], "time": 0.0, "skipped": 0}
+    exit_signal = ExitSignal(args, env)
     ddp_model.train()
     while result.iteration < args.train_iters:
         start = time.perf_counter()
@@ -219,16 +222,47 @@ def _loop(args, env, cfg, dsv_config, ddp_model, optimizer, scheduler, batches, 
             _log(result.iteration, args, window, bare, tokens_per_sample, result.consumed_samples,
                  optimizer.param_groups[0]["lr"], tb, dsv_config is not None)
             window = {"loss": [], "grad_norm": [], "time": 0.0, "skipped": 0}
-        if _should_save(args, result.iteration):
+        stop = exit_signal.agreed()
+        if _should_save(args, result.iteration) or (stop and args.save):
             result.checkpoint = save_checkpoint(args.save, result.iteration, ddp_model, optimizer, scheduler,
                                                 _train_state(args, cfg, dsv_config, result.iteration,
                                                              result.consumed_samples),
                                                 checksums=not args.no_checkpoint_checksums)
             print_rank0(f" > saved checkpoint at iteration {result.iteration} to {result.checkpoint}")
+        if stop:
+            print_rank0(f" > {exit_signal.name} received: exiting at iteration {result.iteration}"
+                        + (f" after saving to {result.checkpoint}" if args.save else " (no --save: nothing saved)"))
+            result.signalled = True
+            break
         if args.exit_interval and result.iteration % args.exit_interval == 0:
             print_rank0(f" > exiting at iteration {result.iteration} (--exit-interval {args.exit_interval})")
             break
     tb.close()
+
+
+class ExitSignal:
+    """``--exit-signal-handler``: remembers that this rank received ``--exit-signal``; :meth:`agreed`
+    tells every rank at the same iteration (one tiny all-reduce per step, only when enabled), so all
+    ranks save the same checkpoint together and leave the loop."""
+
+    def __init__(self, args, env: DistEnv):
+        self.enabled = bool(args.exit_signal_handler)
+        self.received = False
+        self.name = args.exit_signal
+        self.device = env.device if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu")
+        if self.enabled:
+            signal.signal(getattr(signal, self.name), self._on_signal)
+
+    def _on_signal(self, signum, frame):
+        self.received = True
+
+    def agreed(self) -> bool:
+        if not self.enabled:
+            return False
+        flag = torch.tensor([float(self.received)], device=self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
 
 def _should_save(args, iteration: int) -> bool:

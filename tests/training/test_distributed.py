@@ -101,3 +101,37 @@ def test_context_parallel_checkpoint_resumes_exactly(tmp_path):
     whole = json.load(open(full / "losses_rank0.json"))["losses"]
     resumed = json.load(open(part / "losses_rank0.json"))["losses"]
     assert resumed == pytest.approx(whole[3:], rel=1e-5)
+
+
+def test_exit_signal_saves_and_resumes(tmp_path):
+    """SIGTERM to torchrun (what Slurm sends before a time limit or on preemption) under
+    --exit-signal-handler: the workers finish the iteration, save together and exit 0; --load resumes there."""
+    out = tmp_path / "sig"
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    flags = [*SMALL, "--train-iters", "100000", "--micro-batch-size", "2", "--global-batch-size", "4", "--no-dsv",
+             "--output-dir", str(out), "--save", str(out / "ckpt"), "--save-interval", "100000",
+             "--exit-signal-handler"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(REPO, "tests", "training", "_dp_worker.py"), str(out), *flags]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=str(out), start_new_session=True)
+    lines = []
+    try:
+        for line in proc.stdout:  # wait until training is under way, then signal torchrun only
+            lines.append(line)
+            if "iteration        3/" in line:
+                proc.send_signal(signal.SIGTERM)
+                break
+        rest, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("the signalled run did not stop:\n" + "".join(lines)[-3000:])
+    stdout = "".join(lines) + rest
+    assert "SIGTERM received: exiting at iteration" in stdout, stdout[-3000:]
+    stopped = int(stdout.split("SIGTERM received: exiting at iteration ")[1].split()[0])
+    assert stopped >= 3 and (out / "ckpt" / f"iter_{stopped:07d}").exists()
+    resumed = run(tmp_path, "--train-iters", str(stopped + 1), "--micro-batch-size", "2", "--global-batch-size", "4",
+                  "--no-dsv", "--load", str(out / "ckpt"), "--no-save", name="after")
+    assert resumed.start_iteration == stopped and len(resumed.losses) == 1
