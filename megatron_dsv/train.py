@@ -1,8 +1,9 @@
 """Entry point: ``python -m megatron_dsv.train [flags]`` (console script ``dsv-train``).
 
-With no flags it runs the embedded default: the tiny video DiT with DSV attention on synthetic
-videos (fp32 on CPU, bf16 on GPU), 300 iterations with stage 1 -> stage 2 at iteration 150,
-checkpoints and a sample GIF under ``outputs/default/``. Under torchrun every process runs this same
+``--use-dsv-attention`` alone runs the embedded default: the tiny video DiT with DSV attention on
+synthetic videos (fp32 on CPU, bf16 on GPU), 300 iterations with stage 1 -> stage 2 at iteration 150,
+checkpoints and a sample GIF under ``outputs/default/``; without the switch the same job trains with
+dense attention (as a Megatron-LM launch script without ``--use-dsv-attention``). Under torchrun every process runs this same
 command.
 """
 

@@ -30,7 +30,7 @@ for s in $stages; do
     build) run build 300 env DSV_FORCE_CUDA_BUILD=1 python3 setup.py -q build_ext --inplace ;;
     tests) run tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/attention tests/models \
              tests/training tests/ops/test_topk_estimation.py -k "not slow" ;;
-    train) run train 240 python3 -m megatron_dsv.train --output-dir /tmp/dsv_default
+    train) run train 240 python3 -m megatron_dsv.train --use-dsv-attention --output-dir /tmp/dsv_default
            cp /tmp/dsv_default/samples/*.gif "$out/" 2>/dev/null ;;
     recall) run recall 420 python3 benchmarks/bench_recall.py --preset 0.8b --layers 12 --grid 16 64 64 --batch 1 \
               --steps 1300 --stage1-steps 1050 --lr 5e-4 --warmup 100 --profile-every 25 --log-every 100 \

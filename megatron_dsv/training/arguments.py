@@ -2,7 +2,8 @@
 
 Flag names follow Megatron-LM (``--micro-batch-size``, ``--train-iters``, ``--lr``, ``--save``...)
 so a launch script reads the same under either entry point. With no flags at all, the embedded
-default runs: tiny preset, DSV on, synthetic videos, a stage switch by the step rule mid-run.
+default runs: tiny preset, synthetic videos, and with ``--use-dsv-attention`` (the switch, as in Megatron-LM
+scripts) DSV with a stage switch by the step rule mid-run.
 """
 
 from __future__ import annotations
@@ -161,17 +162,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m megatron_dsv.train",
         description="Train a video DiT with DSV sparse attention on megatron-core (no Megatron-LM needed). "
-                    "With no flags: tiny preset, DSV on, synthetic videos, a few minutes on a CPU.")
+                    "With no flags: tiny preset, dense attention, synthetic videos, a few minutes on a CPU; "
+                    "--use-dsv-attention turns DSV on, as in Megatron-LM launch scripts.")
     add_video_dit_args(parser)
     _add_model_shape_args(parser)
     _add_training_args(parser)
     _add_parallel_args(parser)
     _add_logging_checkpoint_args(parser)
     add_dsv_args(parser)
-    # The embedded default trains with DSV; --no-dsv gives the dense baseline.
+    # --use-dsv-attention (add_dsv_args) is the switch, as in Megatron-LM scripts; --no-dsv says "dense" explicitly.
     parser.add_argument("--no-dsv", dest="use_dsv_attention", action="store_false",
-                        help="Dense attention (DSV is on by default in this trainer).")
-    parser.set_defaults(use_dsv_attention=True, dsv_stage_switch_steps=DEFAULT_STAGE_SWITCH_STEPS, **DEMO_DSV_DEFAULTS)
+                        help="Dense attention (the default; cancels an earlier --use-dsv-attention).")
+    parser.set_defaults(use_dsv_attention=False, dsv_stage_switch_steps=DEFAULT_STAGE_SWITCH_STEPS, **DEMO_DSV_DEFAULTS)
     return parser
 
 

@@ -32,7 +32,7 @@ def test_bad_flag_names_the_flag(flags, named, capsys):
 @pytest.mark.parametrize("flags, message", [
     (["--preset", "huge"], "preset must be one of"),
     (["--model-override", "no_such_field=3"], "unknown VideoDiTConfig field"),
-    (["--dsv-theta", "1.5"], "DSVConfig.theta"),
+    (["--use-dsv-attention", "--dsv-theta", "1.5"], "DSVConfig.theta"),
     pytest.param(["--bf16"], "--bf16 needs a GPU", marks=CPU_ONLY),
     pytest.param(["--tensor-model-parallel-size", "2"], "needs GPUs", marks=CPU_ONLY),
     pytest.param(["--recompute-granularity", "full"], "--recompute-granularity full needs a GPU", marks=CPU_ONLY),
@@ -44,10 +44,12 @@ def test_bad_values_exit_with_a_clear_message(tmp_path, flags, message, capsys):
 
 
 def test_defaults_are_the_embedded_demo():
-    args = parse_args([])
+    """The README's main job is the defaults plus --use-dsv-attention, the switch of Megatron-LM scripts."""
+    args = parse_args(["--use-dsv-attention"])
     assert args.preset == "tiny" and args.use_dsv_attention and args.dsv_stage_switch_steps == 150
     assert args.train_iters == 300 and args.save.endswith("outputs/default/checkpoints") and args.sample
-    assert not parse_args(["--no-dsv"]).use_dsv_attention
+    assert not parse_args([]).use_dsv_attention  # without the switch: dense attention
+    assert not parse_args(["--use-dsv-attention", "--no-dsv"]).use_dsv_attention
 
 
 def test_embedded_default_runs_sparse_at_the_demo_sparsity():
@@ -59,7 +61,7 @@ def test_embedded_default_runs_sparse_at_the_demo_sparsity():
     from megatron_dsv.arguments import dsv_config_from_args
     from megatron_dsv.attention.dispatcher import SpeedupTable, plan_layer
 
-    cfg = dsv_config_from_args(parse_args([]))
+    cfg = dsv_config_from_args(parse_args(["--use-dsv-attention"]))
     assert cfg.budget_rule == "sparsity" and cfg.sparsity_threshold == 0.4
     table = SpeedupTable.from_config(cfg, head_dim=64)
     sparsity, density = torch.full((2,), 0.55), torch.full((2,), 0.9)
