@@ -15,11 +15,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank, fn, world, store, args):
+def _entry(rank, fn, world, store, args, backend):
     import torch
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
         fn(rank, world, *args)
@@ -28,10 +30,11 @@ def _entry(rank, fn, world, store, args):
         dist.destroy_process_group()
 
 
-def run_world(fn, world: int, tmp_path, deadline_s: float = 120.0, args=()) -> None:
-    """``fn(rank, world, *args)`` on each rank of a new gloo world (``fn`` must be importable: module level)."""
-    ctx = mp.start_processes(_entry, args=(fn, world, str(tmp_path / f"store{world}"), tuple(args)), nprocs=world,
-                             join=False, start_method="spawn")
+def run_world(fn, world: int, tmp_path, deadline_s: float = 120.0, args=(), backend: str = "gloo") -> None:
+    """``fn(rank, world, *args)`` on each rank of a new world (``fn`` must be importable: module level);
+    ``backend="nccl"``: rank r on GPU r."""
+    ctx = mp.start_processes(_entry, args=(fn, world, str(tmp_path / f"store{world}"), tuple(args), backend),
+                             nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + deadline_s
     try:
         while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
