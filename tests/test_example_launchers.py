@@ -171,3 +171,18 @@ def test_offline_wheels_install_commands(tmp_path):
 def test_offline_wheels_rejects_bad_usage(args, message):
     proc = _offline(*args, DRY_RUN="1" if args[0] == "download" else "0")
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+def test_megatron_lm_gpt_launcher_dry_run(tmp_path):
+    """The patched-path launcher: Megatron-LM's pretrain_gpt.py with --use-dsv-attention and the given sizes."""
+    script = os.path.join(ROOT, "examples", "megatron_lm", "pretrain_gpt_dsv.sh")
+    env = dict(os.environ, MEGATRON_LM=str(tmp_path), DSV_DRY_RUN="1", NPROC="2", SEQ_LEN="4096", CP="2")
+    out = subprocess.run(["bash", script, "--seed", "7"], env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    cmd = out.stdout.strip()
+    assert cmd.startswith(f"cd {tmp_path} && ") and "pretrain_gpt.py --use-dsv-attention" in cmd
+    for piece in ("--nproc-per-node 2", "--seq-length 4096", "--context-parallel-size 2", "--attention-dropout 0.0",
+                  "--dsv-cp-mode hybrid", "--seed 7"):
+        assert piece in cmd, piece
+    bad = subprocess.run(["bash", script], env=dict(env, SEQ_LEN="1000"), capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "SEQ_LEN=1000 must be a multiple of 128" in bad.stderr
