@@ -49,8 +49,9 @@ def measure(fn, rep=100):
     return ms, peak
 
 
-def run(sizes, triton_max_s, out_dir, G=32, block=64, backends=("cuda", "triton", "torch_topk")):
-    """One row per (S, backend, granularity); G query-group size, ``block`` KV block size."""
+def run(sizes, triton_max_s, out_dir, G=32, block=64, backends=("cuda", "triton", "torch_topk"), triton_method="auto"):
+    """One row per (S, backend, granularity); G query-group size, ``block`` KV block size,
+    ``triton_method`` the Triton backend's method (auto | search | sample)."""
     bench = "topk_estimation" if (G, block) == (32, 64) else f"topk_estimation-g{G}-b{block}"
     rows = []
     meta = collect_meta()
@@ -68,8 +69,8 @@ def run(sizes, triton_max_s, out_dir, G=32, block=64, backends=("cuda", "triton"
                     cool_down_s=COOL_DOWN_S)
         cases = [("cuda", "token", K, lambda: estimate_topk_cuda(q, k, K, G)),
                  ("cuda", "block", Kb, lambda: estimate_topk_cuda(q, k, Kb, G, block)),
-                 ("triton", "token", K, lambda: estimate_topk_triton(q, k, K, G)),
-                 ("triton", "block", Kb, lambda: estimate_topk_triton(q, k, Kb, G, block)),
+                 ("triton", "token", K, lambda: estimate_topk_triton(q, k, K, G, method=triton_method)),
+                 ("triton", "block", Kb, lambda: estimate_topk_triton(q, k, Kb, G, block, method=triton_method)),
                  ("torch_topk", "token", K, lambda: artifact_topk(q, k, K, G))]
         size_rows = []
         for backend, gran, kk, fn in cases:
@@ -77,6 +78,8 @@ def run(sizes, triton_max_s, out_dir, G=32, block=64, backends=("cuda", "triton"
                 continue
             row = dict(base, backend=backend, granularity=gran, block_size=block if gran == "block" else 0, K=kk,
                        out_bytes=NG * H * kk * 4)
+            if backend == "triton":
+                row["triton_method"] = triton_method
             if backend == "triton" and S > triton_max_s:
                 row["skipped"] = f"S > {triton_max_s} (too slow for the lease)"
                 size_rows.append(row)
@@ -126,12 +129,15 @@ def main():
     ap.add_argument("--group-size", type=int, default=32, help="query group size G (results file tagged when not 32)")
     ap.add_argument("--block-size", type=int, default=64, help="KV block size of the block-level rows")
     ap.add_argument("--backends", default="cuda,triton,torch_topk", help="comma-separated subset to run")
+    ap.add_argument("--triton-method", default="auto", choices=("auto", "search", "sample"),
+                    help="method of the Triton backend (auto = search until measured)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else (
         [16384, 65536] if args.quick else [16384, 32768, 65536, 131072])
-    run(sizes, args.triton_max_s, args.out, args.group_size, args.block_size, tuple(args.backends.split(",")))
+    run(sizes, args.triton_max_s, args.out, args.group_size, args.block_size, tuple(args.backends.split(",")),
+        args.triton_method)
 
 
 if __name__ == "__main__":

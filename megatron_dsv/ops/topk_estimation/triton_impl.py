@@ -1,4 +1,4 @@
-"""Triton backend: two kernels, same score definition and order as ``naive.py``.
+"""Triton backend: search kernels + the sample kernel, same score definition and order as ``naive.py``.
 
 ``_tk_threshold``: per query group, the K-th best item's ordered score key by a
 16-way search over the 32-bit key space (8 passes over the keys, each counting
@@ -6,11 +6,17 @@ items at or above 16 probes), plus the number of items strictly above it.
 ``_tk_write``: one ordered pass writing items above the threshold and the first
 (K - above) items equal to it, lower index first; lists come out ascending.
 Scores are recomputed in every pass (r is tiny), so memory is the output alone.
+Method "sample" (``_tk_sample``, see its docstring): a sampled threshold window, one scoring pass
+over all items into a per-group candidate buffer, exact selection on the buffer; groups whose window
+missed are redone by the two kernels above (flagged groups only, no host sync). "auto" = "search"
+until a GPU has measured "sample".
 The kernels' ``S`` is the KEY length (k_lr's Sk, may differ from q_lr's Sq):
 proxies are precomputed per query group, so the kernels never see Sq.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -19,7 +25,7 @@ import triton.language as tl
 from .common import check_problem
 from .naive import group_proxies
 
-__all__ = ["estimate_topk_triton"]
+__all__ = ["estimate_topk_triton", "sample_plan", "sample_positions", "METHODS"]
 
 _NPROBE = 16
 _NPASS = 9  # (17-way split) 8 passes shrink 2^32 to 1; one spare
@@ -30,6 +36,14 @@ def _item_scores(Pb, Kb, offs_g, mask_g, it0, S, n_items,
                  R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr):
     items = it0 + tl.arange(0, BN)
     valid = items < n_items
+    key = _scores_at(Pb, Kb, offs_g, mask_g, items, valid, S, R, BG, BN, BS, LSE)
+    return key, items, valid
+
+
+@triton.jit
+def _scores_at(Pb, Kb, offs_g, mask_g, items, valid, S,
+               R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr):
+    """Ordered int32 keys [BG, BN] of the items ``items`` [BN] (any order, ``valid`` masks loads)."""
     if BS == 0:
         # [BG, BN]; sums in order d = 0..R-1 as the reference, with explicit fma: exact for
     # bf16/fp16 (products are exact), and the same instructions in both kernels for fp32
@@ -61,18 +75,23 @@ def _item_scores(Pb, Kb, offs_g, mask_g, it0, S, n_items,
     s = s + 0.0  # -0.0 -> +0.0
     key = s.to(tl.int32, bitcast=True)
     key = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)  # monotone int32 key of the float
-    return key, items, valid
+    return key
 
 
 @triton.jit
-def _tk_threshold(P, Kp, Counts, Tout, GTout, S, n_items, NG,
+def _tk_threshold(P, Kp, Counts, Tout, GTout, Flags, S, n_items, NG,
                   R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr,
-                  NPROBE: tl.constexpr, NPASS: tl.constexpr):
+                  NPROBE: tl.constexpr, NPASS: tl.constexpr, HAS_FLAGS: tl.constexpr):
     pid_g = tl.program_id(0)
     bh = tl.program_id(1)
     K = tl.load(Counts + bh)
     offs_g = pid_g * BG + tl.arange(0, BG)
     mask_g = offs_g < NG
+    n_loop = n_items
+    if HAS_FLAGS:  # fallback of method "sample": only the flagged groups; a tile without any skips the passes
+        fl = tl.load(Flags + bh * NG + offs_g, mask=mask_g, other=0)
+        mask_g = mask_g & (fl != 0)
+        n_loop = tl.where(tl.max(fl, axis=0) != 0, n_items, 0)
     Pb = P + bh.to(tl.int64) * NG * R
     Kb = Kp + bh.to(tl.int64) * S * R
     # invariant: count(key >= lo) >= K > count(key >= hi) = c_hi
@@ -83,7 +102,7 @@ def _tk_threshold(P, Kp, Counts, Tout, GTout, S, n_items, NG,
     for _ in range(NPASS):
         probes = lo[:, None] + ((hi - lo)[:, None] * m[None, :]) // (NPROBE + 1)  # [BG, NPROBE]
         cnt = tl.zeros([BG, NPROBE], tl.int32)
-        for it0 in range(0, n_items, BN):
+        for it0 in range(0, n_loop, BN):
             key, items, valid = _item_scores(Pb, Kb, offs_g, mask_g, it0, S, n_items, R, BG, BN, BS, LSE)
             ge = (key.to(tl.int64)[:, :, None] >= probes[:, None, :]) & valid[None, :, None]  # [BG, BN, NPROBE]
             cnt += tl.sum(ge.to(tl.int32), axis=1)
@@ -99,13 +118,19 @@ def _tk_threshold(P, Kp, Counts, Tout, GTout, S, n_items, NG,
 
 
 @triton.jit
-def _tk_write(P, Kp, Counts, Tin, GTin, Out, S, n_items, NG, KMAX,
-              R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr):
+def _tk_write(P, Kp, Counts, Tin, GTin, Out, Flags, S, n_items, NG, KMAX,
+              R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr,
+              HAS_FLAGS: tl.constexpr):
     pid_g = tl.program_id(0)
     bh = tl.program_id(1)
     K = tl.load(Counts + bh)
     offs_g = pid_g * BG + tl.arange(0, BG)
     mask_g = offs_g < NG
+    n_loop = n_items
+    if HAS_FLAGS:
+        fl = tl.load(Flags + bh * NG + offs_g, mask=mask_g, other=0)
+        mask_g = mask_g & (fl != 0)
+        n_loop = tl.where(tl.max(fl, axis=0) != 0, n_items, 0)
     Pb = P + bh.to(tl.int64) * NG * R
     Kb = Kp + bh.to(tl.int64) * S * R
     t = tl.load(Tin + bh * NG + offs_g, mask=mask_g, other=0)
@@ -113,7 +138,7 @@ def _tk_write(P, Kp, Counts, Tin, GTin, Out, S, n_items, NG, KMAX,
     o_rows = Out + (bh.to(tl.int64) * NG + offs_g) * KMAX  # [BG]
     run_sel = tl.zeros([BG], tl.int32)
     run_eq = tl.zeros([BG], tl.int32)
-    for it0 in range(0, n_items, BN):
+    for it0 in range(0, n_loop, BN):
         key, items, valid = _item_scores(Pb, Kb, offs_g, mask_g, it0, S, n_items, R, BG, BN, BS, LSE)
         ok = valid[None, :] & mask_g[:, None]
         gt = (key > t[:, None]) & ok
@@ -126,12 +151,193 @@ def _tk_write(P, Kp, Counts, Tin, GTin, Out, S, n_items, NG, KMAX,
         run_eq += tl.sum(eq.to(tl.int32), axis=1)
 
 
+@triton.jit
+def _narrow(lo, hi, c_hi, probes, cnt, K):
+    """One step of the k-th search: keep count(key >= lo) >= K > count(key >= hi) = c_hi (K scalar
+    or [BG]); probes [BG, NPROBE] int64 strictly inside (lo, hi), cnt their counts."""
+    ok = cnt >= K
+    new_lo = tl.max(tl.where(ok, probes, lo[:, None]), axis=1)
+    new_hi = tl.min(tl.where(ok, hi[:, None], probes), axis=1)
+    c_new = tl.max(tl.where(ok, -1, cnt), axis=1)
+    c_hi = tl.where(new_hi < hi, c_new, c_hi)
+    return new_lo, new_hi, c_hi
+
+
+@triton.jit
+def _tk_sample(P, Kp, Counts, Out, Bidx, Bkey, Flags, S, n_items, NG, KMAX, CAP, F, NSV, Z,
+               R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr,
+               NPROBE: tl.constexpr, NPASS: tl.constexpr):
+    """Method "sample", one program = (b, h, BG query groups):
+    1. thresholds from a stratified sample (item j*F + hash(j) % F of stratum j, NSV strata): the
+       sampled keys of rank m_lo ~ Texp + Z sqrt(Texp) (t_lo) and m_hi ~ Texp - Z sqrt(Texp) (t_hi),
+       Texp = K * NSV / n_items sampled items expected at or above the K-th best (16-probe search
+       over the sample, scores recomputed per pass: NSV << n_items);
+    2. ONE pass over all items: (index, key) of every item with key >= t_lo appended, in item order,
+       to the group's buffer (capacity CAP), and the exact count of items with key > t_hi;
+    3. the K-th best key t among the candidates (16-probe search on the buffer, started from
+       [t_lo, t_hi + 1] when fewer than K items are above t_hi), then the buffer rewritten to the
+       output rows: key > t, and the first (K - count(key > t)) items with key == t (lower index);
+    4. groups with fewer than K candidates, or more than CAP, get Flags = 1 and no output: the host
+       runs the exact search kernels on those groups only (no host sync).
+    """
+    pid_g = tl.program_id(0)
+    bh = tl.program_id(1)
+    K = tl.load(Counts + bh)
+    offs_g = pid_g * BG + tl.arange(0, BG)
+    mask_g = offs_g < NG
+    rows = bh.to(tl.int64) * NG + offs_g  # [BG]
+    o_rows = Out + rows * KMAX
+    if K >= n_items:  # every item, in order
+        for j0 in range(0, K, BN):
+            j = j0 + tl.arange(0, BN)
+            tl.store(o_rows[:, None] + j[None, :], j[None, :], mask=mask_g[:, None] & (j < K)[None, :])
+    elif K > 0:
+        Pb = P + bh.to(tl.int64) * NG * R
+        Kb = Kp + bh.to(tl.int64) * S * R
+        # ---- 1. sample ranks and thresholds
+        texp = K.to(tl.float32) * NSV / n_items
+        marg = Z * tl.sqrt(texp)
+        if F == 1:  # the sample is every item: exact ranks
+            m_lo = K
+            m_hi = K - 1
+        else:
+            m_lo = tl.minimum((texp + marg).to(tl.int32) + 2, NSV)
+            m_hi = tl.maximum((texp - marg).to(tl.int32) - 1, 0)
+        lo_l = tl.full([BG], -2147483648, tl.int64)
+        hi_l = tl.full([BG], 2147483648, tl.int64)
+        c_l = tl.zeros([BG], tl.int32)
+        lo_h = tl.full([BG], -2147483648, tl.int64)
+        hi_h = tl.full([BG], 2147483648, tl.int64)
+        c_h = tl.zeros([BG], tl.int32)
+        m = (tl.arange(0, NPROBE) + 1).to(tl.int64)
+        for _ in range(NPASS):
+            pr_l = lo_l[:, None] + ((hi_l - lo_l)[:, None] * m[None, :]) // (NPROBE + 1)
+            pr_h = lo_h[:, None] + ((hi_h - lo_h)[:, None] * m[None, :]) // (NPROBE + 1)
+            cnt_l = tl.zeros([BG, NPROBE], tl.int32)
+            cnt_h = tl.zeros([BG, NPROBE], tl.int32)
+            for j0 in range(0, NSV, BN):
+                js = j0 + tl.arange(0, BN)
+                jv = js < NSV
+                start = js.to(tl.int64) * F
+                ln = tl.maximum(tl.minimum(n_items - start, F), 1)
+                hsh = ((js.to(tl.int64) * 1779033703) & 0x7FFFFFFF) >> 7  # scatter within the stratum
+                items = tl.where(jv, start + hsh % ln, 0)
+                key = _scores_at(Pb, Kb, offs_g, mask_g, items, jv, S, R, BG, BN, BS, LSE).to(tl.int64)
+                cnt_l += tl.sum(((key[:, :, None] >= pr_l[:, None, :]) & jv[None, :, None]).to(tl.int32), axis=1)
+                cnt_h += tl.sum(((key[:, :, None] >= pr_h[:, None, :]) & jv[None, :, None]).to(tl.int32), axis=1)
+            lo_l, hi_l, c_l = _narrow(lo_l, hi_l, c_l, pr_l, cnt_l, m_lo)
+            lo_h, hi_h, c_h = _narrow(lo_h, hi_h, c_h, pr_h, cnt_h, m_hi)
+        t_lo = lo_l.to(tl.int32)  # m_lo-th best sampled key
+        t_hi = lo_h  # m_hi-th best sampled key (2^31 - 1 when m_hi == 0), int64
+        # ---- 2. the one full pass: candidates >= t_lo into the buffer, exact count above t_hi
+        b_rows = rows * CAP
+        run = tl.zeros([BG], tl.int32)
+        a_hi = tl.zeros([BG], tl.int32)
+        for it0 in range(0, n_items, BN):
+            key, items, valid = _item_scores(Pb, Kb, offs_g, mask_g, it0, S, n_items, R, BG, BN, BS, LSE)
+            ok = valid[None, :] & mask_g[:, None]
+            cand = (key >= t_lo[:, None]) & ok
+            pos = run[:, None] + tl.cumsum(cand.to(tl.int32), axis=1) - 1
+            st = cand & (pos < CAP)
+            tl.store(Bidx + b_rows[:, None] + pos, tl.broadcast_to(items[None, :], (BG, BN)), mask=st)
+            tl.store(Bkey + b_rows[:, None] + pos, key, mask=st)
+            run += tl.sum(cand.to(tl.int32), axis=1)
+            a_hi += tl.sum(((key.to(tl.int64) > t_hi[:, None]) & ok).to(tl.int32), axis=1)
+        good = mask_g & (run >= K) & (run <= CAP)
+        tl.store(Flags + rows, (mask_g & ~good).to(tl.int32), mask=mask_g)
+        tl.debug_barrier()  # the buffer rows written above are read back by other threads below
+        # ---- 3. exact K-th key among the candidates: count(>= lo) >= K > count(>= hi) = c_hi
+        n_c = tl.where(good, run, 0)
+        n_max = tl.max(n_c, axis=0)
+        lo = t_lo.to(tl.int64)
+        use_hi = a_hi < K
+        hi = tl.where(use_hi, t_hi + 1, 2147483648)
+        c_hi = tl.where(use_hi, a_hi, 0)
+        hi = tl.where(good, hi, lo + 1)  # failed groups: nothing to search
+        while tl.max(hi - lo, axis=0) > 1:
+            probes = lo[:, None] + ((hi - lo)[:, None] * m[None, :]) // (NPROBE + 1)
+            cnt = tl.zeros([BG, NPROBE], tl.int32)
+            for c0 in range(0, n_max, BN):
+                cp = c0 + tl.arange(0, BN)
+                cv = cp[None, :] < n_c[:, None]
+                key = tl.load(Bkey + b_rows[:, None] + cp[None, :], mask=cv, other=0).to(tl.int64)
+                cnt += tl.sum(((key[:, :, None] >= probes[:, None, :]) & cv[:, :, None]).to(tl.int32), axis=1)
+            live = (hi - lo) > 1
+            n_lo, n_hi, n_ch = _narrow(lo, hi, c_hi, probes, cnt, K)
+            lo = tl.where(live, n_lo, lo)
+            hi = tl.where(live, n_hi, hi)
+            c_hi = tl.where(live, n_ch, c_hi)
+        # ---- 4. write: candidates are in item order, so the lists come out ascending
+        t = lo.to(tl.int32)
+        need_eq = K - c_hi
+        run_sel = tl.zeros([BG], tl.int32)
+        run_eq = tl.zeros([BG], tl.int32)
+        for c0 in range(0, n_max, BN):
+            cp = c0 + tl.arange(0, BN)
+            cv = cp[None, :] < n_c[:, None]
+            key = tl.load(Bkey + b_rows[:, None] + cp[None, :], mask=cv, other=0)
+            idx = tl.load(Bidx + b_rows[:, None] + cp[None, :], mask=cv, other=0)
+            gt = (key > t[:, None]) & cv
+            eq = (key == t[:, None]) & cv
+            eq_rank = run_eq[:, None] + tl.cumsum(eq.to(tl.int32), axis=1)
+            sel = gt | (eq & (eq_rank <= need_eq[:, None]))
+            pos = run_sel[:, None] + tl.cumsum(sel.to(tl.int32), axis=1) - 1
+            tl.store(o_rows[:, None] + pos, idx, mask=sel)
+            run_sel += tl.sum(sel.to(tl.int32), axis=1)
+            run_eq += tl.sum(eq.to(tl.int32), axis=1)
+
+
+METHODS = ("auto", "search", "sample")
+
+
+def sample_plan(n_items: int, kmax: int, sample_size: int = 1024, z: float = 4.0):
+    """(F, NSV, CAP) of method "sample": stratum length F, strata (sampled items) NSV, candidate
+    buffer capacity per group CAP (expected candidates at kmax plus z standard deviations)."""
+    F = max(1, -(-n_items // sample_size))
+    nsv = -(-n_items // F)
+    if F == 1:
+        cap = kmax + int(z * math.sqrt(kmax)) + 16  # exact threshold: the slack is for ties only
+    else:
+        texp = kmax * nsv / n_items
+        m_lo = min(nsv, int(texp + z * math.sqrt(texp)) + 2)
+        cap = int((m_lo + z * math.sqrt(m_lo) + 2) * F)
+    cap = -(-cap // 16) * 16
+    return F, nsv, max(kmax, min(n_items, cap))
+
+
+def sample_positions(n_items: int, sample_size: int = 1024) -> torch.Tensor:
+    """The items method "sample" scores to place its window (the kernel's stratified hash), int64;
+    for tests that build inputs the sample cannot see."""
+    F = max(1, -(-n_items // sample_size))
+    js = torch.arange(-(-n_items // F), dtype=torch.int64)
+    start = js * F
+    ln = torch.clamp(torch.clamp(n_items - start, max=F), min=1)
+    return start + (((js * 1779033703) & 0x7FFFFFFF) >> 7) % ln
+
+
 def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="mean", block_score="max",
-                         BG: int = 16, BN: int = 0):
+                         BG: int = 16, BN: int = 0, method: str = "auto", *, sample_size: int = 1024,
+                         z: float = 4.0, capacity: int = 0, stats: dict | None = None):
     """Same contract as :func:`estimate_topk`, on Triton (GPU, or CPU under TRITON_INTERPRET=1).
-    q_lr [B, H, Sq, r], k_lr [B, H, Sk, r]: Sk may differ from Sq."""
+    q_lr [B, H, Sq, r], k_lr [B, H, Sk, r]: Sk may differ from Sq.
+
+    ``method``: "search" (two kernels: 16-probe search, 9 passes over all items, then the ordered
+    write pass), "sample" (:func:`_tk_sample`: a sampled threshold window, one pass over all items
+    into a per-group candidate buffer, exact selection on the buffer; groups whose window missed
+    fall back to the search kernels, on those groups only, without a host sync), or "auto", which is
+    "search" until a GPU has measured "sample" (both give the same lists, the naive ones).
+    "sample" knobs: ``sample_size`` (items scored to place the window), ``z`` (window half-width in
+    standard deviations), ``capacity`` (candidate buffer per group; 0 = :func:`sample_plan`'s, a
+    smaller value forces overflow in tests). Extra memory of "sample": B*H*NG*capacity*8 bytes.
+    ``stats``: a dict that receives ``fallback_groups`` (a host sync; for tests and benchmarks).
+    """
+    if method not in METHODS:
+        raise ValueError(f"estimate_topk_triton: `method` must be one of {METHODS}, got {method!r}")
+    method = "search" if method == "auto" else method
     P = check_problem(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score)
     out = torch.full((P.B, P.H, P.num_groups, P.kmax), -1, dtype=torch.int32, device=q_lr.device)
+    if stats is not None:
+        stats["fallback_groups"] = 0
     if P.kmax == 0:
         return out, P.counts
     proxies = group_proxies(q_lr.contiguous(), group_size, proxy).contiguous()  # [B, H, NG, r]
@@ -142,7 +348,21 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     BN = BN or (64 if block_size == 0 else 16)
     grid = (triton.cdiv(P.num_groups, BG), P.B * P.H)
     meta = dict(R=P.r, BG=BG, BN=BN, BS=block_size, LSE=block_score == "lse")
-    _tk_threshold[grid](proxies, k, counts, thr, above, P.Sk, P.num_items, P.num_groups,
-                        NPROBE=_NPROBE, NPASS=_NPASS, **meta)
-    _tk_write[grid](proxies, k, counts, thr, above, out, P.Sk, P.num_items, P.num_groups, P.kmax, **meta)
+    flags = thr  # unused by "search"
+    if method == "sample":
+        F, nsv, cap = sample_plan(P.num_items, P.kmax, sample_size, z)
+        cap = capacity or cap
+        flags = torch.zeros(P.B, P.H, P.num_groups, dtype=torch.int32, device=q_lr.device)
+        bidx = torch.empty(P.B * P.H * P.num_groups * cap, dtype=torch.int32, device=q_lr.device)
+        bkey = torch.empty_like(bidx)
+        _tk_sample[grid](proxies, k, counts, out, bidx, bkey, flags, P.Sk, P.num_items, P.num_groups, P.kmax,
+                         cap, F, nsv, float(z), NPROBE=_NPROBE, NPASS=_NPASS, **meta)
+        del bidx, bkey
+        if stats is not None:
+            stats["fallback_groups"] = int(flags.sum())
+    fb = method == "sample"
+    _tk_threshold[grid](proxies, k, counts, thr, above, flags, P.Sk, P.num_items, P.num_groups,
+                        NPROBE=_NPROBE, NPASS=_NPASS, HAS_FLAGS=fb, **meta)
+    _tk_write[grid](proxies, k, counts, thr, above, out, flags, P.Sk, P.num_items, P.num_groups, P.kmax,
+                    HAS_FLAGS=fb, **meta)
     return out, counts

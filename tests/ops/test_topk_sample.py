@@ -1,0 +1,127 @@
+"""Triton top-k, method "sample" (sampled threshold window, one pass into a candidate buffer, exact
+selection on the buffer, exact "search" fallback per group): the same lists as naive, exactly.
+
+Exactness needs the scores to be bit-identical: fp16 inputs (exact products), or fp32 inputs with
+exact proxies (integer keys and queries, "middle" or a mean over a power-of-two count). The Triton
+kernels sum with fma, naive with separate multiply and add, so an fp32 "mean" proxy that is not exact
+(a partial last group, G not a power of two) can make either Triton method differ from naive in the
+last bit of a near-tie, method "search" as much as "sample".
+
+Runs under the Triton interpreter on this CPU machine (fp32 and fp16; bf16 is broken there) and on
+CUDA when a GPU is present. ``sample_size`` is made small so that small problems still sample with a
+stride F > 1 (the interesting path); the default sample_size covers the exact-sample case F = 1.
+The fallback is forced by a too-small candidate buffer and by inputs built against the sample's
+positions (``sample_positions``), and the tests check through ``stats`` that it really ran.
+"""
+
+import pytest
+import torch
+
+from megatron_dsv.ops.topk_estimation import estimate_topk_naive
+from megatron_dsv.ops.topk_estimation.triton_impl import (estimate_topk_triton, sample_plan,
+                                                          sample_positions)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16]
+
+
+def _ints(shape, dtype, seed, lo=-3, hi=4):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(lo, hi, shape, generator=g).to(dtype).to(DEV)
+
+
+def _check(q, k, budgets, G, bs=0, proxy="mean", bscore="max", **kw):
+    budgets = torch.as_tensor(budgets)
+    ref = estimate_topk_naive(q, k, budgets, G, bs, proxy, bscore)
+    st = {}
+    got = estimate_topk_triton(q, k, budgets, G, bs, proxy, bscore, method="sample", stats=st, **kw)
+    assert torch.equal(ref[1], got[1])
+    assert got[0].shape == ref[0].shape and got[0].dtype == torch.int32
+    bad = (ref[0] != got[0]).nonzero()
+    assert bad.numel() == 0, f"{bad.shape[0]} entries differ, first at {bad[:3].tolist()}"
+    return st["fallback_groups"]
+
+
+CASES = [  # B, H, Sq, Sk, r, G, block_size, proxy, block_score, budgets, sample_size
+    pytest.param(1, 2, 96, 700, 16, 32, 0, "mean", "max", [5, 70], 64, id="tok-Sk700-G32-F11"),
+    pytest.param(2, 2, 130, 515, 8, 16, 0, "middle", "max", [[1, 515], [600, 3]], 64, id="tok-G16-middle-all-clip"),
+    pytest.param(1, 2, 256, 1030, 32, 128, 0, "mean", "max", [0, 333], 128, id="tok-G128-zero-budget"),
+    pytest.param(1, 2, 128, 1900, 16, 64, 64, "mean", "max", [2, 9], 8, id="blk64-max-F4"),
+    pytest.param(1, 2, 70, 2000, 16, 32, 128, "middle", "lse", [1, 15], 4, id="blk128-lse-F4"),
+    pytest.param(1, 2, 128, 600, 16, 64, 0, "mean", "max", [17, 599], 1024, id="tok-exact-sample-F1"),
+]
+
+
+@pytest.mark.parametrize("B,H,Sq,Sk,r,G,bs,proxy,bscore,budgets,ns", CASES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
+def test_sample_equals_naive_integer_ties(B, H, Sq, Sk, r, G, bs, proxy, bscore, budgets, ns, dtype):
+    """Small-integer inputs: every score exact, heavy ties straddle every threshold."""
+    q, k = _ints((B, H, Sq, r), dtype, 21), _ints((B, H, Sk, r), dtype, 22)
+    _check(q, k, budgets, G, bs, proxy, bscore, sample_size=ns)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
+def test_sample_continuous_planted_ties(dtype):
+    torch.manual_seed(23)
+    q = torch.randn(1, 2, 128, 16).to(dtype).to(DEV)
+    k = torch.randn(1, 2, 1200, 16).to(dtype).to(DEV)
+    k[:, :, 600:700] = k[:, :, 11:12]  # 101 equal keys
+    nfb = _check(q, k, [40, 250], 32, sample_size=128)
+    assert nfb == 0  # a well-behaved input: the window holds everywhere
+
+
+def test_sample_all_items_and_zero():
+    q, k = _ints((1, 3, 64, 8), torch.float32, 24), _ints((1, 3, 900, 8), torch.float32, 25)
+    _check(q, k, [900, 0, 899], 32, sample_size=64)
+    q2, k2 = _ints((1, 1, 40, 8), torch.float32, 26), _ints((1, 1, 300, 8), torch.float32, 27)
+    idx, counts = estimate_topk_triton(q2, k2, 0, 16, method="sample")
+    assert idx.shape == (1, 1, 3, 0) and int(counts.sum()) == 0
+
+
+def test_fallback_capacity_overflow():
+    """A buffer smaller than the candidates: every group overflows and is redone by "search"."""
+    q, k = _ints((1, 2, 96, 16), torch.float32, 28), _ints((1, 2, 800, 16), torch.float32, 29)
+    nfb = _check(q, k, [30, 90], 32, sample_size=64, capacity=95)
+    assert nfb > 0
+    # the same input with the planned capacity: fewer (here no) fallbacks, same lists
+    assert _check(q, k, [30, 90], 32, sample_size=64) < nfb
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
+@pytest.mark.parametrize("hidden", ["high", "low"])
+def test_fallback_adversarial_sample(dtype, hidden):
+    """Scores built against the sample's positions. "high": every unsampled key scores above every
+    sampled one, so the sampled threshold admits all items (overflow). "low": the sampled keys score
+    highest, so fewer than K items reach the sampled threshold. Both must fall back, exactly."""
+    Sk, ns, r = 1024, 64, 8
+    pos = sample_positions(Sk, ns)
+    assert pos.numel() == ns and len(set(pos.tolist())) == ns
+    sampled = torch.zeros(Sk, dtype=torch.bool)
+    sampled[pos] = True
+    q = torch.ones(1, 1, 64, r)
+    k = _ints((1, 1, Sk, r), torch.float32, 30, lo=0, hi=3)  # scores 0..16
+    boost = (~sampled) if hidden == "high" else sampled
+    k[0, 0, boost] += 4.0  # +32 for the boosted keys
+    q, k = q.to(dtype).to(DEV), k.to(dtype).to(DEV)
+    K = 200 if hidden == "high" else 400  # "low": K items > the 64 sampled ones at the top
+    F, nsv, cap = sample_plan(Sk, K, ns)
+    assert F > 1 and (cap < Sk - ns or hidden == "low")
+    nfb = _check(q, k, [K], 32, sample_size=ns)
+    assert nfb == 2  # both query groups
+
+
+def test_methods_agree_and_validate():
+    q, k = _ints((1, 2, 64, 16), torch.float32, 31), _ints((1, 2, 300, 16), torch.float32, 32)
+    a = estimate_topk_triton(q, k, 20, 32, method="search")
+    b = estimate_topk_triton(q, k, 20, 32, method="auto")
+    c = estimate_topk_triton(q, k, 20, 32, method="sample", sample_size=32)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[0], c[0])
+    with pytest.raises(ValueError, match="method"):
+        estimate_topk_triton(q, k, 20, 32, method="radix")
+
+
+def test_sample_plan():
+    F, nsv, cap = sample_plan(65536, 6656)
+    assert (F, nsv) == (64, 1024) and 6656 < cap < 2.5 * 6656
+    assert sample_plan(500, 50) == (1, 500, 96)  # exact sample: K + ties slack
+    assert sample_plan(100, 100)[2] == 100  # never more than the items
