@@ -262,6 +262,10 @@ class DSVCoreAttention(MegatronModule):
         """Attention on ``[b, heads, s, hn]`` tensors; ``keep`` is a bool mask (True = attend) or None."""
         hidden, self._hidden = self._hidden, None
         if keep is not None:
+            if self.cp_size > 1:
+                raise ValueError("a padding attention_mask is not supported under context parallelism (the keys are "
+                                 "sharded over the CP group); pass attention_mask=None (video DiTs do not pad) or "
+                                 "use context_parallel_size=1")
             self.last_sparse = False
             return dense_attention(q, k, v, softmax_scale=self.softmax_scale, attn_mask=keep)
         if self.cp_size > 1:
@@ -306,11 +310,11 @@ class DSVCoreAttention(MegatronModule):
 
         cfg, cp, rank = self.dsv_config, self.cp_size, self.cp_ctx.cp_rank
         s = k.shape[2]
-        self._check_cp_shard(s)
         S = s * cp
         learn = self.training and torch.is_grad_enabled()
         train = learn and self.predictor_training and trains_predictor(self.step_host, self.stage_host, cfg)
         profile = learn and self.profiling and is_profile_step(self.step_host, cfg)
+        self._check_cp_shard(s, sampling=train or profile)
         qidx = None  # this rank's share of the sampled queries, as global positions
         if train or profile:
             qidx = sampled_queries(S, cfg.predictor_query_stride, self.step_host, q.device)
@@ -343,13 +347,25 @@ class DSVCoreAttention(MegatronModule):
         return cp_attention(q, k, v, self.cp_ctx, plan, lists=lists if sparse else None, group_size=cfg.group_size,
                             block_size=cfg.block_size, softmax_scale=self.softmax_scale, sparse_fn=sparse_fn)
 
-    def _check_cp_shard(self, s: int) -> None:
+    def _check_cp_shard(self, s: int, sampling: bool = False) -> None:
+        """A CP shard of ``s`` tokens holds whole query groups (and key blocks); when the pass samples
+        queries (predictor training, profiling) every shard holds the same number of them, or the CP
+        ranks' averaged statistics would weight queries unequally and differ from one process's."""
         cfg = self.dsv_config
         unit = max(cfg.group_size, cfg.block_size)
         if s % unit:
+            block = (f" and of DSVConfig.kv_block_size (--dsv-kv-block-size) = {cfg.block_size} key tokens"
+                     if cfg.block_size else "")
             raise ValueError(f"context parallelism: each CP rank's sequence shard ({s} tokens) must be a multiple of "
-                             f"DSVConfig.group_size ({cfg.group_size}) and kv_block_size ({cfg.block_size}): a CP "
-                             "shard never splits a query-group cube")
+                             f"the query group, DSVConfig.query_group_shape (--dsv-query-group-shape) "
+                             f"{'x'.join(map(str, cfg.query_group_shape))} = {cfg.group_size} tokens{block}: a CP "
+                             "shard never splits a query-group cube or a key block")
+        if sampling and s % cfg.predictor_query_stride:
+            raise ValueError(f"context parallelism: each CP rank's sequence shard ({s} tokens) must be a multiple of "
+                             f"DSVConfig.predictor_query_stride (--dsv-predictor-query-stride) = "
+                             f"{cfg.predictor_query_stride} in training, so every CP rank samples the same number "
+                             "of queries for the predictor and the profiler (their statistics are averaged over "
+                             "the CP ranks); pick a stride that divides the shard")
 
     def _plan_cp(self, S: int, sparse: bool, tokens: torch.Tensor):
         """The layer's CP plan for this step's decision (planned again whenever the decision is new,

@@ -148,7 +148,9 @@ class VideoDiT(MegatronModule):
         S, cube = x.shape[0], math.prod(self.cube)
         if S % (cp * cube):
             raise ValueError(f"context parallelism: the video's {S} tokens must split into context_parallel_size "
-                             f"({cp}) shards of whole {'x'.join(map(str, self.cube))} cubes ({cube} tokens)")
+                             f"({cp}) shards of whole {'x'.join(map(str, self.cube))} cubes ({cube} tokens; the cube is "
+                             "DSVConfig.query_group_shape, --dsv-query-group-shape): change the latent size, the "
+                             "patch, the cube or --context-parallel-size")
         s, r = S // cp, self.cp_group.rank()
         return x[r * s:(r + 1) * s]
 

@@ -72,11 +72,26 @@ def _head_layout(head_counts, head_order, num_heads: int, world: int) -> tuple[l
     return counts, order
 
 
+_DEVICE_ORDERS: dict = {}
+
+
+def _order_on(order: torch.Tensor, device: torch.device, inverse: bool = False) -> torch.Tensor:
+    """``order`` (or its inverse permutation) on ``device``, copied there once per (placement, device):
+    a host tensor moved to CUDA on every call is a pageable copy that waits for the stream, several
+    times per layer (q, k, v, lists, out and their gradients)."""
+    if device.type == "cpu":
+        return torch.argsort(order) if inverse else order
+    key = (tuple(order.tolist()), str(device), inverse)
+    if key not in _DEVICE_ORDERS:
+        _DEVICE_ORDERS[key] = (torch.argsort(order) if inverse else order).to(device)
+    return _DEVICE_ORDERS[key]
+
+
 def _seq_to_head_raw(x: torch.Tensor, group, counts: list[int], order: torch.Tensor) -> torch.Tensor:
     """x [B, H, S_loc, D] -> [B, counts[rank], P * S_loc, D] (no autograd)."""
     world, rank = _world(group)
     b, _, s_loc, d = x.shape
-    order = order.to(x.device)
+    order = _order_on(order, x.device)
     if world == 1:
         return x.index_select(1, order)
     mine = counts[rank]
@@ -93,7 +108,7 @@ def _head_to_seq_raw(y: torch.Tensor, group, counts: list[int], order: torch.Ten
     world, rank = _world(group)
     b, mine, s_full, d = y.shape
     s_loc = s_full // world
-    inverse = torch.argsort(order).to(y.device)  # placement position of each original head
+    inverse = _order_on(order, y.device, inverse=True)  # placement position of each original head
     if world == 1:
         return y.index_select(1, inverse)
     # [B, mine, P, S_loc, D] -> [P, mine, B, S_loc, D]: the r-th run goes to rank r.
@@ -330,7 +345,7 @@ class KVGatherPlan:
         mine = owner == rank
         recv_counts = torch.bincount(owner[~mine], minlength=world)
         recv_counts_list = [int(c) for c in recv_counts.tolist()]
-        send_counts_list, serve = cls._exchange_requests(src[~mine], recv_counts, group, world)
+        send_counts_list, serve = cls._exchange_requests(src[~mine], recv_counts, recv_counts_list, group, world)
         return cls(
             local_indices=local, buffer_items=u, buffer_len=u * rows,
             send_rows=sum(send_counts_list) * rows, recv_rows=sum(recv_counts_list) * rows,
@@ -341,12 +356,12 @@ class KVGatherPlan:
         )
 
     @staticmethod
-    def _exchange_requests(requests: torch.Tensor, recv_counts: torch.Tensor, group, world: int):
+    def _exchange_requests(requests: torch.Tensor, recv_counts: torch.Tensor, recv_list: list, group, world: int):
         """Tell each owner which of its items this rank needs; learn what others need from us.
 
         ``requests`` int64 ``[n_recv]`` flat item rows on their owners, grouped by owner with
-        ``recv_counts[r]`` for rank r. Returns (items to send to each rank, int64 ``[n_send]``
-        flat rows of our own items to serve, grouped by requester).
+        ``recv_counts[r]`` for rank r (``recv_list``: the same counts on the host). Returns (items to
+        send to each rank, int64 ``[n_send]`` flat rows of our own items to serve, grouped by requester).
         """
         if world == 1:
             return [0], requests
@@ -354,7 +369,7 @@ class KVGatherPlan:
         send_counts = torch.empty_like(counts)
         dist.all_to_all_single(send_counts, counts, group=group)
         send_list = [int(c) for c in send_counts.tolist()]
-        serve = _all_to_all_rows(requests, send_list, counts.tolist(), group)
+        serve = _all_to_all_rows(requests, send_list, recv_list, group)
         return send_list, serve
 
     def bytes_moved(self, row_bytes: int) -> int:

@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_dsv.ops.dense import dense_attention
-from megatron_dsv.parallel.collectives import KVGatherPlan, gather_seq, head_to_seq, selective_kv_gather, seq_to_head
+from megatron_dsv.parallel.collectives import (KVGatherPlan, _order_on, gather_seq, head_to_seq, selective_kv_gather,
+                                               seq_to_head)
 from megatron_dsv.parallel.groups import CPLayout, DSVCPGroups
 from megatron_dsv.parallel.placement import head_order_and_counts
 from megatron_dsv.parallel.planner import CommModel, LayerPlan, measure_bandwidth
@@ -136,7 +137,11 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: CPConte
         idx, counts = lists
         if layout.hcp > 1:
             idx = seq_to_head(idx, hcp_group, head_counts, order)
-            counts = counts[:, torch.as_tensor(mine, dtype=torch.long, device=counts.device)].contiguous()
+            # this rank's heads, in placement order: a slice of the placement-ordered counts (no host list
+            # turned into a device index on every call)
+            start = sum(len(p) for p in plan.heads[:hcp_rank])
+            counts = counts.index_select(1, _order_on(torch.as_tensor(order), counts.device))
+            counts = counts[:, start:start + len(mine)].contiguous()
         if layout.scp > 1:
             unit = max(block_size, 1)
             idx = to_virtual_order(idx, counts, layout, s // unit)
