@@ -224,6 +224,7 @@ def main(argv=None):
                     comm_model=dict(bandwidth_intra=ctx.comm.bandwidth_intra, bandwidth_inter=ctx.comm.bandwidth_inter))
         print("wrote", write_results("cp" + ("-quick" if args.quick else ""), rows, args.out_dir, meta=meta))
     dist.barrier()
+    CPContext.release()
     dist.destroy_process_group()
 
 

@@ -37,6 +37,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         if owns_group and dist.is_initialized():
             from megatron.core import parallel_state
 
+            from megatron_dsv.parallel.cp_attention import CPContext
+
+            CPContext.release()  # DSV's CP groups must not outlive the default group into shutdown
             parallel_state.destroy_model_parallel()  # its groups die with the default group
             dist.destroy_process_group()
     return 0

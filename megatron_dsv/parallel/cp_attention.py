@@ -67,6 +67,12 @@ class CPContext:
             cls._cache[key] = cls(cp_group, num_heads, tp_size)
         return cls._cache[key]
 
+    @classmethod
+    def release(cls) -> None:
+        """Forget every context (and with it the references to its process groups): call before
+        ``destroy_process_group`` so no group outlives it into interpreter shutdown."""
+        cls._cache.clear()
+
     @staticmethod
     def _agreed_comm_model(cp_group) -> CommModel:
         """Bandwidth of the CP group measured once (an all-to-all), the minimum over all ranks, so

@@ -27,6 +27,9 @@ def _entry(rank, fn, world, store, args, backend):
         fn(rank, world, *args)
         dist.barrier()
     finally:
+        from megatron_dsv.parallel.cp_attention import CPContext
+
+        CPContext.release()
         dist.destroy_process_group()
 
 
