@@ -10,13 +10,8 @@ out=${1:?usage: gpu_cp_check.sh OUT_DIR [stage ...]}; shift
 stages=${*:-tests bench train}
 mkdir -p "$out"
 cd "$(dirname "$0")/.." || exit 1
-export PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
+# shellcheck disable=SC1091  # tools/gpu_env.sh, checked on its own
+. tools/gpu_env.sh
 ngpu=$(nvidia-smi -L | wc -l)
 echo "GPUs: $ngpu"
 run() {  # run NAME TIMEOUT CMD...

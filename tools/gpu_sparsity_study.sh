@@ -18,13 +18,9 @@ set -u
 out=${1:?usage: gpu_sparsity_study.sh OUT_DIR STAGE}; stage=${2:?stage: study or quality}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 DSV_TOPK_BACKEND=${DSV_TOPK_BACKEND:-naive}
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
+export DSV_TOPK_BACKEND=${DSV_TOPK_BACKEND:-naive}
+# shellcheck disable=SC1091  # tools/gpu_env.sh, checked on its own
+. tools/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 study="timeout 560 python3 benchmarks/bench_sparsity_emergence.py --out-dir $out --samples 256 --workers 5"
 quality="timeout 560 python3 benchmarks/bench_quality.py --out-dir $out --samples 256 --workers 5"

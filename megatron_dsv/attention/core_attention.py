@@ -48,7 +48,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_dsv.attention import _ops
 from megatron_dsv.attention.dispatcher import SpeedupTable, density_budgets, head_budgets, plan_layer
-from megatron_dsv.attention.predictor import LowRankPredictor
+from megatron_dsv.attention.predictor import LowRankPredictor, all_reduce_many
 from megatron_dsv.attention.profiler import profile_stats, recall_density
 from megatron_dsv.attention.schedule import is_profile_step, sampled_queries, trains_predictor
 from megatron_dsv.attention.state import PER_HEAD_STATE, LayerState
@@ -67,18 +67,10 @@ def _group_size(pg) -> int:
 
 def _group_mean(tensors, group):
     """Each tensor (None passes through) averaged over ``group``, in one float64 all-reduce."""
-    present = [t for t in tensors if t is not None]
-    flat = torch.cat([t.reshape(-1).double() for t in present])
-    dist.all_reduce(flat, group=group)
-    flat /= dist.get_world_size(group)
-    out, offset = [], 0
-    for t in tensors:
-        if t is None:
-            out.append(None)
-            continue
-        out.append(flat[offset:offset + t.numel()].view(t.shape).to(t.dtype))
-        offset += t.numel()
-    return tuple(out)
+    present = [t.to(torch.float64, copy=True) for t in tensors if t is not None]
+    all_reduce_many(present, group)
+    summed, n = iter(present), dist.get_world_size(group)
+    return tuple(None if t is None else (next(summed) / n).to(t.dtype) for t in tensors)
 
 
 class DSVCoreAttention(MegatronModule):

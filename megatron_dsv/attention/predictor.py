@@ -206,8 +206,8 @@ def train_predictors(predictors: Sequence["LowRankPredictor"]) -> Tuple[torch.Te
     return sums, counts
 
 
-def _all_reduce_many(tensors: Sequence[torch.Tensor], group) -> None:
-    """Sum ``tensors`` over ``group`` in place, in one all-reduce."""
+def all_reduce_many(tensors: Sequence[torch.Tensor], group) -> None:
+    """Sum ``tensors`` (one dtype) over ``group`` in place, in one all-reduce."""
     flat = torch.cat([t.reshape(-1) for t in tensors])
     torch.distributed.all_reduce(flat, group=group)
     offset = 0
@@ -319,7 +319,7 @@ class LowRankPredictor(nn.Module):
             gk = _gram_fp32(k)  # k^T k in fp32 (tensor cores for bf16 keys)
             if self.mode == "qk":
                 if cp > 1:
-                    _all_reduce_many([gk], seq_group)
+                    all_reduce_many([gk], seq_group)
                 gk_h = gk.repeat_interleave(H // gk.shape[1], dim=1) if gk.shape[1] != H else gk  # D x D: small
                 stats = _Moments(q_rows, q_rows, gk, gk_h, gk, weight)
             else:
@@ -330,7 +330,7 @@ class LowRankPredictor(nn.Module):
                 c = c.view(B, -1, hkv, D).permute(0, 2, 1, 3).contiguous()  # [B, Hkv, F, D]
                 gx = _gram_fp32(x).unsqueeze(1)
                 if cp > 1:
-                    _all_reduce_many([gk, gx, c], seq_group)
+                    all_reduce_many([gk, gx, c], seq_group)
                 xq = hidden.index_select(0, query_index).transpose(0, 1).unsqueeze(1).float()
                 stats = _Moments(xq, q_rows, gk, gx, c, weight)  # xq shared by heads
             self._stash.append(stats)

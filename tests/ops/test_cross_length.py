@@ -21,6 +21,7 @@ from megatron_dsv.ops.sparse_attention import op as op_mod
 from megatron_dsv.ops.sparse_attention.launch import build_inverse_map, sparse_bwd, sparse_fwd
 from megatron_dsv.ops.topk_estimation import estimate_topk, estimate_topk_naive
 from megatron_dsv.ops.topk_estimation.cuda_impl import estimate_topk_cuda
+from tests.ops.test_sparse_attention import random_sorted_lists
 
 D = 64
 
@@ -34,14 +35,7 @@ def make_lists(B, H, Sq, Sk, G, BS, fracs, seed=0, pad_value=-1):
     gen = torch.Generator().manual_seed(seed)
     NG, nk = math.ceil(Sq / G), n_items(Sk, BS)
     counts = torch.tensor([[min(nk, round(f * nk)) for f in fracs]] * B, dtype=torch.int32)
-    kmax = int(counts.max()) + 2  # padding columns that must never be read
-    idx = torch.full((B, H, NG, kmax), pad_value, dtype=torch.int32)
-    for b in range(B):
-        for h in range(H):
-            c = int(counts[b, h])
-            for g in range(NG):
-                idx[b, h, g, :c] = torch.randperm(nk, generator=gen)[:c].sort().values
-    return idx, counts
+    return random_sorted_lists(counts, NG, nk, gen, pad_value, spare=2), counts
 
 
 def listed_mask(idx, counts, Sq, Sk, G, BS):

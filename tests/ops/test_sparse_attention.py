@@ -28,14 +28,20 @@ def make_lists(B, H, S, G, BS, density, seed=0, pad_value=-1, empty_head=None, f
         counts[:, empty_head] = 0
     if full_head is not None:
         counts[:, full_head] = nk
-    kmax = int(counts.max()) + 3  # spare padding columns that must never be read
-    idx = torch.full((B, H, NG, kmax), pad_value, dtype=torch.int32)
+    return random_sorted_lists(counts, NG, nk, gen, pad_value, spare=3), counts
+
+
+def random_sorted_lists(counts, NG, nk, gen, pad_value=-1, spare=2):
+    """int32 ``[B, H, NG, max(counts) + spare]``: per (b, h, group), ``counts[b, h]`` distinct items of
+    ``nk`` drawn from ``gen``, ascending, then ``pad_value`` (``spare`` columns never to be read)."""
+    B, H = counts.shape
+    idx = torch.full((B, H, NG, int(counts.max()) + spare), pad_value, dtype=torch.int32)
     for b in range(B):
         for h in range(H):
             c = int(counts[b, h])
             for g in range(NG):
                 idx[b, h, g, :c] = torch.randperm(nk, generator=gen)[:c].sort().values
-    return idx, counts
+    return idx
 
 
 def rel_rmse(x, ref):

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.parallel.plans import every_plan
 from tests.parallel.spawn import run_world
 
 H, D = 4, 64
@@ -42,9 +43,6 @@ def _check_cp_attention(rank, world):
     from megatron_dsv.ops.sparse_attention import sparse_attention_naive
     from megatron_dsv.ops.topk_estimation import estimate_topk_naive
     from megatron_dsv.parallel.cp_attention import CPContext, cp_attention
-    from megatron_dsv.parallel.groups import cp_layouts
-    from megatron_dsv.parallel.placement import even_placement, head_costs, lpt_placement
-    from megatron_dsv.parallel.planner import LayerPlan
 
     ctx = CPContext.get(dist.group.WORLD, H)
     S, scale = 512, 1.0 / math.sqrt(D)
@@ -69,21 +67,17 @@ def _check_cp_attention(rank, world):
             ref.backward(do)
             unit = max(block, 1)
             density = [min(1.0, b * unit / S) for b in budgets]
-            for layout in cp_layouts(world):
-                for placement in ("even", "lpt"):
-                    heads = (even_placement(H, layout.hcp) if placement == "even"
-                             else lpt_placement(head_costs(density, True), layout.hcp))
-                    plan = LayerPlan(layout=layout, placement=placement, heads=heads, est_ms=0.0, compute_ms=0.0,
-                                     comm_ms=0.0, peak_bytes=0)
-                    mine = [_shard(t, rank, world).clone().requires_grad_() for t in (q, k, v)]
-                    local = (lists[0][:, :, rank * ng:(rank + 1) * ng].contiguous(), lists[1]) if sparse else None
-                    out = cp_attention(*mine, ctx, plan, lists=local, group_size=G, block_size=block,
-                                       softmax_scale=scale, sparse_fn=naive)
-                    out.backward(_shard(do, rank, world))
-                    what = f"case {case} sparse={sparse} {layout.name} {placement} rank {rank}"
-                    _close(f"out {what}", out, _shard(ref, rank, world))
-                    for name, got, full in zip("qkv", mine, ref_in):
-                        _close(f"d{name} {what}", got.grad, _shard(full.grad, rank, world))
+            for plan in every_plan(world, H, density):
+                layout, placement = plan.layout, plan.placement
+                mine = [_shard(t, rank, world).clone().requires_grad_() for t in (q, k, v)]
+                local = (lists[0][:, :, rank * ng:(rank + 1) * ng].contiguous(), lists[1]) if sparse else None
+                out = cp_attention(*mine, ctx, plan, lists=local, group_size=G, block_size=block,
+                                   softmax_scale=scale, sparse_fn=naive)
+                out.backward(_shard(do, rank, world))
+                what = f"case {case} sparse={sparse} {layout.name} {placement} rank {rank}"
+                _close(f"out {what}", out, _shard(ref, rank, world))
+                for name, got, full in zip("qkv", mine, ref_in):
+                    _close(f"d{name} {what}", got.grad, _shard(full.grad, rank, world))
 
 
 def _check_core_attention(rank, world):

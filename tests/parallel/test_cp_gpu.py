@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.parallel.plans import every_plan
 from tests.parallel.spawn import run_world
 
 pytestmark = [pytest.mark.gpu,
@@ -29,9 +30,6 @@ def _check(rank, world):
     from megatron_dsv.ops.sparse_attention import sparse_attention
     from megatron_dsv.ops.topk_estimation import estimate_topk
     from megatron_dsv.parallel.cp_attention import CPContext, cp_attention
-    from megatron_dsv.parallel.groups import cp_layouts
-    from megatron_dsv.parallel.placement import even_placement, head_costs, lpt_placement
-    from megatron_dsv.parallel.planner import LayerPlan
 
     dev = torch.device("cuda", torch.cuda.current_device())
     ctx = CPContext.get(dist.group.WORLD, H)
@@ -53,21 +51,17 @@ def _check(rank, world):
         ng = s // G
         local = (lists[0][:, :, rank * ng:(rank + 1) * ng].contiguous(), lists[1])
         density = [b * max(block, 1) / S for b in budgets.tolist()]
-        for layout in cp_layouts(world):
-            for placement in ("even", "lpt"):
-                heads = (even_placement(H, layout.hcp) if placement == "even"
-                         else lpt_placement(head_costs(density, True), layout.hcp))
-                plan = LayerPlan(layout=layout, placement=placement, heads=heads, est_ms=0.0, compute_ms=0.0,
-                                 comm_ms=0.0, peak_bytes=0)
-                mine = [t[:, :, rank * s:(rank + 1) * s].clone().requires_grad_() for t in (q, k, v)]
-                out = cp_attention(*mine, ctx, plan, lists=local, group_size=G, block_size=block, softmax_scale=scale,
-                                   sparse_fn=fn)
-                out.backward(do[:, :, rank * s:(rank + 1) * s])
-                what = f"G{G} block{block} {layout.name} {placement} rank {rank}"
-                assert _rel(out, ref[:, :, rank * s:(rank + 1) * s]) < 1e-3, what
-                for name, got, want in zip("qkv", mine, full):
-                    err = _rel(got.grad, want.grad[:, :, rank * s:(rank + 1) * s])
-                    assert err < 1e-2, f"d{name} {what}: {err:.3g}"
+        for plan in every_plan(world, H, density):
+            layout, placement = plan.layout, plan.placement
+            mine = [t[:, :, rank * s:(rank + 1) * s].clone().requires_grad_() for t in (q, k, v)]
+            out = cp_attention(*mine, ctx, plan, lists=local, group_size=G, block_size=block, softmax_scale=scale,
+                               sparse_fn=fn)
+            out.backward(do[:, :, rank * s:(rank + 1) * s])
+            what = f"G{G} block{block} {layout.name} {placement} rank {rank}"
+            assert _rel(out, ref[:, :, rank * s:(rank + 1) * s]) < 1e-3, what
+            for name, got, want in zip("qkv", mine, full):
+                err = _rel(got.grad, want.grad[:, :, rank * s:(rank + 1) * s])
+                assert err < 1e-2, f"d{name} {what}: {err:.3g}"
 
 
 def test_cp_attention_nccl_matches_one_gpu(tmp_path):
