@@ -17,6 +17,12 @@ short keeps what it measured.
     PYTHONPATH=. python benchmarks/bench_sparsity_emergence.py \\
         --arm data=vizdoom,frames=32,res=256,steps=2000,minutes=4 --arm data=ale,frames=32,res=256  # H200
 
+After step 1, then every ``--sweep-every`` steps, and at the end, a *sweep* probes the held-out clips at fixed flow-matching
+times t (``--sweep-t``), every layer dense: ``kind="sweep"`` rows with, per layer, the exact sparsity, the
+logits' spread over the keys (``logit_std``, mean over sampled queries and heads), the sparsity that
+spread would give Gaussian logits (``gaussian_sparsity``: how much of the sparsity is scale, how much
+tail) and the QK-norm gain factor (``qk_gain``). The sweeps are plotted in ``..._sweep.png``.
+
 Runs spread over several GPU calls (concurrent processes, a resumed arm) are merged into one file and
 one plot with ``--merge PART.json ... --out FILE.json``; a call whose JSON did not come back can add
 its log (``--log``): the iteration lines every ``--log-every`` steps become ``kind="log"`` rows with
@@ -32,11 +38,16 @@ import re
 import signal
 import sys
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import init_dist, write_results  # noqa: E402
-from benchmarks.video_runs import add_run_args, layer_sparsity, parse_arm, tokens_of, train_arm  # noqa: E402
+from benchmarks.video_runs import (Clips, add_run_args, layer_sparsity, parse_arm, qk_gains, tokens_of,  # noqa: E402
+                                   train_arm)
 from megatron_dsv.attention import dsv_metrics  # noqa: E402
+from megatron_dsv.attention.analysis import capture_qk, gaussian_sparsity, logit_spread, sample_queries  # noqa: E402
+from megatron_dsv.ops.topk_estimation.oracle import head_sparsity  # noqa: E402
 
 QUICK_ARMS = ("data=synthetic,frames=4,res=64,steps=12,stage1=6,minutes=2",
               "data=ale,frames=4,res=64,steps=12,stage1=6,minutes=2")
@@ -53,6 +64,85 @@ def _row(arm, args, step, model) -> dict:
                 sparsity_smoothed=m["dsv/sparsity_mean"], budget_density=m["dsv/budget_density_mean"],
                 recall=m["dsv/recall_mean"], sparse_layers=round(m["dsv/sparse_fraction"] * n),
                 predictor_loss=m["dsv/predictor_loss"])
+
+
+@torch.no_grad()
+def sweep(arm, args, step, model) -> list:
+    """``kind="sweep"`` rows at ``step``: per t of ``args.sweep_t``, per layer, on ``args.sweep_clips``
+    held-out clips with fixed noise (seed 4321), every layer dense (see the module docstring)."""
+    from megatron_dsv.models.video_dit import unwrap_video_dit
+
+    dc = unwrap_video_dit(model).dit_config
+    lat0 = next(model.parameters())
+    clips = Clips.for_arm(arm, args, dc.in_channels, lat0.device, lat0.dtype)
+    idx = list(range(clips.n_train, min(clips.latents.shape[0], clips.n_train + args.sweep_clips)))
+    x0, labels = clips.latents[idx].float(), clips.labels[idx]
+    g = torch.Generator(device=x0.device).manual_seed(4321)
+    noise = torch.randn(x0.shape, generator=g, device=x0.device)
+    gains = qk_gains(model)
+    rows = []
+    for t in args.sweep_t:
+        x_t = ((1 - t) * x0 + t * noise).to(clips.latents.dtype)
+        captured = capture_qk(model, x_t, torch.full((len(idx),), float(t), device=x0.device), labels)
+        sp, std, gauss = [], [], []
+        for n in sorted(captured):
+            q, k = captured.pop(n)
+            qi = sample_queries(q.shape[2], 8, 512, device=q.device)
+            spread = logit_spread(q, k, qi)
+            sp.append(float(head_sparsity(q, k, 0.9, query_index=qi).mean()))
+            std.append(float(spread.mean()))
+            gauss.append(float(gaussian_sparsity(spread, 0.9).mean()))
+        rows.append(dict(kind="sweep", bench="sparsity_emergence", arm=arm["label"], data=arm["data"],
+                         S=tokens_of(arm), step=step, t=float(t), clips=len(idx), sparsity=sp,
+                         sparsity_mean=sum(sp) / len(sp), logit_std=std, gaussian_sparsity=gauss,
+                         qk_gain=gains))
+    print(f" [{arm['label']}] sweep at step {step}: " + ", ".join(
+        f"t={r['t']:g} sparsity {r['sparsity_mean']:.3f} (logit std {sum(r['logit_std']) / len(r['logit_std']):.2f}, "
+        f"gaussian {sum(r['gaussian_sparsity']) / len(r['gaussian_sparsity']):.3f})" for r in rows)
+        + (f", qk gain {sum(gains) / len(gains):.3f}" if gains else ""), flush=True)
+    return rows
+
+
+def plot_sweeps(rows, path) -> bool:
+    """Left: mean sparsity vs t at each arm's last sweep. Right: measured vs Gaussian-predicted sparsity,
+    one point per layer and sweep, coloured by step. False when there are no sweep rows."""
+    sweeps = [r for r in rows if r.get("kind") == "sweep"]
+    if not sweeps:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 5))
+    arms = list(dict.fromkeys(r["arm"] for r in sweeps))
+    for i, name in enumerate(arms):
+        mine = [r for r in sweeps if r["arm"] == name]
+        last = max(r["step"] for r in mine)
+        pts = sorted((r["t"], r["sparsity_mean"]) for r in mine if r["step"] == last)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=f"C{i % 10}", label=f"{name} @ {last}")
+    ax.axhline(0.8, color="grey", lw=0.8, ls=":")
+    ax.set_xlabel("flow-matching t (0 data, 1 noise)")
+    ax.set_ylabel("exact sparsity at theta = 0.9, mean over layers")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    steps = [r["step"] for r in sweeps]
+    xs = [v for r in sweeps for v in r["gaussian_sparsity"]]
+    ys = [v for r in sweeps for v in r["sparsity"]]
+    cs = [r["step"] for r in sweeps for _ in r["sparsity"]]
+    sc = bx.scatter(xs, ys, c=cs, s=10, cmap="viridis", vmin=min(steps), vmax=max(steps))
+    bx.plot([0, 1], [0, 1], color="grey", lw=0.8)
+    bx.set_xlabel("Gaussian prediction Phi(logit std - 1.28)")
+    bx.set_ylabel("measured exact sparsity (per layer)")
+    bx.set_xlim(0, 1)
+    bx.set_ylim(0, 1)
+    bx.grid(alpha=0.3)
+    fig.colorbar(sc, ax=bx, label="training step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
 
 
 def plot(rows, path):
@@ -106,7 +196,7 @@ def rows_from_log(path: str) -> list:
 
 
 def merge(parts: list, logs: list, note: str = "") -> dict:
-    """One result from several: rows of every part and log, de-duplicated by (arm, step, kind), in step order.
+    """One result from several: rows of every part and log, de-duplicated by (arm, step, kind, t), in step order.
 
     ``meta`` is the newest part's, with ``parts`` listing each input file, its date and its arms.
     """
@@ -124,12 +214,12 @@ def merge(parts: list, logs: list, note: str = "") -> dict:
         if newest is None or str(data["meta"].get("date")) > str(newest.get("date")):
             newest = data["meta"]
         for r in data["rows"]:
-            rows.setdefault((r["arm"], r["step"], r.get("kind")), r)
+            rows.setdefault((r["arm"], r["step"], r.get("kind"), r.get("t")), r)
     for path in logs:
         log_rows = rows_from_log(path)
         listed.append(dict(file=os.path.basename(path), arms=sorted({r["arm"] for r in log_rows}), kind="log"))
         for r in log_rows:
-            rows.setdefault((r["arm"], r["step"], r["kind"]), r)
+            rows.setdefault((r["arm"], r["step"], r["kind"], None), r)
     meta = dict(newest or {}, parts=listed)
     if note:
         meta["note"] = note
@@ -146,6 +236,11 @@ def main(argv=None):
     ap.add_argument("--arm", action="append", default=[], help="an arm (repeatable; video_runs.py has the keys)")
     ap.add_argument("--tag", default="", help="suffix of the result file name (sparsity_emergence<tag>-...)")
     ap.add_argument("--quick", action="store_true", help="CPU check: tiny model, two small arms")
+    ap.add_argument("--sweep-every", type=int, default=1000,
+                    help="steps between sweeps over t, from step 1 (a multiple of --profile-every; 0: only at the end)")
+    ap.add_argument("--sweep-t", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9],
+                    help="flow-matching times of a sweep")
+    ap.add_argument("--sweep-clips", type=int, default=2, help="held-out clips per sweep (at most --val-samples)")
     ap.add_argument("--merge", nargs="+", default=None, metavar="PART.json",
                     help="merge these result files (and --log files) into --out instead of training")
     ap.add_argument("--log", nargs="+", default=[], help="with --merge: run logs whose JSON was lost")
@@ -159,14 +254,23 @@ def main(argv=None):
         with open(args.out, "w") as f:
             json.dump(merged, f, indent=1)
         plot(merged["rows"], args.out.replace(".json", ".png"))
+        plot_sweeps(merged["rows"], args.out.replace(".json", "_sweep.png"))
         print(f"wrote {args.out}: {len(merged['rows'])} rows, arms {sorted({r['arm'] for r in merged['rows']})}")
         return
     if args.quick:
         args.preset, args.layers, args.samples, args.val_samples = "tiny", 2, 4, 1
         args.profile_every, args.log_every, args.val_every, args.warmup = 3, 6, 6, 2
+        args.sweep_every, args.sweep_t, args.sweep_clips = 6, [0.2, 0.8], 1
         args.arm = args.arm or list(QUICK_ARMS)
     if not args.arm:
         ap.error("give at least one --arm (or --quick)")
+    if args.sweep_every < 0 or (args.sweep_every and args.sweep_every % args.profile_every):
+        ap.error(f"--sweep-every must be 0 or a multiple of --profile-every ({args.profile_every}), "
+                 f"got {args.sweep_every}")
+    if not all(0.0 <= t <= 1.0 for t in args.sweep_t):
+        ap.error(f"--sweep-t values must be in [0, 1], got {args.sweep_t}")
+    if not 1 <= args.sweep_clips <= args.val_samples:
+        ap.error(f"--sweep-clips must be in [1, --val-samples={args.val_samples}], got {args.sweep_clips}")
     arms = [parse_arm(a) for a in args.arm]
     for arm in arms:
         if arm["attn"] != "dsv":
@@ -178,9 +282,17 @@ def main(argv=None):
         for arm in arms:
             def on_profile(step, model, arm=arm):
                 rows.append(dict(kind="profile", **_row(arm, args, step, model)))
+                if args.sweep_every and (step - 1) % args.sweep_every == 0:  # profiles come after steps 1, 1 + P, ...
+                    rows.extend(sweep(arm, args, step, model))
 
-            model, _, summary = train_arm(arm, args, on_profile=on_profile)
+            def on_val(step, loss, arm=arm):
+                rows.append(dict(kind="val", bench="sparsity_emergence", arm=arm["label"], step=step, val_loss=loss))
+
+            model, _, summary = train_arm(arm, args, on_profile=on_profile, on_val=on_val)
             rows.append({"kind": "final", **_row(arm, args, summary["steps"], model), **summary})
+            if not any(r.get("kind") == "sweep" and r["arm"] == arm["label"] and r["step"] == summary["steps"]
+                       for r in rows):
+                rows.extend(sweep(arm, args, summary["steps"], model))
             print(f"== {arm['label']}: {summary['steps']} steps, sparsity {summary['sparsity_mean']:.3f} "
                   f"(best layer {max(layer_sparsity(model)):.3f}), sparse layer-steps "
                   f"{summary['sparse_layer_fraction']:.2f}, recall {summary['recall']:.3f}, "
@@ -192,6 +304,7 @@ def main(argv=None):
             path = write_results(bench, rows, args.out_dir)
             try:
                 plot(rows, str(path).replace(".json", ".png"))
+                plot_sweeps(rows, str(path).replace(".json", "_sweep.png"))
             except ImportError as err:
                 print(f"no plot ({err}): pip install -e '.[plots]'")
             print("wrote", path)

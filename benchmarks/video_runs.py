@@ -8,7 +8,8 @@ An *arm* is one training run, written on the command line as ``key=value`` pairs
 Keys (defaults in :data:`ARM_DEFAULTS`): ``data`` (``vizdoom``, ``ale`` or ``synthetic``), ``frames``
 and ``res`` (clip length and square frame size in pixels; with the fixed 4x DCT downsampler and
 patch (1, 2, 2), tokens S = frames * (res / 8)^2), ``attn`` (``full``, ``dsv`` or ``window``),
-``lr``, ``qk_norm`` (0/1), ``rope`` (RoPE base), ``steps`` and ``minutes`` (the run stops at
+``lr``, ``qk_norm`` (0/1), ``qk_lr`` (learning-rate multiplier of the QK-norm gains and biases, the
+parameters that set the attention logits' scale under QK-norm), ``rope`` (RoPE base), ``steps`` and ``minutes`` (the run stops at
 whichever comes first, so a run fits the device time), ``stage1`` (DSV's stage-1 steps; default
 half of ``steps``), ``window_frac`` (the window baseline's kept fraction of keys), ``label`` (a
 name for the plots; default built from the keys that differ from the defaults).
@@ -32,10 +33,10 @@ from megatron_dsv.attention import dsv_layers, dsv_metrics, dsv_on_step_end, dsv
 from megatron_dsv.attention.schedule import is_profile_step  # noqa: E402
 from megatron_dsv.config import DSVConfig  # noqa: E402
 
-ARM_DEFAULTS = dict(data="vizdoom", frames=32, res=256, attn="dsv", lr=3e-4, qk_norm=1, rope=10000.0, steps=1000,
+ARM_DEFAULTS = dict(data="vizdoom", frames=32, res=256, attn="dsv", lr=3e-4, qk_norm=1, qk_lr=1.0, rope=10000.0, steps=1000,
                     minutes=3.0, stage1=None, window_frac=0.1, label=None)
 _INT_KEYS = ("frames", "res", "qk_norm", "steps", "stage1")
-_FLOAT_KEYS = ("lr", "rope", "minutes", "window_frac")
+_FLOAT_KEYS = ("lr", "qk_lr", "rope", "minutes", "window_frac")
 DATA_SOURCES = ("vizdoom", "ale", "synthetic")
 ATTENTIONS = ("full", "dsv", "window")
 
@@ -56,10 +57,13 @@ def parse_arm(text: str) -> dict:
         raise ValueError(f"arm attn must be one of {ATTENTIONS}, got {arm['attn']!r}")
     if arm["res"] % 8:
         raise ValueError(f"arm res must be a multiple of 8 (4x downsampler, 2x2 patches), got {arm['res']}")
+    if arm["qk_lr"] != 1.0 and not arm["qk_norm"]:
+        raise ValueError(f"arm qk_lr={arm['qk_lr']:g} needs qk_norm=1 (it scales the QK-norm parameters' lr)")
     if arm["stage1"] is None:
         arm["stage1"] = arm["steps"] // 2
     if arm["label"] is None:
-        variants = [f"{k.replace('_', '')}{arm[k]:g}" for k in ("lr", "qk_norm", "rope") if arm[k] != ARM_DEFAULTS[k]]
+        variants = [f"{k.replace('_', '')}{arm[k]:g}" for k in ("lr", "qk_norm", "qk_lr", "rope")
+                    if arm[k] != ARM_DEFAULTS[k]]
         arm["label"] = "-".join([arm["data"], arm["attn"], *variants, f"S{_tokens_text(tokens_of(arm))}"])
     return arm
 
@@ -193,7 +197,7 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
     model, cfg = build_model(arm, args, device, dtype)
     model.train()
     clips = Clips.for_arm(arm, args, cfg.in_channels, device, dtype)
-    opt = torch.optim.AdamW(model.parameters(), lr=arm["lr"], weight_decay=0.0)
+    opt = _optimizer(model, arm)
     g = torch.Generator(device=device).manual_seed(args.seed)
     dsv = dsv_layers(model)
     cfg_dsv = dsv[0].dsv_config if dsv else None
@@ -206,7 +210,7 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
     step = start - 1
     for step in range(start, arm["steps"]):
         for group in opt.param_groups:
-            group["lr"] = arm["lr"] * min(1.0, (step + 1) / max(1, args.warmup))
+            group["lr"] = arm["lr"] * group["lr_mult"] * min(1.0, (step + 1) / max(1, args.warmup))
         latents, labels = clips.batch_at(step, args.batch)
         t0 = time.perf_counter()
         loss = flow_matching_step(model, opt, latents, labels, g)
@@ -246,7 +250,34 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
     return model, clips, summary
 
 
-_RESUME_KEYS = ("data", "frames", "res", "attn", "lr", "qk_norm", "rope", "stage1", "window_frac")
+def qk_norm_parameters(model) -> List[torch.nn.Parameter]:
+    """The QK-norm gains and biases of every layer (``*.q_layernorm.*``, ``*.k_layernorm.*``)."""
+    return [p for n, p in model.named_parameters() if ".q_layernorm." in n or ".k_layernorm." in n]
+
+
+def qk_gains(model) -> List[float]:
+    """Per layer, the factor by which the QK-norm gains scale the logits of unit-variance q, k:
+    ``sqrt(mean((gamma_q * gamma_k)^2))`` (1 at initialisation); empty without QK-norm."""
+    gains = {}
+    for n, p in model.named_parameters():
+        for which in ("q", "k"):
+            if n.endswith(f".{which}_layernorm.weight"):
+                gains.setdefault(n.rsplit(f".{which}_layernorm", 1)[0], {})[which] = p.detach().float()
+    return [float(((g["q"] * g["k"]) ** 2).mean().sqrt()) for g in gains.values() if len(g) == 2]
+
+
+def _optimizer(model, arm: dict) -> torch.optim.Optimizer:
+    """AdamW, no weight decay; the QK-norm parameters in their own group at ``qk_lr`` times the rate.
+    Each group's ``lr_mult`` is applied by the schedule in :func:`train_arm`."""
+    qk = {id(p) for p in qk_norm_parameters(model)}
+    rest = [p for p in model.parameters() if id(p) not in qk]
+    groups = [dict(params=rest, lr_mult=1.0)]
+    if qk:
+        groups.append(dict(params=[p for p in model.parameters() if id(p) in qk], lr_mult=float(arm["qk_lr"])))
+    return torch.optim.AdamW(groups, lr=arm["lr"], weight_decay=0.0)
+
+
+_RESUME_KEYS = ("data", "frames", "res", "attn", "lr", "qk_norm", "qk_lr", "rope", "stage1", "window_frac")
 
 
 def save_run(path: str, arm: dict, model, opt, g, step: int, counters: dict) -> None:
@@ -268,7 +299,9 @@ def load_run(path: str, arm: dict, model, opt, g):
                          "start the arm afresh") from err
     if not isinstance(state, dict) or state.get("format") != "megatron_dsv.video_run.v1":
         raise ValueError(f"{path!r} is not a video-run checkpoint (format megatron_dsv.video_run.v1)")
-    differ = {k: (state["arm"].get(k), arm[k]) for k in _RESUME_KEYS if state["arm"].get(k) != arm[k]}
+    saved = dict(state["arm"])
+    saved.setdefault("qk_lr", ARM_DEFAULTS["qk_lr"])  # written before the key existed
+    differ = {k: (saved.get(k), arm[k]) for k in _RESUME_KEYS if saved.get(k) != arm[k]}
     if differ:
         raise ValueError(f"run checkpoint {path!r} was written by another arm: (saved, now) = {differ}")
     model.load_state_dict(state["model"])

@@ -11,6 +11,9 @@
 #            no QK-norm at lr 1e-3), beside a resumable ViZDoom 32K arm on 64 clips and 6 layers (`lead`),
 #            and the GPU tests (CUDA extension built first); call `lead` next to continue the 32K arm
 #   lead     continue the 32K 64-clip 6-layer arm from runs/sparsity/ (back-to-back calls on a warm machine)
+#   long8k   two long 8K arms on 64 ViZDoom clips, alone on the GPU, resumed from runs/sparsity/ by the next
+#            call: QK-norm as usual, and QK-norm gains at 10x the learning rate (does the logits' scale
+#            limit the rate?); stage 2 from step 3000; sweeps over t every 1000 steps
 # Installs carried wheels (.whl/: megatron-core, vizdoom, ale-py for the GPU machine's Python) if any.
 # Arms run as concurrent processes on the one GPU: the small 8K arms are launch-bound and fill the
 # gaps the 32K arm leaves. Logs: OUT_DIR/<arm group>.log; JSON + PNG: OUT_DIR.
@@ -50,6 +53,13 @@ screen8k() {  # one process per lever: samples and layers are run-level settings
     > "$out/screen-8layers.log" 2>&1 &
   $study --tag=-8k-noqk-lr --arm $big,qk_norm=0,lr=1e-3,minutes=$m > "$out/screen-noqk-lr.log" 2>&1 &
   wait; }
+long8k() {
+  local arm=data=vizdoom,frames=32,res=128,steps=40000,stage1=3000,minutes=${MINUTES:-8.2}
+  local run="timeout 585 python3 benchmarks/bench_sparsity_emergence.py --out-dir $out --samples 64 --workers 7"
+  $run --tag=-8k-long --save-dir runs/sparsity --arm $arm,label=vizdoom-dsv-S8K-64clips-long > "$out/long8k.log" 2>&1 &
+  $run --tag=-8k-long-qklr10 --save-dir runs/sparsity --arm $arm,qk_lr=10,label=vizdoom-dsv-qklr10-S8K-64clips-long \
+    > "$out/long8k-qklr10.log" 2>&1 &
+  wait; }
 gputests() { timeout 300 env DSV_FORCE_CUDA_BUILD=1 python3 setup.py -q build_ext --inplace > "$out/build.log" 2>&1
   echo "== build rc=$?"; tail -n 5 "$out/build.log"
   timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops tests/attention tests/models tests/training \
@@ -62,9 +72,10 @@ case $stage in
   ablate) ablate8k ;;
   screen) lead32k & screen8k & gputests & wait ;;
   lead) lead32k ;;
+  long8k) long8k ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
-for f in "$out"/*.log; do echo "== $f"; grep -E "^==|^val loss|iteration .*(000|500)/|Error|error:" "$f" | tail -n 25; done
+for f in "$out"/*.log; do echo "== $f"; grep -E "^==|^val loss|iteration .*(000|500)/|sweep at|resumed|Error|error:" "$f" | tail -n 25; done
 # the device returns at most 8 files: logs, per-call plots and sample grids travel as one archive, the JSONs
 # (merge them with bench_sparsity_emergence.py --merge) and the quality plot stay files
 tar -czf "$out/extras.tgz" -C "$out" $(cd "$out" && ls -d *.log sparsity_emergence*.png samples 2>/dev/null) \

@@ -8,7 +8,10 @@ For one batch, :func:`capture_qk` records every DSV layer's post-RoPE q, k; then
   (are critical keys local?) and the share within a small radius;
 * :func:`cube_overlap`: how much the critical sets of the queries of one query group agree;
 * :func:`predictor_recall`: critical-mass recall of the lists the layer's predictor builds at the
-  layer's current budgets (``DSVCoreAttention._estimate``, the lists a sparse forward would use).
+  layer's current budgets (``DSVCoreAttention._estimate``, the lists a sparse forward would use);
+* :func:`logit_spread`: the standard deviation of a query's scaled logits over the keys, and
+  :func:`gaussian_sparsity`, the exact sparsity that spread would give if logits were Gaussian
+  (what part of the sparsity is the logits' scale, what part the shape of their tail).
 
 :func:`analyze` runs them all and returns a JSON-able dict (``tools/analyze_sparsity.py`` plots it).
 Tensors are ``[B, H, S, D]`` (k: ``[B, Hkv, S, D]``, GQA: Hkv divides H); queries are sampled
@@ -33,7 +36,7 @@ from megatron_dsv.attention.profiler import profile_stats
 from megatron_dsv.ops.topk_estimation.oracle import _check, _prob_chunks, head_sparsity
 
 __all__ = ["capture_qk", "sample_queries", "key_fractions", "mass_curve", "critical_distance_histogram",
-           "cube_overlap", "predictor_recall", "analyze"]
+           "cube_overlap", "predictor_recall", "logit_spread", "gaussian_sparsity", "analyze"]
 
 _CHUNK = 1 << 24
 
@@ -139,6 +142,37 @@ def mass_curve(q: torch.Tensor, k: torch.Tensor, query_index: Optional[torch.Ten
         cum = torch.cumsum(torch.sort(probs, dim=-1, descending=True).values.double(), dim=-1)
         total += cum.index_select(-1, n).sum(2)
     return total / max(1, qi.numel())
+
+
+def logit_spread(q: torch.Tensor, k: torch.Tensor, query_index: Optional[torch.Tensor] = None,
+                 softmax_scale: Optional[float] = None, chunk_elems: int = _CHUNK) -> torch.Tensor:
+    """float64 ``[B, H]``: mean over the sampled queries of the standard deviation, over all keys, of
+    the query's scaled logits ``q . k * softmax_scale`` (default ``1 / sqrt(D)``). Chunked over queries
+    like the oracle (``chunk_elems`` logits resident at once)."""
+    qi = _check(q, k, 1.0, query_index)
+    B, H, S, D = q.shape
+    rep = H // k.shape[1]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    kf = k.float().repeat_interleave(rep, dim=1) if rep > 1 else k.float()
+    n = max(1, chunk_elems // (B * H * S))
+    total = torch.zeros(B, H, dtype=torch.float64, device=q.device)
+    for c0 in range(0, qi.numel(), n):
+        logits = torch.matmul(q[:, :, qi[c0:c0 + n]].float(), kf.transpose(-1, -2)) * scale
+        total += logits.std(dim=-1, correction=0).double().sum(-1)
+    return total / max(1, qi.numel())
+
+
+def gaussian_sparsity(sigma, theta: float = 0.9):
+    """Exact theta-sparsity of a query whose logits over many keys are i.i.d. ``N(mu, sigma^2)``:
+    ``Phi(sigma - Phi^-1(theta))`` (the keys above a logit cut hold the lognormal mass share
+    ``Phi(sigma - cut)``). ``sigma`` a float or tensor; the same type back. sigma = 1 gives 0.389 at
+    theta = 0.9, sigma = 2.32 gives 0.85."""
+    if not (0.0 < float(theta) < 1.0):
+        raise ValueError(f"gaussian_sparsity: `theta` must be in (0, 1), got {theta}")
+    normal = torch.distributions.Normal(0.0, 1.0)
+    s = torch.as_tensor(sigma, dtype=torch.float64)
+    out = normal.cdf(s - normal.icdf(torch.tensor(float(theta), dtype=torch.float64)))
+    return out if isinstance(sigma, torch.Tensor) else float(out)
 
 
 def _distance_edges(coords: torch.Tensor, bins) -> torch.Tensor:
@@ -292,9 +326,11 @@ def _layer_report(layer: DSVCoreAttention, q, k, hidden, coords, qi, theta, opts
     over = cube_overlap(q, k, G, theta, layer.softmax_scale, max_groups=opts["max_groups"])
     crit, pairs = hist["critical"].sum((0, 1)), hist["critical"].sum(-1)
     sparsity = pr["sparsity"].mean(0)
+    spread = logit_spread(q, k, qi, layer.softmax_scale)
     return {
         "layer": layer.layer_number, "heads": q.shape[1],
         "sparsity": _vals(sparsity), "sparsity_mean": _vals(sparsity.mean()),
+        "logit_std": _vals(spread.mean(0)), "gaussian_sparsity": _vals(gaussian_sparsity(spread, theta).mean(0)),
         "mass_curve": _vals(curve), "mass_curve_mean": _vals(curve.mean(0)),
         "distance_critical": _vals(crit / crit.sum().clamp_min(1.0)),
         "distance_all_keys": _vals(hist["all_keys"] / hist["all_keys"].sum().clamp_min(1.0)),
@@ -321,7 +357,9 @@ def _summary(layers: list) -> dict:
             "sparsity_max": _vals(heads.max()), "within_radius": _vals(col(lambda r: [r["within_radius_mean"]]).mean()),
             "cube_jaccard": _vals(col(lambda r: [r["cube_overlap"]["jaccard_mean"]]).nanmean()),
             "cube_containment": _vals(col(lambda r: [r["cube_overlap"]["containment_mean"]]).nanmean()),
-            "predictor_recall": _vals(col(lambda r: [r["predictor"]["recall_mean"]]).mean())}
+            "predictor_recall": _vals(col(lambda r: [r["predictor"]["recall_mean"]]).mean()),
+            "logit_std": _vals(col(lambda r: r["logit_std"]).mean()),
+            "gaussian_sparsity": _vals(col(lambda r: r["gaussian_sparsity"]).mean())}
 
 
 def analyze(model, latents: torch.Tensor, timesteps: torch.Tensor, labels: Optional[torch.Tensor],

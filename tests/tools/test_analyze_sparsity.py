@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from megatron_dsv.attention import dsv_layers
-from megatron_dsv.attention.analysis import (capture_qk, critical_distance_histogram, cube_overlap, key_fractions,
-                                             mass_curve, predictor_recall, sample_queries)
+from megatron_dsv.attention.analysis import (capture_qk, critical_distance_histogram, cube_overlap,
+                                             gaussian_sparsity, key_fractions, logit_spread, mass_curve,
+                                             predictor_recall, sample_queries)
 from megatron_dsv.attention.grouping import cube_order_coords
 from megatron_dsv.config import DSVConfig
 from megatron_dsv.ops.topk_estimation.oracle import head_sparsity
@@ -137,6 +138,39 @@ def test_distance_histogram_rejects_bad_coords():
 
 
 # ---------------------------------------------------------------- cube overlap
+# ---------------------------------------------------------------- logit spread and its Gaussian sparsity
+@pytest.mark.parametrize("Hkv", [2, 1], ids=["MHA", "GQA"])
+def test_logit_spread_matches_brute_force(Hkv):
+    q, k = _qk(Hkv=Hkv, S=41)
+    qi = torch.tensor([0, 3, 17, 40])
+    kk = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1).double()
+    logits = q.double()[:, :, qi] @ kk.transpose(-1, -2) * 0.3
+    want = logits.std(-1, correction=0).mean(-1)
+    got = logit_spread(q, k, qi, softmax_scale=0.3, chunk_elems=2 * 2 * 41)  # one query per chunk
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_gaussian_sparsity_closed_form_and_sampled_logits():
+    assert gaussian_sparsity(1.0) == pytest.approx(0.3891, abs=1e-3)  # QK-norm at init: logit std 1
+    assert gaussian_sparsity(2.3217) == pytest.approx(0.85, abs=1e-3)
+    assert gaussian_sparsity(0.0) == pytest.approx(0.1, abs=1e-9)  # uniform: 90% of the keys for 90% of mass
+    sig = torch.tensor([0.5, 1.0, 2.0])
+    assert torch.all(gaussian_sparsity(sig).diff() > 0)
+    # logits q . k / sqrt(D) with q, k i.i.d. N(0, s^2) are close to N(0, s^4): the oracle agrees with the formula
+    S, D = 20000, 64
+    for s in (1.0, 1.3):
+        g = torch.Generator().manual_seed(1)
+        q = torch.randn(1, 1, S, D, generator=g) * s
+        k = torch.randn(1, 1, S, D, generator=g) * s
+        qi = torch.arange(0, S, S // 64)
+        sigma = logit_spread(q, k, qi)
+        assert float(sigma) == pytest.approx(s * s, rel=0.05)
+        exact = float(head_sparsity(q, k, 0.9, query_index=qi))
+        assert exact == pytest.approx(gaussian_sparsity(float(sigma)), abs=0.03)
+    with pytest.raises(ValueError, match="theta"):
+        gaussian_sparsity(1.0, theta=1.0)
+
+
 def test_cube_overlap_matches_brute_force():
     S, G, theta = 30, 4, 0.8  # the last group has 2 queries
     q, k = _qk(B=1, H=2, Hkv=2, S=S, D=8, seed=2, scale=1.5)
