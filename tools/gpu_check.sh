@@ -4,7 +4,7 @@
 # Usage: bash tools/gpu_check.sh OUT_DIR [stage ...]
 #   stages: build tests train recall predictor topk (the default: all six), e2e (bench_e2e.py, 2.7b shape,
 #   2 layers, 16K-128K tokens), topksample (the Triton top-k's "sample" method: its GPU tests, then the
-#   selection benchmark beside the CUDA kernel, and "search" at 16K in the same run)
+#   selection benchmark beside the CUDA kernel, "search" at 16K in the same run, then its tests on the GPU)
 # Each stage logs to OUT_DIR/<stage>.log and a failing stage does not stop the others.
 set -u
 out=${1:?usage: gpu_check.sh OUT_DIR [stage ...]}; shift
@@ -40,11 +40,10 @@ for s in $stages; do
               --backends cuda,torch_topk --out '$out'" ;;
     e2e) run e2e 280 python3 benchmarks/bench_e2e.py --preset 2.7b --layers 2 --frames 16 32 64 128 --res 256 \
            --out-dir "$out" ;;
-    topksample) run topksample 120 sh -c "python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_topk_sample.py && \
-                  python3 benchmarks/bench_topk_estimation.py --backends cuda,triton --triton-method sample \
-                    --sizes 16384,65536,131072 --triton-max-s 131072 --out '$out/sample' && \
+    topksample) run topksample 130 sh -c "python3 benchmarks/bench_topk_estimation.py --backends cuda,triton \
+                    --triton-method sample --sizes 16384,65536,131072 --triton-max-s 131072 --out '$out/sample'; \
                   python3 benchmarks/bench_topk_estimation.py --backends triton --triton-method search \
-                    --sizes 16384 --out '$out/search'" ;;
+                    --sizes 16384 --out '$out/search'; python3 -m pytest -q -x -p no:cacheprovider tests/ops/test_topk_sample.py" ;;
     *) echo "unknown stage $s (build tests train recall predictor topk e2e topksample)"; exit 2 ;;
   esac
 done
