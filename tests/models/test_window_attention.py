@@ -2,6 +2,7 @@
 
 import itertools
 import math
+import os
 
 import pytest
 import torch
@@ -86,10 +87,13 @@ def _reference(q, k, v, keep, scale):
     return out.reshape(out.shape[0], out.shape[1], -1)
 
 
-# grid 6 x 12 x 8 with cube 2 x 4 x 8: cube grid 3 x 3 x 1, lists of 4, 6 and 9 cubes (three size classes)
+# grid 6 x 12 x 8 with cube 2 x 4 x 8: cube grid 3 x 3 x 1, lists of 4, 6 and 9 cubes (three size classes);
+# grid 10 x 12 x 16: cube grid 5 x 3 x 2 at radius (2, 1, 1), six classes (12, 16, 18, 20, 24, 30 cubes)
+# not in raster order, so the class permutation is exercised
 @pytest.mark.parametrize("heads,groups", [(2, 2), (4, 2)], ids=["MHA-H2", "GQA-H4-KV2"])
-@pytest.mark.parametrize("grid,radius", [((6, 12, 8), (1, 1, 0)), ((4, 8, 16), (0, 1, 0))],
-                         ids=["S576-r110", "S512-r010"])
+@pytest.mark.parametrize("grid,radius", [((6, 12, 8), (1, 1, 0)), ((4, 8, 16), (0, 1, 0)),
+                                         ((10, 12, 16), (2, 1, 1))],
+                         ids=["S576-r110", "S512-r010", "S1920-r211"])
 def test_matches_dense_masked_reference(megatron_cpu, heads, groups, grid, radius):
     wc = WindowConfig(cube=(2, 4, 8), radius=radius, block_size=64)
     core = _core(megatron_cpu, wc, grid, heads, groups)
@@ -106,6 +110,70 @@ def test_matches_dense_masked_reference(megatron_cpu, heads, groups, grid, radiu
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     for name, got, want in zip("qkv", grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"d{name}: {m}")
+
+
+def test_size_classes_permutation():
+    from megatron_dsv.models.window_attention import _size_classes
+
+    ncubes, radius, G = (5, 3, 2), (2, 1, 1), 64
+    perm, inv, classes = _size_classes(ncubes, radius, G, torch.device("cpu"))
+    assert _size_classes(ncubes, radius, G, torch.device("cpu"))[0] is perm  # cached
+    S = 30 * G
+    assert torch.equal(perm.sort().values, torch.arange(S)) and torch.equal(perm[inv], torch.arange(S))
+    idx, counts = window_block_lists((10, 12, 16), (2, 4, 8), radius)
+    assert [c for c, *_ in classes] == sorted(set(counts.tolist()))
+    assert sum(n for _, _, n, _ in classes) == 30
+    for c, first, n, lists in classes:
+        cubes = perm[first * G:(first + n) * G:G] // G  # each class is whole cubes, ascending ids
+        assert torch.equal(perm[first * G:(first + n) * G], (cubes[:, None] * G + torch.arange(G)).reshape(-1))
+        assert (counts[cubes] == c).all() and (cubes.diff() > 0).all()
+        assert lists.dtype == torch.int32 and lists.shape == (n, c) and torch.equal(lists, idx[cubes, :c])
+    # one class (the window spans the grid): no permutation at all
+    assert _size_classes(ncubes, (4, 2, 1), G, torch.device("cpu"))[:2] == (None, None)
+
+
+def test_flex_request_falls_back_for_partial_queries(monkeypatch):
+    from megatron_dsv.models.window_attention import _class_backend
+
+    monkeypatch.setenv("DSV_SPARSE_ATTN_BACKEND", "flex")
+    assert _class_backend(256, 1024) == "triton"  # flex refuses Sq != Sk
+    assert _class_backend(1024, 1024) == "auto"
+    monkeypatch.setenv("DSV_SPARSE_ATTN_BACKEND", "auto")
+    assert _class_backend(256, 1024) == "auto"
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1")
+def test_triton_path_per_class_matches_reference(megatron_cpu, monkeypatch):
+    """The module's calls routed through the Triton kernels (interpreter, fp32): each class runs
+    on its own cubes only (query rows sum to S, KV work to the kept fraction), forward and
+    gradients equal the dense masked reference."""
+    import megatron_dsv.models.window_attention as wa
+    from megatron_dsv.ops.sparse_attention import sparse_attention
+
+    calls = []
+
+    def triton_op(q, k, v, idx, counts, G, BS, scale):
+        calls.append((q.shape[2], k.shape[2], idx.shape[2], int(counts[0, 0])))
+        return sparse_attention(q, k, v, idx, counts, G, BS, scale, backend="triton")
+
+    monkeypatch.setattr(wa, "sparse_attention_naive", triton_op)
+    grid, radius = (6, 12, 8), (1, 1, 0)  # cube grid 3 x 3 x 1: classes of 4, 6 and 9 cubes
+    wc = WindowConfig(cube=(2, 4, 8), radius=radius, block_size=64)
+    core = _core(megatron_cpu, wc, grid, heads=2, groups=1)
+    S, B, D = math.prod(grid), 2, 64
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(S, B, h, D, generator=g).requires_grad_() for h in (2, 1, 1))
+    do = torch.randn(S, B, 2 * D, generator=g)
+    out = core(q, k, v, None)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    _, counts = window_block_lists(grid, wc.cube, radius)
+    assert calls == [(n * 64, S, n, c) for c, n in ((4, 4), (6, 4), (9, 1))]  # ascending list length
+    assert sum(n * c for _, _, n, c in calls) == int(counts.sum())
+    ref = _reference(q, k, v, _token_mask(grid, wc.cube, radius), 1.0 / math.sqrt(D))
+    ref_grads = torch.autograd.grad(ref, (q, k, v), do)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    for name, got, want in zip("qkv", grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"d{name}: {m}")
 
 
 def test_bad_inputs_raise(megatron_cpu):
