@@ -125,3 +125,20 @@ def test_sample_plan():
     assert (F, nsv) == (64, 1024) and 6656 < cap < 2.5 * 6656
     assert sample_plan(500, 50) == (1, 500, 96)  # exact sample: K + ties slack
     assert sample_plan(100, 100)[2] == 100  # never more than the items
+
+
+def test_estimate_topk_logs_its_backend_once(caplog, monkeypatch):
+    import logging
+
+    import megatron_dsv.ops.topk_estimation as te
+
+    monkeypatch.setattr(te, "_LOGGED", set())
+    monkeypatch.delenv("DSV_TOPK_BACKEND", raising=False)
+    q, k = _ints((1, 2, 64, 16), torch.float32, 33), _ints((1, 2, 64, 16), torch.float32, 34)
+    with caplog.at_level(logging.INFO, logger=te.__name__):
+        for _ in range(3):
+            te.estimate_topk(q.cpu(), k.cpu(), 8, 32)
+        te.estimate_topk(q.cpu(), k.cpu(), 8, 32, backend="naive")
+    lines = [r.getMessage() for r in caplog.records if r.name == te.__name__]
+    assert lines == ["estimate_topk uses the naive backend (auto: tensors not on CUDA)",
+                     "estimate_topk uses the naive backend (asked for by backend argument)"]

@@ -14,10 +14,14 @@
 Backend: ``DSV_TOPK_BACKEND`` in {auto, cuda, triton, naive}; auto = the CUDA extension when
 ``megatron_dsv._C`` is built and the tensors are on CUDA, else Triton on CUDA, else naive (CPU).
 Every backend selects the same lists (see ``common.py`` for the exact score definition).
+:func:`estimate_topk` logs (``logging``, once per backend and reason) which backend it uses and why:
+on a GPU without the extension the Triton fallback is 30-120x slower than the CUDA kernel
+(``benchmarks/NOTES_topk_estimation.md``), which a user should see.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 from .naive import estimate_topk_naive
@@ -27,6 +31,8 @@ __all__ = ["estimate_topk", "estimate_topk_naive", "critical_counts", "head_spar
            "critical_mass_recall", "topk_backend", "requested_topk_backend", "auto_topk_backend"]
 
 BACKENDS = ("auto", "cuda", "triton", "naive")
+_log = logging.getLogger(__name__)
+_LOGGED: set = set()
 
 
 def requested_topk_backend(requested=None) -> str:
@@ -54,15 +60,31 @@ def auto_topk_backend(device) -> str:
 def topk_backend(device, requested=None) -> str:
     """The backend estimate_topk uses for tensors on ``device`` (the one place this is decided):
     :func:`requested_topk_backend`, then :func:`auto_topk_backend` for "auto"."""
+    return _backend_and_reason(device, requested)[0]
+
+
+def _backend_and_reason(device, requested=None):
     want = requested_topk_backend(requested)
-    return auto_topk_backend(device) if want == "auto" else want
+    if want != "auto":
+        source = "backend argument" if requested not in (None, "auto") else "DSV_TOPK_BACKEND"
+        return want, f"asked for by {source}"
+    got = auto_topk_backend(device)
+    reason = {"cuda": "auto: the CUDA extension megatron_dsv._C is built and the tensors are on CUDA",
+              "triton": "auto: tensors on CUDA but the CUDA extension megatron_dsv._C is not built (pip install "
+                        "with nvcc present); the Triton fallback is much slower (benchmarks/NOTES_topk_estimation.md)",
+              "naive": "auto: tensors not on CUDA"}[got]
+    return got, reason
 
 
 def estimate_topk(q_lr, k_lr, budgets, group_size, block_size=0, proxy="mean", block_score="max", *,
                   backend=None):
     """Per query group, the top-k keys (or key blocks) by low-rank score; see the module docstring.
     ``backend`` forces one of {cuda, triton, naive} (None or "auto": the module's rule)."""
-    backend = topk_backend(getattr(q_lr, "device", "cpu"), backend)
+    backend, reason = _backend_and_reason(getattr(q_lr, "device", "cpu"), backend)
+    if (backend, reason) not in _LOGGED:
+        _LOGGED.add((backend, reason))
+        (_log.warning if backend == "triton" and reason.startswith("auto") else _log.info)(
+            "estimate_topk uses the %s backend (%s)", backend, reason)
     match backend:
         case "cuda":
             from .cuda_impl import estimate_topk_cuda as fn

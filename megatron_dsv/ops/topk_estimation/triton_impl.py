@@ -324,8 +324,9 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     ``method``: "search" (two kernels: 16-probe search, 9 passes over all items, then the ordered
     write pass), "sample" (:func:`_tk_sample`: a sampled threshold window, one pass over all items
     into a per-group candidate buffer, exact selection on the buffer; groups whose window missed
-    fall back to the search kernels, on those groups only, without a host sync), or "auto", which is
-    "search" until a GPU has measured "sample" (both give the same lists, the naive ones).
+    fall back to the search kernels, on those groups only, without a host sync), or "auto": "sample"
+    for token lists, "search" for block lists (H200, 2026-12-01, S=16K, G=32, 90% sparsity: token
+    lists 58.7 ms vs 149.6 ms; blocks of 64 8.8 ms vs 7.0 ms). Both give the same lists, the naive ones.
     "sample" knobs: ``sample_size`` (items scored to place the window), ``z`` (window half-width in
     standard deviations), ``capacity`` (candidate buffer per group; 0 = :func:`sample_plan`'s, a
     smaller value forces overflow in tests). Extra memory of "sample": B*H*NG*capacity*8 bytes.
@@ -333,7 +334,8 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     """
     if method not in METHODS:
         raise ValueError(f"estimate_topk_triton: `method` must be one of {METHODS}, got {method!r}")
-    method = "search" if method == "auto" else method
+    if method == "auto":
+        method = "sample" if block_size == 0 else "search"
     P = check_problem(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score)
     out = torch.full((P.B, P.H, P.num_groups, P.kmax), -1, dtype=torch.int32, device=q_lr.device)
     if stats is not None:
