@@ -14,6 +14,9 @@
 #   long8k   two long 8K arms on 64 ViZDoom clips, alone on the GPU, resumed from runs/sparsity/ by the next
 #            call: QK-norm as usual, and QK-norm gains at 10x the learning rate (does the logits' scale
 #            limit the rate?); stage 2 from step 3000; sweeps over t every 1000 steps
+#   qklr     the follow-up of long8k's finding (QK-norm gains at 10x lr: sparser and a lower loss): the 8K arm
+#            at 30x, the 32K 6-layer arm at 10x (both resumable from runs/sparsity/), and full vs DSV vs window
+#            at 10x on ViZDoom 8K for quality (bench_quality.py)
 # Installs carried wheels (.whl/: megatron-core, vizdoom, ale-py for the GPU machine's Python) if any.
 # Arms run as concurrent processes on the one GPU: the small 8K arms are launch-bound and fill the
 # gaps the 32K arm leaves. Logs: OUT_DIR/<arm group>.log; JSON + PNG: OUT_DIR.
@@ -60,6 +63,17 @@ long8k() {
   $run --tag=-8k-long-qklr10 --save-dir runs/sparsity --arm $arm,qk_lr=10,label=vizdoom-dsv-qklr10-S8K-64clips-long \
     > "$out/long8k-qklr10.log" 2>&1 &
   wait; }
+qklr() {
+  local run="timeout 585 python3 benchmarks/bench_sparsity_emergence.py --out-dir $out --samples 64 --workers 5"
+  $run --tag=-8k-qklr30 --save-dir runs/sparsity \
+    --arm data=vizdoom,frames=32,res=128,steps=40000,stage1=3000,qk_lr=30,minutes=${MINUTES:-8.2},label=vizdoom-dsv-qklr30-S8K-64clips \
+    > "$out/qklr30.log" 2>&1 &
+  $run --tag=-32k-qklr10 --layers 6 --save-dir runs/sparsity \
+    --arm data=vizdoom,frames=32,res=256,steps=40000,stage1=3000,qk_lr=10,minutes=${MINUTES:-8.2},label=vizdoom-dsv-qklr10-S32K-64clips-6layers \
+    > "$out/qklr10-32k.log" 2>&1 &
+  timeout 585 python3 benchmarks/bench_quality.py --out-dir "$out" --samples 64 --workers 5 \
+    --arm "data=vizdoom,frames=32,res=128,steps=3000,stage1=1500,qk_lr=10,minutes=2.6" > "$out/quality-qklr10.log" 2>&1 &
+  wait; }
 gputests() { timeout 300 env DSV_FORCE_CUDA_BUILD=1 python3 setup.py -q build_ext --inplace > "$out/build.log" 2>&1
   echo "== build rc=$?"; tail -n 5 "$out/build.log"
   timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops tests/attention tests/models tests/training \
@@ -73,6 +87,7 @@ case $stage in
   screen) lead32k & screen8k & gputests & wait ;;
   lead) lead32k ;;
   long8k) long8k ;;
+  qklr) qklr ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 for f in "$out"/*.log; do echo "== $f"; grep -E "^==|^val loss|iteration .*(000|500)/|sweep at|resumed|Error|error:" "$f" | tail -n 25; done

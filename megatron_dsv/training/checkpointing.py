@@ -283,9 +283,26 @@ def check_model_config(state: dict, model_config, directory: str) -> None:
         raise CheckpointError(f"model in {os.path.join(directory, STATE_FILE)} does not match this run ({detail})")
 
 
+OPTIMIZER_LAYOUT_ARGS = {"qk_norm_lr_mult": 1.0}
+"""Flags (with the value a checkpoint written before the flag existed had) that shape the optimizer's
+parameter groups: a resumed run must use the saved value to load the optimizer state."""
+
+
+def check_optimizer_args(state: dict, args, directory: str) -> None:
+    """CheckpointError naming the flag when ``args`` would build other optimizer groups than the saved run."""
+    saved = state.get("args") or {}
+    for key, default in OPTIMIZER_LAYOUT_ARGS.items():
+        was, now = saved.get(key, default), getattr(args, key, default)
+        if was != now:
+            flag = "--" + key.replace("_", "-")
+            raise CheckpointError(f"{flag} is {now} but the checkpoint {directory} was trained with {flag} {was}: "
+                                  f"pass {flag} {was} to resume its optimizer state (or --no-load-optim)")
+
+
 def load_checkpoint(path: str, model, optimizer, scheduler, model_config=None, load_optim: bool = True,
-                    load_rng: bool = True) -> dict:
-    """Restore model (incl. DSV state), optimizer, scheduler and RNG; returns the train state."""
+                    load_rng: bool = True, args=None) -> dict:
+    """Restore model (incl. DSV state), optimizer, scheduler and RNG; returns the train state.
+    ``args`` (the run's flags): checked against the saved run's for the optimizer's group layout."""
     from megatron.core import dist_checkpointing
 
     directory = resolve_checkpoint_dir(path)
@@ -293,6 +310,8 @@ def load_checkpoint(path: str, model, optimizer, scheduler, model_config=None, l
     if model_config is not None:
         check_model_config(state, model_config, directory)
     load_optim = load_optim and optimizer is not None and state.get("has_optimizer", False)
+    if load_optim and args is not None:
+        check_optimizer_args(state, args, directory)
     sharded = _sharded_state(model, optimizer if load_optim else None, is_loading=True)
     try:
         loaded = dist_checkpointing.load(sharded, directory)

@@ -11,13 +11,15 @@ The LR schedule is Megatron-Core's ``OptimizerParamScheduler`` in both cases.
 
 from __future__ import annotations
 
+import fnmatch
 import math
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["wrap_model", "build_optimizer", "build_scheduler", "unwrap", "LocalDataParallel", "LocalAdam"]
+__all__ = ["wrap_model", "build_optimizer", "build_scheduler", "unwrap", "LocalDataParallel", "LocalAdam",
+           "is_qk_norm_param", "qk_norm_overrides"]
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -60,16 +62,50 @@ class LocalDataParallel(torch.nn.Module):
         return self.module.sharded_state_dict(*args, **kwargs)
 
 
-def _param_groups(model: torch.nn.Module, weight_decay: float):
-    """Megatron's rule: no weight decay on biases and 1-D (norm) parameters."""
-    decay, no_decay = [], []
+QK_NORM_PARAMS = ("*.q_layernorm.*", "*.k_layernorm.*")
+"""Name patterns (fnmatch, as Megatron-Core's ``ParamKey``) of the QK-norm gains and biases."""
+
+
+def is_qk_norm_param(name: str) -> bool:
+    """Whether parameter ``name`` is a QK-norm gain or bias (``--qk-norm-lr-mult`` applies to it)."""
+    return any(fnmatch.fnmatch(name, pattern) for pattern in QK_NORM_PARAMS)
+
+
+def _param_groups(model: torch.nn.Module, args):
+    """Megatron's rule: no weight decay on biases and 1-D (norm) parameters; with ``--qk-norm-lr-mult``
+    != 1, the QK-norm parameters in a group of their own whose ``max_lr`` / ``min_lr`` (what
+    ``OptimizerParamScheduler`` reads per group) are the multiple of ``--lr`` / ``--min-lr``."""
+    mult = getattr(args, "qk_norm_lr_mult", 1.0)
+    decay, no_decay, qk = [], [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
+        if mult != 1.0 and is_qk_norm_param(name):
+            qk.append(p)
+        else:
+            (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
     groups = [{"params": decay, "wd_mult": 1.0, "lr_mult": 1.0},
-              {"params": no_decay, "wd_mult": 0.0, "lr_mult": 1.0}]
-    return [g for g in groups if g["params"]], weight_decay
+              {"params": no_decay, "wd_mult": 0.0, "lr_mult": 1.0},
+              {"params": qk, "wd_mult": 0.0, "lr_mult": mult, "max_lr": args.lr * mult,
+               "min_lr": args.min_lr * mult}]
+    return [g for g in groups if g["params"]], args.weight_decay
+
+
+def qk_norm_overrides(args, config) -> Optional[dict]:
+    """Megatron-Core's ``config_overrides`` for ``get_megatron_optimizer``: its standard ones (no weight
+    decay on biases and 1-D parameters, which an explicit dict would otherwise drop) plus the QK-norm
+    parameters at ``--qk-norm-lr-mult`` times the learning rate. None (the standard rule) when the
+    multiplier is 1."""
+    mult = getattr(args, "qk_norm_lr_mult", 1.0)
+    if mult == 1.0:
+        return None
+    from megatron.core.optimizer import get_standard_config_overrides
+    from megatron.core.optimizer.optimizer_config import ParamKey
+    from megatron.core.optimizer_param_scheduler import ParamGroupOverride
+
+    overrides = dict(get_standard_config_overrides(config=config) or {})
+    overrides[ParamKey(name=QK_NORM_PARAMS)] = ParamGroupOverride(max_lr=args.lr * mult, min_lr=args.min_lr * mult)
+    return overrides
 
 
 def grad_norm_fp32(params, mp_group) -> float:
@@ -91,7 +127,7 @@ class LocalAdam:
     """torch Adam behind the MegatronOptimizer calls the trainer and checkpointing use."""
 
     def __init__(self, model: torch.nn.Module, args, mp_group):
-        groups, wd = _param_groups(model, args.weight_decay)
+        groups, wd = _param_groups(model, args)
         self.optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2),
                                            eps=args.adam_eps, weight_decay=wd)
         self.clip_grad = args.clip_grad
@@ -186,7 +222,7 @@ def build_optimizer(ddp_model: torch.nn.Module, env, args):
                              params_dtype=torch.bfloat16 if bf16 else torch.float32,
                              use_distributed_optimizer=False)
     # Like Megatron-LM's setup_model_and_optimizer: the optimizer finds its groups in parallel_state.
-    return get_megatron_optimizer(config, [ddp_model])
+    return get_megatron_optimizer(config, [ddp_model], config_overrides=qk_norm_overrides(args, config))
 
 
 def build_scheduler(optimizer, args):

@@ -159,7 +159,7 @@ def train(args) -> TrainResult:
                     "starting from iteration 0")
     elif args.load is not None:
         state = load_checkpoint(args.load, ddp_model, optimizer, scheduler, model_config=cfg,
-                                load_optim=not args.no_load_optim, load_rng=not args.no_load_rng)
+                                load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, args=args)
         result.iteration, result.consumed_samples = int(state["iteration"]), int(state["consumed_samples"])
         print_rank0(f" > resumed from {args.load} at iteration {result.iteration} "
                     f"(consumed samples {result.consumed_samples})")
