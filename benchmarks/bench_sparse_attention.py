@@ -2,6 +2,8 @@
 
     PYTHONPATH=. python benchmarks/bench_sparse_attention.py [--quick] [--tune] [--out DIR]
     PYTHONPATH=. python benchmarks/bench_sparse_attention.py --groups-sweep [--warm-only --shard I/N]
+    PYTHONPATH=. python benchmarks/bench_sparse_attention.py --sweep --warm-shards 8 --time-budget-s 300
+    PYTHONPATH=. python benchmarks/bench_sparse_attention.py --sweep --dry-run   # grid and time estimate, no GPU
 
 Rows (DESIGN.md section 6): S, H, D, B, G, block_size, sparsity, granularity,
 ms_fwd/ms_bwd (our Triton path through the public op, value checks skipped),
@@ -9,6 +11,31 @@ same-run cuDNN dense ms_dense_*, speedup_*, effective tflops_* on the kept
 FLOPs, and for block lists ms_flex_*/speedup_vs_flex_* (FlexAttention, BlockMask
 built from the same lists, compiled once per shape). ``--tune`` first sweeps
 tile configs at S=64K, 90% sparsity, and uses the winners for the table.
+``--head-dim``, ``--heads``, ``--group-size``, ``--granularity``, ``--block-sizes``,
+``--seq-lens`` and ``--sparsities`` set the table's shapes (default D=128, H=16, G=128,
+token and 128-blocks, S 16K-128K, sparsity 0.8-0.98).
+
+``--sweep`` (issue #15): the shapes of the other presets, D x G x granularity, written to
+``sparse_attention-sweep-<gpu>-<date>.json`` after every point, with a heatmap PNG beside it
+(fwd+bwd speedup vs cuDNN and vs flex per (D, G, granularity) at S=64K, 90%). Default grid:
+S in {16K, 64K} x sparsity 0.9 for every cell D in {64, 96, 128, 256} x G in {32, 64, 128} x
+{token, block 128} (48 points, the 24 heatmap points first), plus S in {16K, 32K, 64K, 128K} x
+sparsity {0.8, 0.9, 0.95} at (D=128, G=128, block 128) and (D=256, G=128, block 128)
+(20 more): 68 points. ``--seq-lens`` / ``--sparsities`` replace it by their product over every
+cell. Combinations the library rejects are rows with ``skipped``; the cuDNN baseline is measured
+once per (S, D, H) and flex per point only where it lowers (G=128, block 128; its errors go into
+``flex_error``). ``--time-budget-s`` stops starting points after that many seconds since the
+start (warm phase included); the rest are rows with ``skipped``.
+
+Estimated H200 time of the default grid (``--dry-run`` prints it for any grid; model in
+``estimate_s``: per-call ms scaled from sparse_attention-h200-20261130.json and the -groups- file,
+plus do_bench's ~125 ms per timing; compile times are assumptions, not measurements):
+kernels and cuDNN baselines ~125 s (cuDNN ~40 s of it), loading cached kernels and tracing flex
+per shape ~40 s: ~3 min for the timed run once the caches are warm. Cold, it would add ~2 min of
+Triton compiles (24 cells) and ~6 min of flex compiles (12 shapes): ~10 min, over budget. With
+``--warm-shards 8`` the compiles run first in 8 parallel processes (~1.7 min): ~4.7 min in all.
+``--time-budget-s 300`` bounds it (the warm phase gets at most half; the 128K extras run last and
+are the ones dropped if the compiles are slower than assumed).
 
 ``--groups-sweep``: (group size, block size) in SWEEP_SHAPES at S=64K and 16K,
 90% sparse: our forward (default tiles, and 128-wide steps over two 64-blocks),
@@ -17,7 +44,8 @@ first), FlexAttention. Writes ``sparse_attention-groups`` (every row) and
 ``sparse_attention`` (rows in the main table's format, ms_bwd = the faster
 backward, named in bwd_mode). ``--warm-only`` runs every kernel once without
 timing, so parallel shards fill Triton's and Inductor's on-disk caches before
-the timed run (compiling flex per shape dominates otherwise).
+the timed run (compiling flex per shape dominates otherwise); ``--sweep --warm-shards N``
+starts such shards itself.
 """
 
 from __future__ import annotations
@@ -26,75 +54,123 @@ import argparse
 import json
 import math
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-os.environ.setdefault("DSV_SKIP_CHECKS", "1")  # lists are ours and valid; time the kernels
-os.environ.setdefault("DSV_SPARSE_ATTN_BACKEND", "triton")  # rows measure our kernels; flex has its own columns
 
 from benchmarks.common import bench_ms, collect_meta, dense_fwd_bwd_ms, write_results  # noqa: E402
 from megatron_dsv.ops.sparse_attention import launch  # noqa: E402
+from megatron_dsv.ops.sparse_attention.checks import check_shapes  # noqa: E402
 from megatron_dsv.ops.sparse_attention.flex import build_block_mask, sparse_attention_flex  # noqa: E402
-from megatron_dsv.ops.sparse_attention.op import sparse_attention  # noqa: E402
+from megatron_dsv.ops.sparse_attention.op import choose_backend, sparse_attention  # noqa: E402
 
-H, D, B = 16, 128, 1
+H, D, B = 16, 128, 1  # the main table's shape (and the groups sweep's)
 
 
-def make_lists(S, G, BS, sparsity, seed=0):
+def bench_env():
+    """Set in main, not at import (a test importing this module must not change the library's checks)."""
+    os.environ.setdefault("DSV_SKIP_CHECKS", "1")  # lists are ours and valid; time the kernels
+    os.environ.setdefault("DSV_SPARSE_ATTN_BACKEND", "triton")  # rows measure our kernels; flex has its own columns
+
+
+def make_lists(S, G, BS, sparsity, seed=0, heads=H):
     """Random sorted lists, the same budget for every head: K = round((1 - s) * #keys)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     NG = math.ceil(S / G)
     nk = S if BS == 0 else math.ceil(S / BS)
     K = max(1, round((1 - sparsity) * nk))
-    idx = torch.empty(B, H, NG, K, device="cuda", dtype=torch.int32)
-    for h in range(H):  # one head at a time bounds the sort's memory at 128K tokens
+    idx = torch.empty(B, heads, NG, K, device="cuda", dtype=torch.int32)
+    for h in range(heads):  # one head at a time bounds the sort's memory at 128K tokens
         perm = torch.rand(NG, nk, device="cuda", generator=gen).argsort(-1)[:, :K]
         idx[0, h] = perm.sort(-1).values.to(torch.int32)
-    cnt = torch.full((B, H), K, device="cuda", dtype=torch.int32)
+    cnt = torch.full((B, heads), K, device="cuda", dtype=torch.int32)
     return idx, cnt, K * (1 if BS == 0 else BS)
 
 
-def inputs(S, dtype=torch.bfloat16):
-    return [torch.randn(B, H, S, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3)]
+def inputs(S, dtype=torch.bfloat16, dim=D, heads=H):
+    return [torch.randn(B, heads, S, dim, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3)]
 
 
-def fwd_bwd_ms(fn, q, k, v):
-    fwd = bench_ms(fn)
+def run_once(fn):
+    """The timer of warm-only runs: compile and run, no timing."""
+    fn()
+    return 0.0
+
+
+def fwd_bwd_ms(fn, q, k, v, timer=bench_ms):
+    fwd = timer(fn)
     o = fn()
     do = torch.randn_like(o)
-    bwd = bench_ms(lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True))
+    bwd = timer(lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True))
     return fwd, bwd
 
 
-def ours_ms(q, k, v, idx, cnt, G, BS):
-    return fwd_bwd_ms(lambda: sparse_attention(q, k, v, idx, cnt, G, BS), q, k, v)
+def ours_ms(q, k, v, idx, cnt, G, BS, timer=bench_ms):
+    return fwd_bwd_ms(lambda: sparse_attention(q, k, v, idx, cnt, G, BS), q, k, v, timer)
 
 
-def flex_ms(q, k, v, idx, cnt, G, BS):
+def flex_ms(q, k, v, idx, cnt, G, BS, timer=bench_ms):
     bm = build_block_mask(idx, cnt, q.shape[2], G, BS)
-    return fwd_bwd_ms(lambda: sparse_attention_flex(q, k, v, idx, cnt, G, BS, block_mask=bm), q, k, v)
+    return fwd_bwd_ms(lambda: sparse_attention_flex(q, k, v, idx, cnt, G, BS, block_mask=bm), q, k, v, timer)
 
 
-def one_row(S, sparsity, BS, G, dense, with_flex):
-    q, k, v = inputs(S)
-    idx, cnt, kept = make_lists(S, G, BS, sparsity)
-    fwd, bwd = ours_ms(q, k, v, idx, cnt, G, BS)
-    flops_fwd = 4.0 * B * H * S * kept * D
-    row = dict(S=S, H=H, D=D, B=B, G=G, block_size=BS, sparsity=sparsity,
-               granularity="token" if BS == 0 else "block", keys_per_group=kept,
-               ms_fwd=fwd, ms_bwd=bwd, **dense,
-               speedup_fwd=dense["ms_dense_fwd"] / fwd, speedup_bwd=dense["ms_dense_bwd"] / bwd,
-               speedup_fwd_bwd=(dense["ms_dense_fwd"] + dense["ms_dense_bwd"]) / (fwd + bwd),
-               tflops_fwd=flops_fwd / fwd * 1e-9, tflops_bwd=2.5 * flops_fwd / bwd * 1e-9)
-    if with_flex and BS > 0:
-        ffwd, fbwd = flex_ms(q, k, v, idx, cnt, G, BS)
-        row.update(ms_flex_fwd=ffwd, ms_flex_bwd=fbwd, speedup_vs_flex_fwd=ffwd / fwd,
-                   speedup_vs_flex_bwd=fbwd / bwd, speedup_vs_flex_fwd_bwd=(ffwd + fbwd) / (fwd + bwd))
+def flex_skip_reason(G, BS) -> Optional[str]:
+    """Why flex is not run for this (G, block), or None where it lowers."""
+    if BS == 0:
+        return "token lists: no BlockMask"
+    if not flex_supported_shape(G, BS):
+        return "flex lowers only G=128 with block 128 here (flex.flex_supported)"
+    return None
+
+
+def _error(e: BaseException, width=160) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {(lines[0] if lines else '')[:width]}"
+
+
+def add_speedups(row):
+    """speedup_* vs the same-run cuDNN, effective tflops_* on the kept FLOPs and speedup_vs_flex_*
+    (None where flex did not run), from the row's ms_* fields."""
+    fwd, bwd = row["ms_fwd"], row["ms_bwd"]
+    flops_fwd = 4.0 * row["B"] * row["H"] * row["S"] * row["keys_per_group"] * row["D"]
+    row.update(tflops_fwd=flops_fwd / fwd * 1e-9, tflops_bwd=2.5 * flops_fwd / bwd * 1e-9)
+    if "ms_dense_fwd" in row:
+        dfwd, dbwd = row["ms_dense_fwd"], row["ms_dense_bwd"]
+        row.update(speedup_fwd=dfwd / fwd, speedup_bwd=dbwd / bwd, speedup_fwd_bwd=(dfwd + dbwd) / (fwd + bwd))
+    flex = "ms_flex_fwd" in row and "ms_flex_bwd" in row
+    row.update(speedup_vs_flex_fwd=row["ms_flex_fwd"] / fwd if flex else None,
+               speedup_vs_flex_bwd=row["ms_flex_bwd"] / bwd if flex else None,
+               speedup_vs_flex_fwd_bwd=(row["ms_flex_fwd"] + row["ms_flex_bwd"]) / (fwd + bwd) if flex else None)
     return row
+
+
+def one_row(S, sparsity, BS, G, dense, with_flex, dim=D, heads=H, timer=bench_ms):
+    """Our op and (where it lowers) flex on the same random lists; ``timer=run_once`` only compiles."""
+    q, k, v = inputs(S, dim=dim, heads=heads)
+    idx, cnt, kept = make_lists(S, G, BS, sparsity, heads=heads)
+    backend = choose_backend(q, idx, G, BS)
+    fwd, bwd = ours_ms(q, k, v, idx, cnt, G, BS, timer)
+    row = dict(S=S, H=heads, D=dim, B=B, G=G, group_size=G, block_size=BS, sparsity=sparsity,
+               granularity="token" if BS == 0 else "block", keys_per_group=kept, backend=backend,
+               bwd_mode=launch.bwd_mode(G, BS, dim) if backend == "triton" else None,
+               ms_fwd=fwd, ms_bwd=bwd, **dense)
+    skip = flex_skip_reason(G, BS) if with_flex else "--no-flex"
+    if skip:
+        row["flex_skipped"] = skip
+    else:
+        try:
+            row["ms_flex_fwd"], row["ms_flex_bwd"] = flex_ms(q, k, v, idx, cnt, G, BS, timer)
+        except Exception as e:  # flex can't lower some shapes: record, don't abort
+            row["flex_error"] = _error(e)
+            print(f"  flex failed: {row['flex_error']}", flush=True)
+    return add_speedups(row) if timer is not run_once else row
 
 
 TUNE_SPACE = {
@@ -121,13 +197,13 @@ def _time_pass(kind, cfg, q, k, v, o, lse, do, idx, cnt, G, BS, scale):
     return bench_ms(lambda: launch.sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, BS, scale, cfg_q=cq, cfg_kv=ckv))
 
 
-def tune(S, G, sparsity=0.9):
+def tune(S, G, sparsity=0.9, dim=D, heads=H):
     """Sweep each pass's configs at one shape; install winners in launch.CONFIG_OVERRIDES."""
     rows = []
-    scale = 1 / math.sqrt(D)
+    scale = 1 / math.sqrt(dim)
     for BS in (128, 0):
-        q, k, v = (t.detach() for t in inputs(S))
-        idx, cnt, _ = make_lists(S, G, BS, sparsity)
+        q, k, v = (t.detach() for t in inputs(S, dim=dim, heads=heads))
+        idx, cnt, _ = make_lists(S, G, BS, sparsity, heads=heads)
         o, lse = launch.sparse_fwd(q, k, v, idx, cnt, G, BS, scale)
         do = torch.randn_like(o)
         passes = ("fwd", "bwd_q", "bwd_kv") if BS else ("fwd_tok", "bwd_q_tok")
@@ -141,10 +217,10 @@ def tune(S, G, sparsity=0.9):
                 except Exception as e:  # out of shared memory etc.: not a candidate
                     ms = float("inf")
                     print(f"  {name} {cfg} failed: {type(e).__name__}: {str(e)[:80]}", flush=True)
-                rows.append(dict(pass_=name, S=S, G=G, block_size=BS, sparsity=sparsity, ms=ms, **cfg))
+                rows.append(dict(pass_=name, S=S, D=dim, H=heads, G=G, block_size=BS, sparsity=sparsity, ms=ms, **cfg))
                 print(f"  tune {name:10s} BM={BM:3d} BN={BN:3d} w={w} s={st}: {ms:8.3f} ms", flush=True)
                 best = min(best, (ms, cfg), key=lambda t: t[0])
-            launch.CONFIG_OVERRIDES[(kind, D, G, BS)] = best[1]
+            launch.CONFIG_OVERRIDES[(kind, dim, G, BS)] = best[1]
             print(f"tune {name}: best {best[1]} {best[0]:.3f} ms", flush=True)
         if BS:
             cq = dict(BM=128, BN=64, num_warps=8, num_stages=2)  # the atomic variant needs smaller tiles
@@ -154,7 +230,7 @@ def tune(S, G, sparsity=0.9):
             except Exception as e:
                 ms = float("inf")
                 print(f"  atomic variant failed: {type(e).__name__}", flush=True)
-            rows.append(dict(pass_="bwd_atomic", S=S, G=G, block_size=BS, sparsity=sparsity, ms=ms))
+            rows.append(dict(pass_="bwd_atomic", S=S, D=dim, H=heads, G=G, block_size=BS, sparsity=sparsity, ms=ms))
             print(f"tune bwd with atomics instead of inverse map: {ms:.3f} ms", flush=True)
     return rows
 
@@ -178,7 +254,7 @@ def _rel(x, ref):
 
 def sweep_row(S, G, BS, dense, warm):
     """One (S, G, block) point: every forward and backward variant and flex on the same lists."""
-    timed = (lambda fn: (fn(), 0.0)[1]) if warm else bench_ms
+    timed = run_once if warm else bench_ms
     q, k, v = inputs(S)
     idx, cnt, kept = make_lists(S, G, BS, 0.9)
     scale = 1 / math.sqrt(D)
@@ -235,19 +311,13 @@ def sweep_row(S, G, BS, dense, warm):
             row["ms_flex_bwd"] = timed(lambda: torch.autograd.grad(fo, (q, k, v), do, retain_graph=True))
         except Exception as e:  # flex can't lower some tile/block combinations: record, don't abort
             row.pop("ms_flex_fwd", None)
-            row["flex_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            row["flex_error"] = _error(e)
             print(f"  flex failed: {row['flex_error']}", flush=True)
     if not warm:
-        flops_fwd = 4.0 * B * H * S * kept * D
-        row.update(tflops_fwd=flops_fwd / row["ms_fwd"] * 1e-9, tflops_bwd=2.5 * flops_fwd / row["ms_bwd"] * 1e-9,
-                   speedup_fwd=dense["ms_dense_fwd"] / row["ms_fwd"], speedup_bwd=dense["ms_dense_bwd"] / row["ms_bwd"],
-                   speedup_fwd_bwd=(dense["ms_dense_fwd"] + dense["ms_dense_bwd"]) / (row["ms_fwd"] + row["ms_bwd"]),
-                   speedup_bwd_fused_vs_split=row["ms_bwd_split"] / row["ms_bwd_fused"])
+        add_speedups(row)
+        row["speedup_bwd_fused_vs_split"] = row["ms_bwd_split"] / row["ms_bwd_fused"]
         if "ms_flex_fwd" in row:
-            row.update(speedup_vs_flex_fwd=row["ms_flex_fwd"] / row["ms_fwd"],
-                       speedup_vs_flex_bwd=row["ms_flex_bwd"] / row["ms_bwd"],
-                       speedup_vs_flex_fwd_bwd=(row["ms_flex_fwd"] + row["ms_flex_bwd"]) / (row["ms_fwd"] + row["ms_bwd"]),
-                       speedup_vs_flex_bwd_split=row["ms_flex_bwd"] / row["ms_bwd_split"],
+            row.update(speedup_vs_flex_bwd_split=row["ms_flex_bwd"] / row["ms_bwd_split"],
                        speedup_vs_flex_bwd_fused=row["ms_flex_bwd"] / row["ms_bwd_fused"])
     return row
 
@@ -296,6 +366,7 @@ def print_sweep(rows, header=True):
               f"{'flexB':>6} {'xF':>5} {'xB':>5} {'vsflexF':>7} {'vsflexB':>7}  fused cfg")
     nan = float("nan")
     for r in rows:
+        r = {k: (nan if v is None else v) for k, v in r.items()}
         c = r["bwd_fused_cfg"]
         print(f"{r['S']:>6} {r['G']:>4} {r['block_size']:>4} {r['ms_fwd_default']:6.2f} {r.get('ms_fwd_pair', nan):6.2f} "
               f"{r.get('ms_flex_fwd', nan):6.2f} {r['ms_bwd_split']:6.2f} {r['ms_bwd_fused']:6.2f} "
@@ -304,45 +375,491 @@ def print_sweep(rows, header=True):
               f"BN{c['BN']} w{c['num_warps']} dq{c['DQ']}", flush=True)
 
 
-def main():
+# ---------------------------------------------------------------------------------------------------
+# --sweep (issue #15): D x G x granularity at the shapes of the other presets
+
+SWEEP_DIMS = (64, 96, 128, 256)  # the presets' head dims (tiny, 0.8b, 2.7b, 30b)
+SWEEP_GROUPS = (32, 64, 128)
+SWEEP_BASE = ((16384, 65536), (0.9,))  # (S, sparsity) for every cell
+SWEEP_EXTRA = ((16384, 32768, 65536, 131072), (0.8, 0.9, 0.95))  # ... and for these cells:
+SWEEP_EXTRA_CELLS = ((128, 128, 128), (256, 128, 128))  # (D, G, block_size)
+HEATMAP_AT = (65536, 0.9)  # (S, sparsity) of the heatmap
+
+
+def gran_label(BS: int) -> str:
+    return "token" if BS == 0 else f"block{BS}"
+
+
+def unsupported(S, dim, G, BS, heads) -> Optional[str]:
+    """The library's own shape check (on meta tensors: no memory, no device): its message, or None."""
+    q = torch.empty(B, heads, S, dim, device="meta", dtype=torch.bfloat16)
+    idx = torch.empty(B, heads, math.ceil(S / G), 1, device="meta", dtype=torch.int32)
+    cnt = torch.empty(B, heads, device="meta", dtype=torch.int32)
+    try:
+        check_shapes(q, q, q, idx, cnt, G, BS)
+    except ValueError as e:
+        return f"unsupported by the library: {e}"
+    return None
+
+
+def sweep_cells(dims, groups, granularity="both", block_sizes=(128,)) -> List[Tuple[int, int, int]]:
+    """(D, G, block_size) cells; block_size 0 = token lists."""
+    sizes = ([0] if granularity in ("token", "both") else []) + \
+        (list(block_sizes) if granularity in ("block", "both") else [])
+    return [(d, g, bs) for d in dims for g in groups for bs in sizes]
+
+
+def sweep_grid(dims=SWEEP_DIMS, groups=SWEEP_GROUPS, granularity="both", block_sizes=(128,),
+               seq_lens=None, sparsities=None, heads=H) -> List[Dict]:
+    """The sweep's points in run order: the heatmap's (S=64K, 90%) first, then the rest of the base
+    grid, then the extra (S, sparsity) of SWEEP_EXTRA_CELLS, cheap S first. ``seq_lens`` /
+    ``sparsities`` replace the default grid by their product over every cell (a missing one: the
+    base's). Points the library rejects carry ``skipped`` (its message)."""
+    cells = sweep_cells(dims, groups, granularity, block_sizes)
+    custom = seq_lens is not None or sparsities is not None
+    base = list(seq_lens or SWEEP_BASE[0]), list(sparsities or SWEEP_BASE[1])
+    pts = {}
+    for cell in cells:
+        combos = [(S, sp) for S in base[0] for sp in base[1]]
+        if not custom and cell in SWEEP_EXTRA_CELLS:
+            combos += [(S, sp) for S in SWEEP_EXTRA[0] for sp in SWEEP_EXTRA[1] if (S, sp) not in combos]
+        for S, sp in combos:
+            pts[(cell, S, sp)] = "heatmap" if (S, sp) == HEATMAP_AT else \
+                ("base" if S in base[0] and sp in base[1] else "extra")
+    order = {"heatmap": 0, "base": 1, "extra": 2}
+    out = []
+    for ((d, g, bs), S, sp), phase in sorted(pts.items(), key=lambda t: (order[t[1]], t[0][1], t[0][0], t[0][2])):
+        p = dict(S=S, H=heads, D=d, B=B, G=g, group_size=g, block_size=bs, sparsity=sp,
+                 granularity="token" if bs == 0 else "block", phase=phase)
+        why = unsupported(S, d, g, bs, heads)
+        if why:
+            p["skipped"] = why
+        out.append(p)
+    return out
+
+
+# Time model of a point on the H200 (bf16, B=1): per-call ms at S=64K, 90%, D=128, H=16, G=128 from
+# sparse_attention-h200-20261130.json, scaled by S^2 (1 - sparsity) H, the head-dim tile width
+# (96 runs 128-wide tiles) and the -groups- file's G factors (token lists assumed: bwd x 128/G, its
+# atomics scale with the number of groups). Compile times are assumptions, not measurements.
+EST_REF_MS = {"block": (7.62, 23.12), "token": (9.31, 33.63), "flex": (8.55, 22.94), "dense": (57.5, 161.3)}
+EST_G = {128: (1.0, 1.0), 64: (1.86, 1.11), 32: (2.7, 1.5), 16: (5.4, 2.2)}  # (fwd, bwd) x vs G=128
+EST_FLOOR_MS = (0.15, 1.0)  # per call: the backward's ~1 ms floor at 16K
+EST_S = dict(start=15.0, cell_cached=0.5, cell_cold=5.0, flex_cached=2.5, flex_cold=30.0, row=0.2,
+             cudnn_check=0.5, sort_keys_per_s=1.5e9)
+
+
+def _est_call_ms(p) -> Dict[str, Tuple[float, float]]:
+    """Modelled (fwd, bwd) ms per call of ours, flex (where it runs) and the cuDNN baseline."""
+    S, sp, dim, G, BS, h = p["S"], p["sparsity"], p["D"], p["G"], p["block_size"], p["H"]
+    scale = (S / 65536) ** 2 * h / 16
+    width = (1 << (dim - 1).bit_length()) / 128
+    gf, gb = EST_G.get(G, EST_G[16])
+    if BS == 0:
+        gb = 128 / G
+    ref = EST_REF_MS["token" if BS == 0 else "block"]
+    keep = scale * width * (1 - sp) / 0.1
+    out = dict(ours=(max(EST_FLOOR_MS[0], ref[0] * keep * gf), max(EST_FLOOR_MS[1], ref[1] * keep * gb)),
+               dense=tuple(x * scale * dim / 128 for x in EST_REF_MS["dense"]))
+    if flex_skip_reason(G, BS) is None:
+        out["flex"] = tuple(max(f, x * keep) for f, x in zip(EST_FLOOR_MS, EST_REF_MS["flex"]))
+    return out
+
+
+def _bench_wall_ms(t):
+    """Wall ms of one bench_ms (triton do_bench, warmup 25 ms, rep 100 ms) of a t-ms call: 1 + 5
+    estimate calls, then >= 25 ms of warmup and >= 100 ms timed."""
+    t += 0.1  # do_bench's L2 flush per call
+    return 6 * t + max(t, 25) + max(t, 100)
+
+
+def estimate_s(points, warm_shards=0, with_flex=True) -> Dict[str, float]:
+    """Modelled seconds: the timed run (kernels, baselines, loading cached kernels, flex tracing per
+    shape), the warm phase (compiles in ``warm_shards`` parallel processes; 0: compiled in the timed
+    run) and their total."""
+    run = [p for p in points if not p.get("skipped")]
+    kernels, dense_s, seen, cells, flexes = 0.0, 0.0, set(), set(), set()
+    for p in run:
+        ms = _est_call_ms(p)
+        f, b = ms["ours"]
+        kernels += (_bench_wall_ms(f) + f + _bench_wall_ms(b)) / 1e3
+        if with_flex and "flex" in ms:
+            f, b = ms["flex"]
+            kernels += (_bench_wall_ms(f) + f + _bench_wall_ms(b)) / 1e3
+            flexes.add((p["S"], p["D"], p["H"]))
+        nk = p["S"] if p["block_size"] == 0 else p["S"] // p["block_size"]
+        kernels += EST_S["row"] + p["H"] * math.ceil(p["S"] / p["G"]) * nk / EST_S["sort_keys_per_s"]
+        if (p["S"], p["D"], p["H"]) not in seen:
+            seen.add((p["S"], p["D"], p["H"]))
+            f, b = ms["dense"]
+            dense_s += (_bench_wall_ms(f) + f + _bench_wall_ms(b)) / 1e3 + EST_S["cudnn_check"]
+        cells.add((p["D"], p["G"], p["block_size"], p["H"]))
+    kind = "cached" if warm_shards else "cold"
+    compile_s = len(cells) * EST_S[f"cell_{kind}"] + len(flexes) * EST_S[f"flex_{kind}"]
+    timed = EST_S["start"] + kernels + dense_s + compile_s
+    warm = 0.0
+    if warm_shards and run:
+        loads = [sum(_warm_cost(u) for u in shard) for shard in warm_shards_of(run, warm_shards, with_flex)]
+        warm = EST_S["start"] + max(loads)
+    return dict(points=len(run), skipped=len(points) - len(run), kernels_s=kernels + dense_s, dense_s=dense_s,
+                compile_s=compile_s, timed_s=timed, warm_s=warm, total_s=timed + warm)
+
+
+def _warm_units(points, with_flex=True) -> List[Dict]:
+    """Warm-phase work units: the points of one (D, G, block, S, H), with their modelled cold cost."""
+    units = {}
+    for p in points:
+        if p.get("skipped"):
+            continue
+        key = (p["D"], p["G"], p["block_size"], p["S"], p["H"])
+        units.setdefault(key, []).append(p)
+    return [dict(key=k, points=v, flex=with_flex and flex_skip_reason(k[1], k[2]) is None) for k, v in units.items()]
+
+
+def _warm_cost(u) -> float:
+    s = EST_S["cell_cold"] + (EST_S["flex_cold"] if u["flex"] else 0.0)
+    for p in u["points"]:
+        ms = _est_call_ms(p)
+        s += 3 * sum(ms["ours"]) / 1e3 + (3 * sum(ms["flex"]) / 1e3 if u["flex"] else 0.0) + EST_S["row"]
+    return s
+
+
+def warm_shards_of(points, n, with_flex=True) -> List[List[Dict]]:
+    """Units split over n shards, costliest first onto the least loaded (deterministic: every shard
+    process computes the same split and takes its own)."""
+    shards, loads = [[] for _ in range(n)], [0.0] * n
+    for u in sorted(_warm_units(points, with_flex), key=lambda u: (-_warm_cost(u), u["key"])):
+        i = loads.index(min(loads))
+        shards[i].append(u)
+        loads[i] += _warm_cost(u)
+    return shards
+
+
+def print_grid(points, est, warm_shards):
+    for p in points:
+        what = f"skipped: {p['skipped']}" if p.get("skipped") else p["phase"]
+        print(f"  S={p['S']:>6} D={p['D']:>3} H={p['H']:>2} G={p['G']:>3} {gran_label(p['block_size']):9s} "
+              f"sparsity={p['sparsity']:<5} {what}")
+    print(f"{est['points']} points to run, {est['skipped']} skipped; estimated H200 time: kernels and baselines "
+          f"{est['kernels_s']:.0f} s (cuDNN {est['dense_s']:.0f} s), compiles/loads {est['compile_s']:.0f} s, "
+          f"timed run {est['timed_s']:.0f} s" + (f", warm phase ({warm_shards} shards) {est['warm_s']:.0f} s"
+                                                 if warm_shards else "") + f", total {est['total_s']:.0f} s",
+          flush=True)
+
+
+_CUDNN_CHECKED: Dict[Tuple[int, int], Optional[str]] = {}
+
+
+def cudnn_refusal(dim, heads) -> Optional[str]:
+    """Why torch SDPA's cuDNN kernel refuses this head dim (fwd+bwd at a small S), or None: the
+    baseline is then the next SDPA backend, named in the row's dense_backend."""
+    if (dim, heads) not in _CUDNN_CHECKED:
+        from megatron_dsv.ops.dense import dense_backend_context
+
+        q, k, v = inputs(1024, dim=dim, heads=heads)
+        try:
+            with dense_backend_context(q.device, order=("cudnn",)):
+                torch.nn.functional.scaled_dot_product_attention(q, k, v).sum().backward()
+            torch.cuda.synchronize()
+            _CUDNN_CHECKED[(dim, heads)] = None
+        except RuntimeError as e:
+            _CUDNN_CHECKED[(dim, heads)] = _error(e)
+    return _CUDNN_CHECKED[(dim, heads)]
+
+
+def dense_baseline(S, dim, heads) -> Dict:
+    """The same-run dense figures of one (S, D, H), measured once per run by the caller's cache."""
+    try:
+        dense = dense_fwd_bwd_ms(B, heads, S, dim, rep=100)
+    except Exception as e:
+        return dict(dense_error=_error(e))
+    why = cudnn_refusal(dim, heads)
+    if why:
+        dense["dense_backend"] = f"torch SDPA fallback (cuDNN refused: {why})"
+    return dense
+
+
+def _raise_recompile_limit(n=64):
+    """Flex is compiled once per (S, D, H) with dynamic=False: past dynamo's recompile limit (8) it
+    would silently fall back to eager flex, which attends densely."""
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    setattr(cfg, name, max(getattr(cfg, name), n))
+
+
+def run_points(points, bench, args, meta, t_start, timer=bench_ms, on_row=None, on_written=None) -> List[Dict]:
+    """Time each point (``timer=run_once``: only compile, nothing written); rows are written after
+    every point, skipped points and those past ``args.time_budget_s`` as rows with ``skipped``.
+    ``on_row(row)`` runs before each write, ``on_written(rows, path)`` after."""
+    warm = timer is run_once
+    rows, dense_cache = [], {}
+    budget = getattr(args, "time_budget_s", None)
+    _raise_recompile_limit()
+    for p in points:
+        keys = dict(p)
+        keys.pop("phase", None)
+        if not p.get("skipped") and budget is not None and time.time() - t_start > budget:
+            keys["skipped"] = f"time budget: {budget:g} s exceeded ({time.time() - t_start:.0f} s since start)"
+        if keys.get("skipped"):
+            row = keys
+        else:
+            if not torch.cuda.is_available():
+                raise SystemExit("timing needs a CUDA GPU (--dry-run prints the grid and its time estimate)")
+            t0 = time.time()
+            S, dim, heads = p["S"], p["D"], p["H"]
+            if (S, dim, heads) not in dense_cache:
+                dense_cache[(S, dim, heads)] = {} if warm else dense_baseline(S, dim, heads)
+            try:
+                row = one_row(S, p["sparsity"], p["block_size"], p["G"], dense_cache[(S, dim, heads)],
+                              not args.no_flex, dim=dim, heads=heads, timer=timer)
+            except Exception as e:  # out of memory, out of shared memory, ...: record and go on
+                row = dict(keys, error=_error(e, 240))
+            torch.cuda.empty_cache()
+            row["s_wall"] = time.time() - t0
+            print(point_line(row, warm), flush=True)
+        if warm:
+            continue
+        rows.append(row)
+        if on_row:
+            on_row(row)
+        path = write_results(bench, rows, args.out, meta)
+        if on_written:
+            on_written(rows, path)
+    return rows
+
+
+def point_line(r, warm=False) -> str:
+    head = f"S={r['S']:>6} D={r['D']:>3} G={r['G']:>3} {gran_label(r['block_size']):9s} s={r['sparsity']:<5}"
+    if r.get("skipped") or r.get("error"):
+        return f"{head} {'skipped' if r.get('skipped') else 'error'}: {r.get('skipped') or r.get('error')}"
+    flex = " flex failed" if r.get("flex_error") else ""
+    if warm:
+        return f"{head} ran once{flex} [{r['s_wall']:.0f}s]"
+    if r.get("speedup_vs_flex_fwd_bwd") is not None:
+        flex = f" vs flex {r['speedup_vs_flex_fwd_bwd']:.2f}x"
+    dense = (f"dense {r['ms_dense_fwd']:.1f}/{r['ms_dense_bwd']:.1f}) x{r['speedup_fwd_bwd']:.2f}"
+             if "speedup_fwd_bwd" in r else f"no dense: {r.get('dense_error')})")
+    return f"{head} fwd {r['ms_fwd']:.2f} bwd {r['ms_bwd']:.2f} ms ({dense}{flex} [{r['s_wall']:.0f}s]"
+
+
+def heatmap_grid(rows, S=HEATMAP_AT[0], sparsity=HEATMAP_AT[1]):
+    """(head dims, column labels, fwd+bwd speedup vs cuDNN, vs flex): rows of the matrices are D,
+    columns (G, granularity); NaN where the point was skipped, failed or flex did not run."""
+    import numpy as np
+
+    sel = [r for r in rows if r.get("S") == S and abs(r.get("sparsity", -1) - sparsity) < 1e-9]
+    dims = sorted({r["D"] for r in sel})
+    cols = sorted({(r["G"], r["block_size"]) for r in sel})
+    cudnn = np.full((len(dims), len(cols)), np.nan)
+    flex = np.full((len(dims), len(cols)), np.nan)
+    for r in sel:
+        i, j = dims.index(r["D"]), cols.index((r["G"], r["block_size"]))
+        if r.get("speedup_fwd_bwd") is not None:
+            cudnn[i, j] = r["speedup_fwd_bwd"]
+        if r.get("speedup_vs_flex_fwd_bwd") is not None:
+            flex[i, j] = r["speedup_vs_flex_fwd_bwd"]
+    return dims, [f"G{g}\n{gran_label(bs)}" for g, bs in cols], cudnn, flex
+
+
+def plot_sweep(rows, path, meta=None, S=HEATMAP_AT[0], sparsity=HEATMAP_AT[1]) -> Path:
+    """Heatmap PNG of the sweep at (S, sparsity): fwd+bwd speedup vs the same-run cuDNN and vs flex
+    per (D, G, granularity), numbers in the cells, blank cells where nothing was measured."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import TwoSlopeNorm
+
+    dims, cols, cudnn, flex = heatmap_grid(rows, S, sparsity)
+    fig, axes = plt.subplots(1, 2, figsize=(4 + 1.1 * max(1, len(cols)), 1.8 + 0.7 * max(1, len(dims))),
+                             squeeze=False)
+    for ax, data, what in ((axes[0, 0], cudnn, "vs cuDNN (same run)"), (axes[0, 1], flex, "vs FlexAttention")):
+        finite = data[np.isfinite(data)]
+        cmap = matplotlib.colormaps["viridis" if data is cudnn else "RdBu"].with_extremes(bad="white")
+        norm = None
+        if data is flex and finite.size:
+            norm = TwoSlopeNorm(vcenter=1.0, vmin=min(0.9, finite.min()), vmax=max(1.1, finite.max()))
+        if data.size:
+            im = ax.imshow(np.ma.masked_invalid(data), cmap=cmap, norm=norm, aspect="auto")
+            if finite.size:
+                fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+        for (i, j), v in np.ndenumerate(data):
+            if np.isfinite(v):
+                ax.text(j, i, f"{v:.2f}x", ha="center", va="center", fontsize=8,
+                        color="white" if data is cudnn and v < (finite.min() + finite.max()) / 2 else "black")
+        ax.set_xticks(range(len(cols)), cols, fontsize=7)
+        ax.set_yticks(range(len(dims)), [str(d) for d in dims])
+        ax.set(xlabel="group size G, granularity", ylabel="head dim D")
+        ax.set_title(f"fwd+bwd speedup {what}" + ("\n(blank: flex not run or failed)" if data is flex else ""),
+                     fontsize=9)
+    m = meta or {}
+    fig.suptitle(f"sparse attention sweep, S={S // 1024}K, sparsity {sparsity} - {m.get('gpu', '?')}, "
+                 f"torch {m.get('torch', '?')}, commit {str(m.get('commit', '?'))[:10]}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def print_sweep_table(rows):
+    print(f"{'S':>6} {'D':>3} {'G':>3} {'gran':9} {'sp':>4} {'fwd':>7} {'bwd':>7} {'x_f+b':>6} {'vsflex':>6}")
+    for r in rows:
+        if "speedup_fwd_bwd" not in r:
+            continue
+        vf = r.get("speedup_vs_flex_fwd_bwd")
+        print(f"{r['S']:>6} {r['D']:>3} {r['G']:>3} {gran_label(r['block_size']):9} {r['sparsity']:>4} "
+              f"{r['ms_fwd']:7.2f} {r['ms_bwd']:7.2f} {r['speedup_fwd_bwd']:6.2f} "
+              f"{'' if vf is None else f'{vf:6.2f}'}")
+
+
+def _grid_argv(args) -> List[str]:
+    """The options that define the sweep's grid, for the warm shards it starts."""
+    out = ["--sweep", "--heads", str(args.heads), "--granularity", args.granularity,
+           "--block-sizes", ",".join(map(str, args.block_sizes))]
+    for flag, val in (("--head-dim", args.head_dim), ("--group-size", args.group_size),
+                      ("--seq-lens", args.seq_lens), ("--sparsities", args.sparsities)):
+        if val is not None:
+            out += [flag, ",".join(map(str, val))]
+    return out + (["--no-flex"] if args.no_flex else [])
+
+
+def start_warm_shards(args, t_start):
+    """Run ``--warm-only --shard i/N`` processes (compile threads 1 each) and wait for them, at most
+    half the time budget (then they are stopped and the timed run compiles what is left itself); a
+    shard's failure is printed, not fatal (the timed run records errors)."""
+    logs = Path(tempfile.mkdtemp(prefix="dsv_sweep_warm_"))
+    print(f"warm phase: {args.warm_shards} shards, logs in {logs}", flush=True)
+    procs = []
+    env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS="1")
+    for i in range(args.warm_shards):
+        cmd = [sys.executable, str(Path(__file__).resolve()), *_grid_argv(args), "--warm-only",
+               "--shard", f"{i}/{args.warm_shards}"]
+        log = open(logs / f"shard{i}.log", "w")
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
+    for i, (proc, log) in enumerate(procs):
+        left = None if args.time_budget_s is None else max(1.0, args.time_budget_s / 2 - (time.time() - t_start))
+        try:
+            rc = proc.wait(timeout=left)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+        log.close()
+        if rc != 0:
+            tail = (logs / f"shard{i}.log").read_text().splitlines()[-5:]
+            print(f"warm shard {i} rc={rc}:\n  " + "\n  ".join(tail), flush=True)
+    print(f"warm phase done [{time.time() - t_start:.0f}s since start]", flush=True)
+
+
+def sweep(args, meta, t_start, argv=None):
+    points = sweep_grid(args.head_dim or SWEEP_DIMS, args.group_size or SWEEP_GROUPS, args.granularity,
+                        args.block_sizes, args.seq_lens, args.sparsities, args.heads)
+    est = estimate_s(points, 0 if args.warm_only else args.warm_shards, not args.no_flex)
+    if args.warm_only:
+        i_shard, n_shard = (int(x) for x in args.shard.split("/"))
+        import torch._inductor.config as inductor_config
+
+        inductor_config.compile_threads = 1  # the shards are the parallelism
+        mine = [p for u in warm_shards_of(points, n_shard, not args.no_flex)[i_shard] for p in u["points"]]
+        run_points(mine, None, args, meta, t_start, timer=run_once)
+        return
+    print_grid(points, est, args.warm_shards)
+    if args.dry_run:
+        return
+    meta = dict(meta, sweep=dict(argv=sys.argv[1:] if argv is None else list(argv), estimate=est,
+                                 heatmap_at=HEATMAP_AT))
+    if args.warm_shards:
+        start_warm_shards(args, t_start)
+    n_heat = sum(p["phase"] == "heatmap" for p in points)
+    written = {}
+
+    def on_written(rows, path):  # the heatmap as soon as its points are in: a cut-off run still has it
+        written["path"] = path
+        if len(rows) == n_heat:
+            plot_sweep(rows, path.with_suffix(".png"), meta)
+
+    rows = run_points(points, "sparse_attention-sweep", args, meta, t_start, on_written=on_written)
+    print_sweep_table(rows)
+    if rows:
+        png = plot_sweep(rows, written["path"].with_suffix(".png"), meta)
+        print(f"wrote {written['path']} and {png} [{time.time() - t_start:.0f}s since start]")
+
+
+def _ints(text):
+    return [int(x) for x in str(text).split(",") if x]
+
+
+def _seq_lens(text):
+    """'16K,64K' or '16384,65536' -> [16384, 65536]."""
+    return [int(x[:-1]) * 1024 if x[-1:] in "kK" else int(x) for x in str(text).split(",") if x]
+
+
+def _floats(text):
+    return [float(x) for x in str(text).split(",") if x]
+
+
+def main(argv=None):
+    t_start = time.time()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="S in {16K, 64K}, sparsity 0.9 only")
     ap.add_argument("--tune", action="store_true", help="sweep tile configs first (S=64K, 90%%)")
     ap.add_argument("--groups-sweep", action="store_true", help="(G, block) sweep, split vs fused bwd, flex")
-    ap.add_argument("--warm-only", action="store_true", help="with --groups-sweep: compile and run once, no timing")
+    ap.add_argument("--sweep", action="store_true",
+                    help="D x G x granularity sweep (issue #15), heatmap PNG; est. ~4.7 min on an H200 with "
+                         "--warm-shards 8 (see above)")
+    ap.add_argument("--warm-only", action="store_true",
+                    help="with --groups-sweep or --sweep: compile and run once, no timing")
     ap.add_argument("--shard", default="0/1", help="with --warm-only: I/N, this process's share of the shapes")
+    ap.add_argument("--warm-shards", type=int, default=0,
+                    help="with --sweep: first compile every kernel in N parallel --warm-only processes")
     ap.add_argument("--shapes", default=None, help="with --groups-sweep: GxBS list, e.g. 128x64,64x64")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
-    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--head-dim", type=_ints, default=None,
+                    help="head dims, e.g. 64,96,128,256 (table: 128; sweep: 64,96,128,256)")
+    ap.add_argument("--heads", type=int, default=H, help=f"query (= key/value) heads (default {H})")
+    ap.add_argument("--group-size", type=_ints, default=None,
+                    help="query group sizes, e.g. 32,64,128 (table: 128; sweep: 32,64,128)")
+    ap.add_argument("--granularity", choices=("token", "block", "both"), default="both")
+    ap.add_argument("--block-sizes", type=_ints, default=[128], help="key block sizes of block lists (default 128)")
+    ap.add_argument("--seq-lens", type=_seq_lens, default=None, help="e.g. 16K,64K (overrides the grid's S)")
+    ap.add_argument("--sparsities", type=_floats, default=None, help="e.g. 0.8,0.9 (overrides the grid's)")
+    ap.add_argument("--time-budget-s", type=float, default=None,
+                    help="start no point after this many seconds since the start (warm phase included); "
+                         "the rest become rows with 'skipped'")
+    ap.add_argument("--dry-run", action="store_true", help="with --sweep: print the grid and the time estimate")
+    ap.add_argument("--plot-only", default=None, metavar="JSON", help="redraw a sweep JSON's heatmap PNG beside it")
     ap.add_argument("--no-flex", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.plot_only:
+        data = json.loads(Path(args.plot_only).read_text())
+        print(f"wrote {plot_sweep(data['rows'], Path(args.plot_only).with_suffix('.png'), data.get('meta'))}")
+        return
+    bench_env()
     meta = collect_meta()
     if args.groups_sweep:
         groups_sweep(args, meta)
         return
-    G = args.group_size
-    seqs = (16384, 65536) if args.quick else (16384, 32768, 65536, 131072)
-    sparsities = (0.9,) if args.quick else (0.8, 0.9, 0.95, 0.98)
+    if args.sweep:
+        sweep(args, meta, t_start, argv)
+        return
+    seqs = args.seq_lens or ((16384, 65536) if args.quick else (16384, 32768, 65536, 131072))
+    sparsities = args.sparsities or ((0.9,) if args.quick else (0.8, 0.9, 0.95, 0.98))
+    dims, groups = args.head_dim or [D], args.group_size or [128]
     if args.tune:
         t0 = time.time()
-        trows = tune(65536, G)
+        trows = [r for d in dims for g in groups for r in tune(65536, g, dim=d, heads=args.heads)]
         write_results("sparse_attention-tune", trows, args.out, meta)
         print(f"tuning took {time.time() - t0:.0f} s; configs: {json.dumps({str(k): v for k, v in launch.CONFIG_OVERRIDES.items()})}")
-    rows = []
-    for S in seqs:
-        dense = dense_fwd_bwd_ms(B, H, S, D, rep=100)  # cached once per S
-        for BS in (128, 0):
-            for sp in sparsities:
-                t0 = time.time()
-                row = one_row(S, sp, BS, G, dense, with_flex=not args.no_flex)
-                row["tuned_configs"] = {f"{k[0]}": v for k, v in launch.CONFIG_OVERRIDES.items() if k[3] == BS}
-                rows.append(row)
-                flex = f" flex {row['ms_flex_fwd']:.2f}/{row['ms_flex_bwd']:.2f}" if "ms_flex_fwd" in row else ""
-                print(f"S={S} {row['granularity']:5s} s={sp}: fwd {row['ms_fwd']:.2f} bwd {row['ms_bwd']:.2f} ms"
-                      f" (dense {dense['ms_dense_fwd']:.1f}/{dense['ms_dense_bwd']:.1f}){flex} [{time.time() - t0:.0f}s]",
-                      flush=True)
-                write_results("sparse_attention", rows, args.out, meta)
-        torch.cuda.empty_cache()
+    points = sweep_grid(dims, groups, args.granularity, args.block_sizes, seqs, sparsities, args.heads)
+    points.sort(key=lambda p: (p["S"], p["D"], p["G"], -p["block_size"] if p["block_size"] else 0, p["sparsity"]))
+
+    def tuned(row):
+        row["tuned_configs"] = {f"{k[0]}": v for k, v in launch.CONFIG_OVERRIDES.items()
+                                if k[1:] == (row["D"], row["G"], row["block_size"])}
+
+    rows = run_points(points, "sparse_attention", args, meta, t_start, on_row=tuned)
     print_table(rows)
 
 
@@ -350,6 +867,8 @@ def print_table(rows):
     print(f"{'S':>6} {'gran':5} {'sp':>4} {'fwd':>7} {'bwd':>7} {'x_fwd':>6} {'x_bwd':>6} {'x_f+b':>6} "
           f"{'TF_f':>5} {'TF_b':>5} {'vsflex_f':>8} {'vsflex_b':>8}")
     for r in rows:
+        if "speedup_fwd" not in r:
+            continue
         vf = f"{r['speedup_vs_flex_fwd']:8.2f} {r['speedup_vs_flex_bwd']:8.2f}" if "ms_flex_fwd" in r else ""
         print(f"{r['S']:>6} {r['granularity']:5} {r['sparsity']:>4} {r['ms_fwd']:7.2f} {r['ms_bwd']:7.2f} "
               f"{r['speedup_fwd']:6.2f} {r['speedup_bwd']:6.2f} {r['speedup_fwd_bwd']:6.2f} "

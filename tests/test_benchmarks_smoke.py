@@ -182,3 +182,125 @@ def test_bench_e2e_quick_four_arms(tmp_path):
         assert parts == pytest.approx(r["ms_step"]) or r["ms_linear_rest"] == 0.0
     assert rows["dsv_stage2"]["budget_source"].startswith("spread 0.80..0.98")
     assert rows["dsv_stage1"]["ms_profile_step"] > 0 and rows["dsv_stage1"]["profile_every"] == 25
+
+
+def _bench_sparse_attention():
+    """The kernel benchmark's module, imported here without side effects (its env defaults are set in main)."""
+    sys.path.insert(0, ROOT)
+    before = {k: os.environ.get(k) for k in ("DSV_SKIP_CHECKS", "DSV_SPARSE_ATTN_BACKEND")}
+    import benchmarks.bench_sparse_attention as bench
+
+    assert {k: os.environ.get(k) for k in before} == before
+    return bench
+
+
+def test_sparse_attention_sweep_default_grid_and_estimate():
+    """Issue #15's default grid: every (D, G, granularity) cell at 16K and 64K, 90%, the heatmap's
+    points first; the extra S and sparsities only at D=128 and 256 with G=128 blocks; under 6 min
+    on the time model with 8 warm shards, each point warmed by exactly one shard."""
+    bench = _bench_sparse_attention()
+    pts = bench.sweep_grid()
+    cells = {(d, g, bs) for d in (64, 96, 128, 256) for g in (32, 64, 128) for bs in (0, 128)}
+    assert len(pts) == 68 and not any(p.get("skipped") for p in pts)
+    assert [p["phase"] for p in pts] == ["heatmap"] * 24 + ["base"] * 24 + ["extra"] * 20
+    assert {(p["D"], p["G"], p["block_size"]) for p in pts[:24]} == cells
+    assert all((p["S"], p["sparsity"]) == (65536, 0.9) for p in pts[:24])
+    combos = {}
+    for p in pts:
+        combos.setdefault((p["D"], p["G"], p["block_size"]), set()).add((p["S"], p["sparsity"]))
+    extra = {(128, 128, 128), (256, 128, 128)}
+    for cell in cells - extra:
+        assert combos[cell] == {(16384, 0.9), (65536, 0.9)}, cell
+    for cell in extra:
+        assert combos[cell] == {(S, sp) for S in (16384, 32768, 65536, 131072) for sp in (0.8, 0.9, 0.95)}
+    assert [p["S"] for p in pts[48:]] == sorted(p["S"] for p in pts[48:])  # the 128K extras last
+    for p in pts:
+        assert p["granularity"] == ("token" if p["block_size"] == 0 else "block") and p["H"] == 16
+
+    est = bench.estimate_s(pts, warm_shards=8)
+    assert est["points"] == 68 and 0 < est["warm_s"] and est["total_s"] < 360
+    assert bench.estimate_s(pts)["total_s"] > est["total_s"]  # cold compiles in the timed run
+    shards = bench.warm_shards_of(pts, 8)
+    warmed = sorted((p["S"], p["D"], p["G"], p["block_size"], p["sparsity"])
+                    for shard in shards for u in shard for p in u["points"])
+    assert warmed == sorted((p["S"], p["D"], p["G"], p["block_size"], p["sparsity"]) for p in pts)
+    assert all(shards)
+    flex_units = [u for shard in shards for u in shard if u["flex"]]
+    assert {u["key"][:3] for u in flex_units} == {(d, 128, 128) for d in (64, 96, 128, 256)}
+    assert len(flex_units) == 12  # one compile per (S, D): 4 D at 16K and 64K, 2 D at 32K and 128K
+
+
+def test_sparse_attention_sweep_overrides_and_skipped_reasons():
+    """--seq-lens / --sparsities replace the grid by their product (no extras); combinations the
+    library rejects are kept as points with the library's own message."""
+    bench = _bench_sparse_attention()
+    pts = bench.sweep_grid(dims=(80, 128), groups=(128, 256), granularity="block", block_sizes=(128, 32),
+                           seq_lens=[32768], sparsities=[0.8, 0.95])
+    assert len(pts) == 2 * 2 * 2 * 2 and {p["S"] for p in pts} == {32768}
+    run = [p for p in pts if not p.get("skipped")]
+    assert {(p["D"], p["G"], p["block_size"], p["sparsity"]) for p in run} == {(128, 128, 128, 0.8),
+                                                                             (128, 128, 128, 0.95)}
+    why = {(p["D"], p["G"], p["block_size"]): p["skipped"] for p in pts if p.get("skipped")}
+    assert "head dim D=80" in why[(80, 128, 128)] and "head dim D=80" in why[(80, 256, 32)]
+    assert "group_size" in why[(128, 256, 128)] and "block_size" in why[(128, 128, 32)]
+    assert all(w.startswith("unsupported by the library") for w in why.values())
+    assert bench.estimate_s(pts)["points"] == 2
+    token = bench.sweep_grid(dims=(64,), groups=(32,), granularity="token", seq_lens=[16384])
+    assert [(p["block_size"], p["granularity"], p["sparsity"]) for p in token] == [(0, "token", 0.9)]
+    assert bench.flex_skip_reason(128, 128) is None and bench.flex_skip_reason(128, 0)
+    assert bench.flex_skip_reason(64, 128) and bench.flex_skip_reason(128, 64)
+
+
+def test_sparse_attention_sweep_heatmap(tmp_path):
+    """The heatmap from rows written here (no committed numbers): D down, (G, granularity) across,
+    blank cells for a skipped point and where flex did not run; the PNG is written."""
+    bench = _bench_sparse_attention()
+    rows = []
+    for i, (d, g, bs) in enumerate([(64, 128, 128), (64, 128, 0), (256, 128, 128), (256, 32, 0)]):
+        rows.append(dict(S=65536, H=16, D=d, B=1, G=g, group_size=g, block_size=bs, sparsity=0.9,
+                         speedup_fwd_bwd=2.0 + i, speedup_vs_flex_fwd_bwd=1.0 + i / 10 if bs else None))
+    rows.append(dict(S=65536, H=16, D=96, B=1, G=32, group_size=32, block_size=0, sparsity=0.9, skipped="why"))
+    rows.append(dict(S=16384, H=16, D=64, B=1, G=128, group_size=128, block_size=128, sparsity=0.9,
+                     speedup_fwd_bwd=99.0, speedup_vs_flex_fwd_bwd=9.0))  # another S: not in the map
+    dims, cols, cudnn, flex = bench.heatmap_grid(rows)
+    assert dims == [64, 96, 256] and cols == ["G32\ntoken", "G128\ntoken", "G128\nblock128"]
+    nan = float("nan")
+    assert cudnn.ravel().tolist() == pytest.approx([nan, 3.0, 2.0, nan, nan, nan, 5.0, nan, 4.0], nan_ok=True)
+    assert flex.ravel().tolist() == pytest.approx([nan, nan, 1.0, nan, nan, nan, nan, nan, 1.2], nan_ok=True)
+    png = bench.plot_sweep(rows, tmp_path / "sweep.png", dict(gpu="test", torch="t", commit="c"))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10000
+    bench.plot_sweep([], tmp_path / "empty.png")  # nothing measured yet: still a figure
+    assert (tmp_path / "empty.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(300)
+def test_bench_sparse_attention_cli_help_and_budget(tmp_path):
+    """--help; a sweep whose time budget is spent before the first point touches no GPU: every row is
+    written with its reason, with the heatmap beside the JSON; --plot-only redraws it."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    script = os.path.join(ROOT, "benchmarks", "bench_sparse_attention.py")
+
+    def run(*args):
+        proc = subprocess.run([sys.executable, script, *args], env=env, capture_output=True, text=True, timeout=280)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc.stdout
+
+    out = run("--help")
+    for flag in ("--sweep", "--head-dim", "--heads", "--group-size", "--granularity", "--seq-lens", "--sparsities",
+                 "--time-budget-s", "--warm-shards", "Estimated H200 time"):
+        assert flag in out, flag
+    out = run("--sweep", "--head-dim", "80,128", "--group-size", "128", "--seq-lens", "16K,64K",
+              "--time-budget-s", "0", "--out", str(tmp_path))
+    assert "estimated H200 time" in out
+    (path,) = tmp_path.glob("sparse_attention-sweep-*.json")
+    data = json.loads(path.read_text())
+    rows = data["rows"]
+    assert len(rows) == 2 * 2 * 2 and all(r["skipped"] for r in rows)
+    assert sum(r["skipped"].startswith("time budget") for r in rows) == 4
+    assert sum("head dim D=80" in r["skipped"] for r in rows) == 4
+    assert data["meta"]["sweep"]["estimate"]["points"] == 4 and data["meta"]["sweep"]["heatmap_at"] == [65536, 0.9]
+    png = path.with_suffix(".png")
+    assert png.stat().st_size > 0
+    png.unlink()
+    run("--plot-only", str(path))
+    assert png.stat().st_size > 0

@@ -4,7 +4,8 @@
 # Usage: bash tools/gpu_check.sh OUT_DIR [stage ...]
 #   stages: build tests train recall predictor topk (the default: all six), e2e (bench_e2e.py, 2.7b shape,
 #   2 layers, 16K-128K tokens), topksample (the Triton top-k's "sample" method: its GPU tests, then the
-#   selection benchmark beside the CUDA kernel, "search" at 16K in the same run, then its tests on the GPU)
+#   selection benchmark beside the CUDA kernel, "search" at 16K in the same run, then its tests on the GPU),
+#   sweep (bench_sparse_attention.py --sweep: D x G x granularity x S x sparsity against cuDNN and Flex, ~5 min)
 # Each stage logs to OUT_DIR/<stage>.log and a failing stage does not stop the others.
 set -u
 out=${1:?usage: gpu_check.sh OUT_DIR [stage ...]}; shift
@@ -44,6 +45,8 @@ for s in $stages; do
                     --triton-method sample --sizes 16384,65536,131072 --triton-max-s 131072 --out '$out/sample'; \
                   python3 benchmarks/bench_topk_estimation.py --backends triton --triton-method search \
                     --sizes 16384 --out '$out/search'; python3 -m pytest -q -x -p no:cacheprovider tests/ops/test_topk_sample.py" ;;
-    *) echo "unknown stage $s (build tests train recall predictor topk e2e topksample)"; exit 2 ;;
+    sweep) run sweep 420 python3 benchmarks/bench_sparse_attention.py --sweep --warm-shards 8 --time-budget-s 300 \
+             --out "$out" ;;
+    *) echo "unknown stage $s (build tests train recall predictor topk e2e topksample sweep)"; exit 2 ;;
   esac
 done
