@@ -156,6 +156,13 @@ class DSVCoreAttention(MegatronModule):
         # Kernels cover a fixed set of head dims; other models still train predictors and profile,
         # but the dispatcher keeps them dense (reported as kernel_ok=0 in the metrics).
         self.kernel_ok = self.head_dim in _ops.SUPPORTED_HEAD_DIMS
+        # What the sparse kernel saves of v for backward (it saves v as it is handed, as torch SDPA does):
+        # Megatron's v is a view of the fused QKV projection output. With q/k LayerNorm that buffer is saved
+        # anyway (torch's LayerNorm saves its input, a view of it), so the view costs nothing and a
+        # contiguous copy would be a second v; without q/k norms nothing else keeps the buffer (3x v) alive,
+        # and the copy is the cheaper one to keep. (apex/TE norms save contiguous copies of q and k: there
+        # the view keeps what dense SDPA keeps too.)
+        self.save_v_view = bool(getattr(config, "qk_layernorm", False))
         # the buffers (stage, step, profiles, sparsity, budget_density, recall, predictor_loss and the
         # per-step accumulator 'pending'), their host mirrors and the step-end update: state.py
         self.dsv_state = LayerState(self.num_heads)
@@ -284,8 +291,12 @@ class DSVCoreAttention(MegatronModule):
         if not sparse:
             return dense_attention(q, k, v, softmax_scale=self.softmax_scale)
         idx, counts = lists
-        return _ops.run_sparse_attention(self.kernel_backend, q, k, v, idx, counts, cfg.group_size, cfg.block_size,
-                                         self.softmax_scale)
+        return _ops.run_sparse_attention(self.kernel_backend, q, k, self._v_for_kernel(v), idx, counts,
+                                         cfg.group_size, cfg.block_size, self.softmax_scale)
+
+    def _v_for_kernel(self, v: torch.Tensor) -> torch.Tensor:
+        """v as the sparse kernel should save it for backward (see ``save_v_view``)."""
+        return v if self.save_v_view else v.contiguous()
 
     def _attend_cp(self, q, k, v, hidden) -> torch.Tensor:
         """:meth:`_attend` on this CP rank's sequence shard (q, k, v ``[b, heads, s, hn]``).
@@ -333,8 +344,8 @@ class DSVCoreAttention(MegatronModule):
         plan = self._plan_cp(S, sparse, tokens)
 
         def sparse_fn(qq, kk, vv, idx, counts):
-            return _ops.run_sparse_attention(self.kernel_backend, qq, kk, vv, idx, counts, cfg.group_size,
-                                             cfg.block_size, self.softmax_scale)
+            return _ops.run_sparse_attention(self.kernel_backend, qq, kk, self._v_for_kernel(vv), idx, counts,
+                                             cfg.group_size, cfg.block_size, self.softmax_scale)
 
         return cp_attention(q, k, v, self.cp_ctx, plan, lists=lists if sparse else None, group_size=cfg.group_size,
                             block_size=cfg.block_size, softmax_scale=self.softmax_scale, sparse_fn=sparse_fn)

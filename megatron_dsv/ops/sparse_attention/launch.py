@@ -156,18 +156,22 @@ def sparse_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scal
     """dq, dk, dv. Token lists (or atomic_kv=True) scatter dk/dv with fp32 atomics;
     block lists take the atomic-free inverse-map kernel, after the dq kernel
     (mode split) or adding dq itself with atomics (mode fused; cfg_kv then
-    overrides the fused config). mode None: ``bwd_mode``. q, o, do [B, H, T, D]; k, v [B, Hkv, TK, D]."""
+    overrides the fused config). mode None: ``bwd_mode``. q, o, do [B, H, T, D]; k, v [B, Hkv, TK, D].
+    q and k must be contiguous; do, v and o may have any strides: the kernels read transient
+    contiguous copies (o's only until delta is computed). dq, dk, dv are contiguous."""
     B, H, T, D = q.shape
     TK = k.shape[2]
     atomic_kv = (BS == 0) if atomic_kv is None else atomic_kv
     mode = mode or bwd_mode(G, BS, D)
+    do, v = do.contiguous(), v.contiguous()
     if mode == "fused" and not atomic_kv:
         if cfg_kv is not None and cfg_kv["BN"] > BS:
             raise ValueError(f"fused backward: key tile BN={cfg_kv['BN']} must not exceed block_size={BS}")
-        return _sparse_bwd_fused(do.contiguous(), q, k, v, o, lse, kv_indices, kv_counts, G, BS, scale, cfg_kv)
+        return _sparse_bwd_fused(do, q, k, v, o, lse, kv_indices, kv_counts, G, BS, scale, cfg_kv)
     hkv = k.shape[1]
-    do = do.contiguous()
-    dq, delta, dk32, dv32 = sparse_bwd_q(do, q, k, v, o, lse, kv_indices, kv_counts, G, BS, scale, atomic_kv, cfg_q)
+    # o only feeds delta inside the dq kernel: its contiguous copy (if any) dies with that call
+    dq, delta, dk32, dv32 = sparse_bwd_q(do, q, k, v, o.contiguous(), lse, kv_indices, kv_counts, G, BS, scale,
+                                         atomic_kv, cfg_q)
     if atomic_kv:
         return dq, dk32.to(k.dtype), dv32.to(v.dtype)
     nkb = math.ceil(TK / BS)
@@ -219,7 +223,9 @@ def _sparse_bwd_fused(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: in
     if dqm == 2 and (_bd(D) != D or not q.is_cuda):  # TMA needs the exact row width and a GPU
         dqm = 1
     delta = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
+    o = o.contiguous()  # o only feeds delta: drop its contiguous copy (if any) right after
     bwd_delta_kernel[(triton.cdiv(T, 64), B * H)](o, do, delta, T, K=D, BD=_bd(D), BM=64, num_warps=4)
+    del o
     dq32 = torch.zeros(B, H, T, D, device=q.device, dtype=torch.float32)
     dq_arg = dq32
     if dqm == 2:

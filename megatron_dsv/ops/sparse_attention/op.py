@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -88,19 +88,26 @@ def choose_backend(q: torch.Tensor, kv_indices: torch.Tensor, group_size: int, b
 @torch.library.custom_op("megatron_dsv::sparse_attn_fwd", mutates_args=())
 def sparse_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_indices: torch.Tensor,
                     kv_counts: torch.Tensor, group_size: int, block_size: int,
-                    softmax_scale: float, validate: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+                    softmax_scale: float, o_strides: Optional[List[int]] = None,
+                    validate: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+    """q, k contiguous; v any strides (read through a transient contiguous copy). o has ``o_strides``
+    (None: contiguous), lse ``[B, H, T]`` fp32."""
     from .launch import sparse_fwd
 
     # value checks live inside the op: they need real data, which torch.compile never traces
     if validate:
         check_values(kv_indices, kv_counts, k.shape[2], block_size)
-    return sparse_fwd(q, k, v, kv_indices, kv_counts, group_size, block_size, softmax_scale)
+    o, lse = sparse_fwd(q, k, v.contiguous(), kv_indices, kv_counts, group_size, block_size, softmax_scale)
+    if o_strides is not None and tuple(o_strides) != o.stride():
+        o = torch.empty_strided(o.shape, o_strides, dtype=o.dtype, device=o.device).copy_(o)
+    return o, lse
 
 
 @sparse_attn_fwd.register_fake
-def _(q, k, v, kv_indices, kv_counts, group_size, block_size, softmax_scale, validate=True):
-    B, H, S, _ = q.shape
-    return torch.empty_like(q), q.new_empty(B, H, S, dtype=torch.float32)
+def _(q, k, v, kv_indices, kv_counts, group_size, block_size, softmax_scale, o_strides=None, validate=True):
+    B, H, S, D = q.shape
+    o = q.new_empty(B, H, S, D) if o_strides is None else q.new_empty_strided((B, H, S, D), o_strides)
+    return o, q.new_empty(B, H, S, dtype=torch.float32)
 
 
 @torch.library.custom_op("megatron_dsv::sparse_attn_bwd", mutates_args=())
@@ -115,11 +122,13 @@ def sparse_attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 
 @sparse_attn_bwd.register_fake
 def _(do, q, k, v, o, lse, kv_indices, kv_counts, group_size, block_size, softmax_scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as sparse_bwd's
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, kv_indices, kv_counts, group_size, block_size, softmax_scale, _validate = inputs
+    # saved as they are: the contiguous q and k the kernels read, v as the caller passed it (a view keeps
+    # its base alive, as in torch SDPA), o in the caller's layout (shared with whoever consumes it)
+    q, k, v, kv_indices, kv_counts, group_size, block_size, softmax_scale, _o_strides, _validate = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, kv_indices, kv_counts)
     ctx.cfg = (group_size, block_size, softmax_scale)
@@ -128,7 +137,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, do, dlse):
     q, k, v, o, lse, kv_indices, kv_counts = ctx.saved_tensors
     dq, dk, dv = sparse_attn_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, *ctx.cfg)
-    return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 sparse_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -164,6 +173,12 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_indic
     Head dims D: 64, 96 (padded to 128 inside the kernel), 128, 256.
     Returns:
         o ``[B, H, Sq, D]`` in q's dtype; differentiable w.r.t. q, k, v.
+    Memory (Triton backend; as torch SDPA's cuDNN path): o has q's memory layout, so for Megatron's
+    q (a permuted ``[S, B, H, D]`` tensor) the caller's ``[S, B, H*D]`` reshape is a view and o is kept
+    once, shared with what ``linear_proj`` saves. Saved for backward: the contiguous q and k copies the
+    kernels read, v as passed (a view keeps its base alive; pass ``v.contiguous()`` when nothing else
+    keeps that base), o, lse and the lists. The backward re-copies a strided v or o into transient
+    contiguous rows (o only for the delta pass).
     Raises:
         ValueError naming the argument for a bad shape, dtype, device, head dim,
         group/block size, count, or index (the value checks cost one reduction
@@ -183,7 +198,20 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_indic
         if check_values:
             _check_values(kv_indices, kv_counts, k.shape[2], block_size)
         return sparse_attention_flex(q, k, v, kv_indices, kv_counts, group_size, block_size, scale)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    o, _ = sparse_attn_fwd(q, k, v, kv_indices.contiguous(), kv_counts.contiguous(),
-                           int(group_size), int(block_size), scale, bool(check_values))
+    o_strides = _dense_strides_like(q)
+    o, _ = sparse_attn_fwd(q.contiguous(), k.contiguous(), v, kv_indices.contiguous(), kv_counts.contiguous(),
+                           int(group_size), int(block_size), scale, o_strides, bool(check_values))
     return o
+
+
+def _dense_strides_like(t: torch.Tensor) -> Optional[List[int]]:
+    """Strides of a dense tensor of ``t``'s shape with ``t``'s dim order (outermost = largest stride,
+    ties: larger size first); None when that is the contiguous order."""
+    order = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.shape[d]), reverse=True)
+    if order == list(range(t.dim())):
+        return None
+    strides, step = [0] * t.dim(), 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= t.shape[d]
+    return strides
