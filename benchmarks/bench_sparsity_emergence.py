@@ -66,6 +66,16 @@ def _row(arm, args, step, model) -> dict:
                 predictor_loss=m["dsv/predictor_loss"])
 
 
+def _sparsity_axes(ax, xlabel: str, ylabel: str) -> None:
+    """The study's sparsity axes: 0..1, the dispatcher's 0.8 line, grid, legend."""
+    ax.axhline(0.8, color="grey", lw=0.8, ls=":")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
 @torch.no_grad()
 def sweep(arm, args, step, model) -> list:
     """``kind="sweep"`` rows at ``step``: per t of ``args.sweep_t``, per layer, on ``args.sweep_clips``
@@ -121,12 +131,7 @@ def plot_sweeps(rows, path) -> bool:
         last = max(r["step"] for r in mine)
         pts = sorted((r["t"], r["sparsity_mean"]) for r in mine if r["step"] == last)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=f"C{i % 10}", label=f"{name} @ {last}")
-    ax.axhline(0.8, color="grey", lw=0.8, ls=":")
-    ax.set_xlabel("flow-matching t (0 data, 1 noise)")
-    ax.set_ylabel("exact sparsity at theta = 0.9, mean over layers")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    _sparsity_axes(ax, "flow-matching t (0 data, 1 noise)", "exact sparsity at theta = 0.9, mean over layers")
     steps = [r["step"] for r in sweeps]
     xs = [v for r in sweeps for v in r["gaussian_sparsity"]]
     ys = [v for r in sweeps for v in r["sparsity"]]
@@ -162,12 +167,7 @@ def plot(rows, path):
                 label=name + (" (from log)" if from_log else ""), marker="." if from_log else None)
         best = [r for r in mine if "sparsity_max" in r]
         ax.plot([r["step"] for r in best], [r["sparsity_max"] for r in best], color=color, ls="--", lw=0.8)
-    ax.axhline(0.8, color="grey", lw=0.8, ls=":")
-    ax.set_xlabel("training step")
-    ax.set_ylabel("exact sparsity at theta = 0.9 (mean; dashed: best layer)")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    _sparsity_axes(ax, "training step", "exact sparsity at theta = 0.9 (mean; dashed: best layer)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
