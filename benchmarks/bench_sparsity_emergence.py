@@ -9,7 +9,9 @@ how many layer-steps the dispatcher ran sparse and the recall of the lists it us
 
 Writes ``benchmarks/results/sparsity_emergence-<gpu>-<yyyymmdd>.json`` (rows: ``arm``, ``data``,
 ``S``, ``preset``, ``layers``, ``step``, ``sparsity_mean``, per-layer ``sparsity``, ``stage``,
-``recall``, ``sparse_layers``; one ``final`` row per arm with the run's summary) and a PNG of mean
+``recall``, ``sparse_layers``, per-layer ``budget_density_layers`` (the recall-rule lists' kept
+fraction: against ``1 - sparsity`` it shows how much one list per query group multiplies a query's
+share); one ``final`` row per arm with the run's summary) and a PNG of mean
 and best-layer sparsity over steps per arm. The JSON is rewritten after every arm, so a run cut
 short keeps what it measured.
 
@@ -45,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import init_dist, write_results  # noqa: E402
 from benchmarks.video_runs import (Clips, add_run_args, layer_sparsity, parse_arm, qk_gains, tokens_of,  # noqa: E402
                                    train_arm)
-from megatron_dsv.attention import dsv_metrics  # noqa: E402
+from megatron_dsv.attention import dsv_layers, dsv_metrics  # noqa: E402
 from megatron_dsv.attention.analysis import capture_qk, gaussian_sparsity, logit_spread, sample_queries  # noqa: E402
 from megatron_dsv.ops.topk_estimation.oracle import head_sparsity  # noqa: E402
 
@@ -62,6 +64,8 @@ def _row(arm, args, step, model) -> dict:
                 qk_norm=arm["qk_norm"], rope=arm["rope"], step=step, stage=int(m["dsv/stage"]),
                 sparsity_mean=sum(sp) / n, sparsity_max=max(sp), sparsity=sp,
                 sparsity_smoothed=m["dsv/sparsity_mean"], budget_density=m["dsv/budget_density_mean"],
+                budget_density_layers=[m[f"dsv/layer{layer.layer_number}/budget_density"]
+                                       for layer in dsv_layers(model)],
                 recall=m["dsv/recall_mean"], sparse_layers=round(m["dsv/sparse_fraction"] * n),
                 predictor_loss=m["dsv/predictor_loss"])
 
