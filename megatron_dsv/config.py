@@ -70,6 +70,13 @@ class DSVConfig:
     """Profiler period (steps) after warm-up."""
     profile_warmup_steps: int = _knob(1000, "Steps of warm-up that use profile_interval.")
     """Number of steps profiled at the short period."""
+    profile_max_queries: int = _knob(
+        1024, "Profile at most this many of the sampled queries per sequence (evenly thinned; 0: all of them).")
+    """The profiler's exact oracle costs (sampled queries) x S: with one query in ``predictor_query_stride``
+    it grows as S^2 like attention itself (a profile step at 128K tokens costs about one more dense step,
+    H200). A fixed number of queries keeps the sparsity and recall estimates as precise (their spread over
+    queries, not S, sets the error) and the cost linear in S. Default 1024: no change up to 64K tokens at
+    stride 64, half the cost at 128K, an eighth at 512K."""
     sparsity_momentum: float = _knob(0.9, "Momentum of the smoothed per-head sparsity (0 <= m < 1).")
     """Exponential smoothing of the profiled sparsity: s = m * s + (1 - m) * measured."""
 
@@ -178,6 +185,8 @@ class DSVConfig:
         need(self.profile_interval >= 1, "profile_interval", ">= 1")
         need(self.profile_interval_after_warmup >= 1, "profile_interval_after_warmup", ">= 1")
         need(self.profile_warmup_steps >= 0, "profile_warmup_steps", ">= 0")
+        need(isinstance(self.profile_max_queries, int) and self.profile_max_queries >= 0, "profile_max_queries",
+             "an int >= 0 (0: no cap)")
         need(0 <= self.sparsity_momentum < 1, "sparsity_momentum", "in [0, 1)")
         need(isinstance(self.predictor_train_interval, int) and not isinstance(self.predictor_train_interval, bool)
              and self.predictor_train_interval >= 0, "predictor_train_interval", "an int >= 0")

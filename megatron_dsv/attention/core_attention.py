@@ -50,7 +50,7 @@ from megatron_dsv.attention import _ops
 from megatron_dsv.attention.dispatcher import SpeedupTable, density_budgets, head_budgets, plan_layer
 from megatron_dsv.attention.predictor import LowRankPredictor, all_reduce_many
 from megatron_dsv.attention.profiler import profile_stats, recall_density
-from megatron_dsv.attention.schedule import is_profile_step, sampled_queries, trains_predictor
+from megatron_dsv.attention.schedule import is_profile_step, profile_thinning, sampled_queries, trains_predictor
 from megatron_dsv.attention.state import PER_HEAD_STATE, LayerState
 from megatron_dsv.config import DSVConfig
 from megatron_dsv.ops.dense import dense_attention
@@ -283,7 +283,8 @@ class DSVCoreAttention(MegatronModule):
         sparse, budgets, tokens = self.decide(S)
         lists = None
         if profile:
-            lists = self._profile(q, k, hidden, qidx, budgets if sparse else None)
+            pidx = qidx[::profile_thinning(qidx.numel(), cfg.profile_max_queries)]
+            lists = self._profile(q, k, hidden, pidx, budgets if sparse else None)
         elif sparse:
             lists = self._estimate(q, k, hidden, budgets)
         self.last_sparse = sparse
@@ -317,11 +318,15 @@ class DSVCoreAttention(MegatronModule):
         learn = self.training and torch.is_grad_enabled()
         train = learn and self.predictor_training and trains_predictor(self.step_host, self.stage_host, cfg)
         profile = learn and self.profiling and is_profile_step(self.step_host, cfg)
-        self._check_cp_shard(s, sampling=train or profile)
-        qidx = None  # this rank's share of the sampled queries, as global positions
+        qidx = pidx = None  # this rank's share of the sampled (and profiled) queries, as global positions
+        thin = 1
         if train or profile:
             qidx = sampled_queries(S, cfg.predictor_query_stride, self.step_host, q.device)
-            qidx = qidx[(qidx >= rank * s) & (qidx < (rank + 1) * s)]
+            thin = profile_thinning(qidx.numel(), cfg.profile_max_queries) if profile else 1
+            pidx = qidx[::thin]  # the queries one process would profile
+            mine = (qidx >= rank * s) & (qidx < (rank + 1) * s)
+            qidx, pidx = qidx[mine], pidx[(pidx >= rank * s) & (pidx < (rank + 1) * s)]
+        self._check_cp_shard(s, sampling=train or profile, thin=thin)
         if train:
             self.predictor.collect(q, k, hidden, qidx - rank * s, seq_group=self.cp_group)
         sparse, budgets, tokens = self.decide(S)
@@ -332,7 +337,7 @@ class DSVCoreAttention(MegatronModule):
                                   for t in self.predictor.project(q, k, hidden, dtype=q.dtype))
                 if profile:
                     q_all, k_all = gather_seq(q.detach(), self.cp_group), gather_seq(k.detach(), self.cp_group)
-                    lists = self._profile(q_all, k_all, None, qidx, budgets if sparse else None, projected,
+                    lists = self._profile(q_all, k_all, None, pidx, budgets if sparse else None, projected,
                                           seq_group=self.cp_group)
                 else:
                     lists = self._estimate(None, None, None, budgets, projected)
@@ -350,7 +355,7 @@ class DSVCoreAttention(MegatronModule):
         return cp_attention(q, k, v, self.cp_ctx, plan, lists=lists if sparse else None, group_size=cfg.group_size,
                             block_size=cfg.block_size, softmax_scale=self.softmax_scale, sparse_fn=sparse_fn)
 
-    def _check_cp_shard(self, s: int, sampling: bool = False) -> None:
+    def _check_cp_shard(self, s: int, sampling: bool = False, thin: int = 1) -> None:
         """A CP shard of ``s`` tokens holds whole query groups (and key blocks); when the pass samples
         queries (predictor training, profiling) every shard holds the same number of them, or the CP
         ranks' averaged statistics would weight queries unequally and differ from one process's."""
@@ -369,6 +374,13 @@ class DSVCoreAttention(MegatronModule):
                              f"{cfg.predictor_query_stride} in training, so every CP rank samples the same number "
                              "of queries for the predictor and the profiler (their statistics are averaged over "
                              "the CP ranks); pick a stride that divides the shard")
+        if sampling and thin > 1 and s % (cfg.predictor_query_stride * thin):
+            raise ValueError(f"context parallelism: this profile keeps one in {thin} of the sampled queries "
+                             f"(DSVConfig.profile_max_queries (--dsv-profile-max-queries) = "
+                             f"{cfg.profile_max_queries}), so each CP rank's sequence shard ({s} tokens) must be a "
+                             f"multiple of predictor_query_stride x {thin} = {cfg.predictor_query_stride * thin} "
+                             "for every rank to profile the same number of queries; raise "
+                             "--dsv-profile-max-queries (0: no cap)")
 
     def _plan_cp(self, S: int, sparse: bool, tokens: torch.Tensor):
         """The layer's CP plan for this step's decision (planned again whenever the decision is new,

@@ -12,7 +12,7 @@ import torch
 
 from megatron_dsv.config import DSVConfig
 
-__all__ = ["is_profile_step", "trains_predictor", "should_switch", "sampled_queries", "smooth"]
+__all__ = ["is_profile_step", "trains_predictor", "should_switch", "sampled_queries", "profile_thinning", "smooth"]
 
 
 def is_profile_step(step: int, cfg: DSVConfig) -> bool:
@@ -57,6 +57,11 @@ def sampled_queries(S: int, stride: int, step: int, device) -> torch.Tensor:
     """One query in ``stride``; the offset rotates with the step so every query is seen over time."""
     stride = max(1, min(stride, S))
     return torch.arange(step % stride, S, stride, device=device)
+
+
+def profile_thinning(num_sampled: int, cap: int) -> int:
+    """Keep one in this many of ``num_sampled`` sampled queries so at most ``cap`` are profiled (0: no cap)."""
+    return 1 if cap <= 0 or num_sampled <= cap else -(-num_sampled // cap)
 
 
 def smooth(old: torch.Tensor, measured: torch.Tensor, momentum: float, first: bool) -> torch.Tensor:

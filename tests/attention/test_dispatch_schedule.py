@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from megatron_dsv.attention.dispatcher import SpeedupTable, choose_sparse, head_budgets
-from megatron_dsv.attention.schedule import is_profile_step, sampled_queries, should_switch, smooth
+from megatron_dsv.attention.schedule import (is_profile_step, profile_thinning, sampled_queries, should_switch,
+                                             smooth)
 from megatron_dsv.config import DSVConfig
 
 
@@ -102,8 +103,40 @@ def test_sampling_and_smoothing():
     assert torch.allclose(smooth(torch.zeros(2), torch.ones(2), 0.9, first=False), torch.full((2,), 0.1))
 
 
+def test_profile_thinning_caps_the_profiled_queries():
+    assert profile_thinning(1024, 1024) == 1 and profile_thinning(2048, 1024) == 2
+    assert profile_thinning(8192, 1024) == 8 and profile_thinning(3000, 1024) == 3
+    assert profile_thinning(5000, 0) == 1  # 0: no cap
+    for n, cap in ((2048, 1024), (3000, 1024), (17, 4)):
+        assert len(range(0, n, profile_thinning(n, cap))) <= cap
+
+
+def test_profile_uses_at_most_the_cap(megatron_cpu, monkeypatch):
+    """The profiler's oracle sees the sampled queries thinned to profile_max_queries; the predictor
+    still gets every sampled query."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    import megatron_dsv.attention.core_attention as ca
+    from tests.attention.conftest import dsv_config, planted, tf_config
+
+    seen = []
+    real = ca.profile_stats
+    monkeypatch.setattr(ca, "profile_stats", lambda *a, **kw: seen.append(kw["query_index"]) or real(*a, **kw))
+    q, k = planted(S=512, H=2, D=64, seed=1)
+    for cap, want in ((0, 64), (16, 16), (20, 16)):  # stride 8: 64 sampled; cap 20 keeps one in 4
+        seen.clear()
+        layer = ca.DSVCoreAttention(tf_config(hidden=128, heads=2), 1, AttnMaskType.no_mask, "self",
+                                    dsv_config=dsv_config(profile_max_queries=cap))
+        layer.train()
+        qs, ks = (t.permute(2, 0, 1, 3).contiguous() for t in (q, k))
+        layer(qs, ks, ks.clone(), None)
+        assert seen and all(idx.numel() == want for idx in seen), (cap, [i.numel() for i in seen])
+        full = sampled_queries(512, 8, 0, "cpu")
+        assert seen[0].tolist() == full[::profile_thinning(64, cap)].tolist()
+
+
 @pytest.mark.parametrize("kw,name", [
-    (dict(predictor_input="both"), "predictor_input"), (dict(stage_switch_rule="never"), "stage_switch_rule"),
+    (dict(predictor_input="both"), "predictor_input"), (dict(profile_max_queries=-1), "profile_max_queries"), (dict(stage_switch_rule="never"), "stage_switch_rule"),
     (dict(stage_switch_rule="steps"), "stage_switch_steps"), (dict(theta=1.0), "theta"),
     (dict(sparsity_momentum=1.0), "sparsity_momentum"), (dict(query_group_shape=(3, 3, 3)), "query_group_shape"),
     (dict(predictor_rank=12), "predictor_rank"), (dict(k_min=0), "k_min"),

@@ -100,8 +100,16 @@ def _check_core_attention(rank, world):
         with pytest.raises(ValueError, match="must be divisible by context_parallel_size"):
             DSVCoreAttention(tf_config(hidden=2 * D, heads=2), 1, AttnMaskType.no_mask, "self",
                              dsv_config=dsv_config(cp_mode="hybrid"), pg_collection=world_group)
-    for mode in ("hybrid", "seq"):
-        cfg = dsv_config(cp_mode=mode, sparsity_threshold=0.3)
+    # a profile cap that thins the 64 sampled queries to one in 22: shards of 256 / 128 tokens cannot hold
+    # equal shares of them, which the error names (raised on every rank before any collective)
+    bad = DSVCoreAttention(tf_config(hidden=H * D, heads=H), 1, AttnMaskType.no_mask, "self",
+                           dsv_config=dsv_config(cp_mode="seq", profile_max_queries=3), pg_collection=world_group)
+    bad.train()
+    with pytest.raises(ValueError, match="--dsv-profile-max-queries"):
+        bad(*[_shard(t, rank, world, dim=0).clone() for t in (q, k, v)], None)
+    # "hybrid" profiles one in 4 of the sampled queries (cap 16 of 64), "seq" all of them (cap 0)
+    for mode, cap in (("hybrid", 16), ("seq", 0)):
+        cfg = dsv_config(cp_mode=mode, sparsity_threshold=0.3, profile_max_queries=cap)
         tf = tf_config(hidden=H * D, heads=H)
         layers = {name: DSVCoreAttention(tf, 1, AttnMaskType.no_mask, "self", dsv_config=cfg,
                                          pg_collection=SimpleNamespace(tp=None, cp=group))
