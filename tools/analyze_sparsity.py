@@ -7,7 +7,8 @@
 Probes attention at one flow-matching time t (x_t = (1 - t) x0 + t noise, as in training) on a
 few videos, measures per layer and head what DSV rests on (megatron_dsv.attention.analysis):
 exact sparsity at theta, softmax mass vs keys kept, distances to critical keys, critical-set
-overlap inside a query group, and the recall of the layer predictor's lists. Writes
+overlap inside a query group, the recall of the layer predictor's lists, and the logits' spread with
+the sparsity Gaussian logits of that spread would have (is the sparsity scale or tail?). Writes
 ``analysis.json`` and PNGs to --out-dir: sparsity_heatmap, mass_curves, distance_histogram,
 cube_overlap, predictor_recall, and sparsity_trajectory with --trajectory (a
 benchmarks/bench_recall.py trajectory JSON). The --dsv-* flags (the trainer's) configure a
@@ -375,7 +376,8 @@ def main(argv=None) -> int:
     s = result["summary"]
     print(f"sparsity median {s['sparsity_median']:.3f} (heads {s['sparsity_min']:.3f}..{s['sparsity_max']:.3f}), "
           f"critical keys within {args.radius:g} tokens {s['within_radius']:.3f}, predictor recall "
-          f"{s['predictor_recall']:.3f}")
+          f"{s['predictor_recall']:.3f}, logit std {s['logit_std']:.2f} (Gaussian logits of that spread would "
+          f"give sparsity {s['gaussian_sparsity']:.3f}: see benchmarks/NOTES_sparsity.md, run 14)")
     print(f"wrote {json_path} and {', '.join(os.path.basename(p) for p in paths)}")
     return 0
 

@@ -402,7 +402,9 @@ def analyze(model, latents: torch.Tensor, timesteps: torch.Tensor, labels: Optio
             progress(f"layer {n}: sparsity {rep['sparsity_mean']:.3f} (heads {min(rep['sparsity']):.3f}.."
                      f"{max(rep['sparsity']):.3f}), critical keys within {radius:g} tokens "
                      f"{rep['within_radius_mean']:.3f}, cube jaccard {_fmt(rep['cube_overlap']['jaccard_mean'])}, "
-                     f"predictor recall {rep['predictor']['recall_mean']:.3f}")
+                     f"predictor recall {rep['predictor']['recall_mean']:.3f}, logit std "
+                     f"{sum(rep['logit_std']) / len(rep['logit_std']):.2f} (Gaussian-logit sparsity "
+                     f"{sum(rep['gaussian_sparsity']) / len(rep['gaussian_sparsity']):.3f})")
     return {"theta": theta, "S": S, "batch": int(latents.shape[0]), "grid": list(grid) if grid else None,
             "cube": list(cube) if cube else None, "query_stride": query_stride, "num_queries": int(qi.numel()),
             "radius": radius, "key_fractions": _vals(opts["fractions"]), "distance_edges": _vals(opts["edges"]),
