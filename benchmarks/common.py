@@ -31,6 +31,23 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def _git_tree() -> Optional[str]:
+    """The git tree hash of the working tree as it is (tracked and untracked, ignored files left out),
+    written through a throw-away index: equal to ``git rev-parse <commit>^{tree}`` of the commit that
+    holds exactly this code, even where ``HEAD`` is stale or the tree is dirty (a copied checkout)."""
+    import tempfile
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            env = dict(os.environ, GIT_INDEX_FILE=os.path.join(tmp, "index"))
+            subprocess.run(["git", "add", "-A", "."], cwd=root, env=env, check=True, capture_output=True, timeout=60)
+            return subprocess.check_output(["git", "write-tree"], cwd=root, env=env, stderr=subprocess.DEVNULL,
+                                           text=True, timeout=60).strip()
+    except Exception:
+        return None
+
+
 def collect_meta() -> Dict[str, object]:
     """Hardware, versions, date and commit of this run."""
     try:
@@ -56,6 +73,7 @@ def collect_meta() -> Dict[str, object]:
         "megatron_core": mcore,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": _git_commit(),
+        "tree": _git_tree(),  # find the commit: git log --format='%H %T' | grep <tree>
     }
 
 
