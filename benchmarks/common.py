@@ -31,13 +31,13 @@ def _git_commit() -> str:
         return "unknown"
 
 
-def _git_tree() -> Optional[str]:
+def _git_tree(root: Optional[str] = None) -> Optional[str]:
     """The git tree hash of the working tree as it is (tracked and untracked, ignored files left out),
     written through a throw-away index: equal to ``git rev-parse <commit>^{tree}`` of the commit that
     holds exactly this code, even where ``HEAD`` is stale or the tree is dirty (a copied checkout)."""
     import tempfile
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         with tempfile.TemporaryDirectory() as tmp:
             env = dict(os.environ, GIT_INDEX_FILE=os.path.join(tmp, "index"))

@@ -304,3 +304,32 @@ def test_bench_sparse_attention_cli_help_and_budget(tmp_path):
     png.unlink()
     run("--plot-only", str(path))
     assert png.stat().st_size > 0
+
+
+def test_meta_tree_names_the_working_tree(tmp_path):
+    """``meta.tree`` is the tree a commit of exactly the working tree would have (ignored files left out),
+    whatever HEAD says: how a result from a copied checkout with a stale HEAD finds its commit."""
+    import subprocess
+
+    from benchmarks.common import _git_tree
+
+    def git(*a):
+        return subprocess.check_output(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=tmp_path,
+                                       text=True).strip()
+
+    git("init", "-q")
+    (tmp_path / ".gitignore").write_text("ignored/\n")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "-A")
+    git("commit", "-qm", "one")
+    assert _git_tree(str(tmp_path)) == git("rev-parse", "HEAD^{tree}")
+    (tmp_path / "a.py").write_text("x = 2\n")  # a dirty copy of a newer commit
+    (tmp_path / "b.py").write_text("y = 1\n")
+    (tmp_path / "ignored").mkdir()
+    (tmp_path / "ignored" / "big.bin").write_text("not code\n")
+    dirty = _git_tree(str(tmp_path))
+    assert dirty != git("rev-parse", "HEAD^{tree}")
+    git("add", "a.py", "b.py")
+    git("commit", "-qm", "two")
+    assert dirty == git("rev-parse", "HEAD^{tree}")
+    assert git("status", "--porcelain") == ""  # the throw-away index left the real one alone
