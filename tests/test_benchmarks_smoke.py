@@ -194,12 +194,20 @@ def _bench_sparse_attention():
     return bench
 
 
+def _sparse_attention_sweep():
+    """The sweep's planning and plotting module (imports without side effects too)."""
+    _bench_sparse_attention()
+    import benchmarks.sparse_attention_sweep as sweep
+
+    return sweep
+
+
 def test_sparse_attention_sweep_default_grid_and_estimate():
     """Issue #15's default grid: every (D, G, granularity) cell at 16K and 64K, 90%, the heatmap's
     points first; the extra S and sparsities only at D=128 and 256 with G=128 blocks; under 6 min
     on the time model with 8 warm shards, each point warmed by exactly one shard."""
-    bench = _bench_sparse_attention()
-    pts = bench.sweep_grid()
+    sweep = _sparse_attention_sweep()
+    pts = sweep.sweep_grid()
     cells = {(d, g, bs) for d in (64, 96, 128, 256) for g in (32, 64, 128) for bs in (0, 128)}
     assert len(pts) == 68 and not any(p.get("skipped") for p in pts)
     assert [p["phase"] for p in pts] == ["heatmap"] * 24 + ["base"] * 24 + ["extra"] * 20
@@ -217,10 +225,10 @@ def test_sparse_attention_sweep_default_grid_and_estimate():
     for p in pts:
         assert p["granularity"] == ("token" if p["block_size"] == 0 else "block") and p["H"] == 16
 
-    est = bench.estimate_s(pts, warm_shards=8)
+    est = sweep.estimate_s(pts, warm_shards=8)
     assert est["points"] == 68 and 0 < est["warm_s"] and est["total_s"] < 360
-    assert bench.estimate_s(pts)["total_s"] > est["total_s"]  # cold compiles in the timed run
-    shards = bench.warm_shards_of(pts, 8)
+    assert sweep.estimate_s(pts)["total_s"] > est["total_s"]  # cold compiles in the timed run
+    shards = sweep.warm_shards_of(pts, 8)
     warmed = sorted((p["S"], p["D"], p["G"], p["block_size"], p["sparsity"])
                     for shard in shards for u in shard for p in u["points"])
     assert warmed == sorted((p["S"], p["D"], p["G"], p["block_size"], p["sparsity"]) for p in pts)
@@ -233,8 +241,8 @@ def test_sparse_attention_sweep_default_grid_and_estimate():
 def test_sparse_attention_sweep_overrides_and_skipped_reasons():
     """--seq-lens / --sparsities replace the grid by their product (no extras); combinations the
     library rejects are kept as points with the library's own message."""
-    bench = _bench_sparse_attention()
-    pts = bench.sweep_grid(dims=(80, 128), groups=(128, 256), granularity="block", block_sizes=(128, 32),
+    sweep = _sparse_attention_sweep()
+    pts = sweep.sweep_grid(dims=(80, 128), groups=(128, 256), granularity="block", block_sizes=(128, 32),
                            seq_lens=[32768], sparsities=[0.8, 0.95])
     assert len(pts) == 2 * 2 * 2 * 2 and {p["S"] for p in pts} == {32768}
     run = [p for p in pts if not p.get("skipped")]
@@ -244,17 +252,17 @@ def test_sparse_attention_sweep_overrides_and_skipped_reasons():
     assert "head dim D=80" in why[(80, 128, 128)] and "head dim D=80" in why[(80, 256, 32)]
     assert "group_size" in why[(128, 256, 128)] and "block_size" in why[(128, 128, 32)]
     assert all(w.startswith("unsupported by the library") for w in why.values())
-    assert bench.estimate_s(pts)["points"] == 2
-    token = bench.sweep_grid(dims=(64,), groups=(32,), granularity="token", seq_lens=[16384])
+    assert sweep.estimate_s(pts)["points"] == 2
+    token = sweep.sweep_grid(dims=(64,), groups=(32,), granularity="token", seq_lens=[16384])
     assert [(p["block_size"], p["granularity"], p["sparsity"]) for p in token] == [(0, "token", 0.9)]
-    assert bench.flex_skip_reason(128, 128) is None and bench.flex_skip_reason(128, 0)
-    assert bench.flex_skip_reason(64, 128) and bench.flex_skip_reason(128, 64)
+    assert sweep.flex_skip_reason(128, 128) is None and sweep.flex_skip_reason(128, 0)
+    assert sweep.flex_skip_reason(64, 128) and sweep.flex_skip_reason(128, 64)
 
 
 def test_sparse_attention_sweep_heatmap(tmp_path):
     """The heatmap from rows written here (no committed numbers): D down, (G, granularity) across,
     blank cells for a skipped point and where flex did not run; the PNG is written."""
-    bench = _bench_sparse_attention()
+    sweep = _sparse_attention_sweep()
     rows = []
     for i, (d, g, bs) in enumerate([(64, 128, 128), (64, 128, 0), (256, 128, 128), (256, 32, 0)]):
         rows.append(dict(S=65536, H=16, D=d, B=1, G=g, group_size=g, block_size=bs, sparsity=0.9,
@@ -262,14 +270,14 @@ def test_sparse_attention_sweep_heatmap(tmp_path):
     rows.append(dict(S=65536, H=16, D=96, B=1, G=32, group_size=32, block_size=0, sparsity=0.9, skipped="why"))
     rows.append(dict(S=16384, H=16, D=64, B=1, G=128, group_size=128, block_size=128, sparsity=0.9,
                      speedup_fwd_bwd=99.0, speedup_vs_flex_fwd_bwd=9.0))  # another S: not in the map
-    dims, cols, cudnn, flex = bench.heatmap_grid(rows)
+    dims, cols, cudnn, flex = sweep.heatmap_grid(rows)
     assert dims == [64, 96, 256] and cols == ["G32\ntoken", "G128\ntoken", "G128\nblock128"]
     nan = float("nan")
     assert cudnn.ravel().tolist() == pytest.approx([nan, 3.0, 2.0, nan, nan, nan, 5.0, nan, 4.0], nan_ok=True)
     assert flex.ravel().tolist() == pytest.approx([nan, nan, 1.0, nan, nan, nan, nan, nan, 1.2], nan_ok=True)
-    png = bench.plot_sweep(rows, tmp_path / "sweep.png", dict(gpu="test", torch="t", commit="c"))
+    png = sweep.plot_sweep(rows, tmp_path / "sweep.png", dict(gpu="test", torch="t", commit="c"))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10000
-    bench.plot_sweep([], tmp_path / "empty.png")  # nothing measured yet: still a figure
+    sweep.plot_sweep([], tmp_path / "empty.png")  # nothing measured yet: still a figure
     assert (tmp_path / "empty.png").stat().st_size > 0
 
 
