@@ -252,7 +252,9 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
 
 def qk_norm_parameters(model) -> List[torch.nn.Parameter]:
     """The QK-norm gains and biases of every layer (``*.q_layernorm.*``, ``*.k_layernorm.*``)."""
-    return [p for n, p in model.named_parameters() if ".q_layernorm." in n or ".k_layernorm." in n]
+    from megatron_dsv.training.optim import is_qk_norm_param  # the trainer's --qk-norm-lr-mult rule
+
+    return [p for n, p in model.named_parameters() if is_qk_norm_param(n)]
 
 
 def qk_gains(model) -> List[float]:

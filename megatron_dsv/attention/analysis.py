@@ -33,7 +33,7 @@ from megatron_dsv.attention.hooks import dsv_layers
 from megatron_dsv.attention.profiler import profile_stats
 # The oracle's validation and chunked softmax / critical-set pass: the same definition of a
 # critical set as the profiler's, not a second copy of it.
-from megatron_dsv.ops.topk_estimation.oracle import _check, _prob_chunks, head_sparsity
+from megatron_dsv.ops.topk_estimation.oracle import _check, _logit_chunks, _prob_chunks, head_sparsity
 
 __all__ = ["capture_qk", "sample_queries", "key_fractions", "mass_curve", "critical_distance_histogram",
            "cube_overlap", "predictor_recall", "logit_spread", "gaussian_sparsity", "analyze"]
@@ -150,14 +150,8 @@ def logit_spread(q: torch.Tensor, k: torch.Tensor, query_index: Optional[torch.T
     the query's scaled logits ``q . k * softmax_scale`` (default ``1 / sqrt(D)``). Chunked over queries
     like the oracle (``chunk_elems`` logits resident at once)."""
     qi = _check(q, k, 1.0, query_index)
-    B, H, S, D = q.shape
-    rep = H // k.shape[1]
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
-    kf = k.float().repeat_interleave(rep, dim=1) if rep > 1 else k.float()
-    n = max(1, chunk_elems // (B * H * S))
-    total = torch.zeros(B, H, dtype=torch.float64, device=q.device)
-    for c0 in range(0, qi.numel(), n):
-        logits = torch.matmul(q[:, :, qi[c0:c0 + n]].float(), kf.transpose(-1, -2)) * scale
+    total = torch.zeros(q.shape[:2], dtype=torch.float64, device=q.device)
+    for _, logits in _logit_chunks(q, k, softmax_scale, qi, chunk_elems):
         total += logits.std(dim=-1, correction=0).double().sum(-1)
     return total / max(1, qi.numel())
 

@@ -41,8 +41,9 @@ def _check(q, k, theta, query_index):
     return qi.long()
 
 
-def _prob_chunks(q, k, theta, softmax_scale, qi, chunk_elems) -> Iterator[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Yield (query positions, probs fp32 [B, H, n, S], critical mask [B, H, n, S]) per chunk."""
+def _logit_chunks(q, k, softmax_scale, qi, chunk_elems) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+    """Yield (query positions, scaled logits fp32 [B, H, n, S]) per chunk of ``chunk_elems`` logits
+    (GQA keys repeated; scale default ``1 / sqrt(D)``)."""
     B, H, S, D = q.shape
     rep = H // k.shape[1]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
@@ -50,7 +51,12 @@ def _prob_chunks(q, k, theta, softmax_scale, qi, chunk_elems) -> Iterator[Tuple[
     n = max(1, chunk_elems // (B * H * S))
     for c0 in range(0, qi.numel(), n):
         pos = qi[c0:c0 + n]
-        logits = torch.matmul(q[:, :, pos].float(), kf.transpose(-1, -2)) * scale
+        yield pos, torch.matmul(q[:, :, pos].float(), kf.transpose(-1, -2)) * scale
+
+
+def _prob_chunks(q, k, theta, softmax_scale, qi, chunk_elems) -> Iterator[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Yield (query positions, probs fp32 [B, H, n, S], critical mask [B, H, n, S]) per chunk."""
+    for pos, logits in _logit_chunks(q, k, softmax_scale, qi, chunk_elems):
         probs = torch.softmax(logits, dim=-1)
         sp, order = torch.sort(probs, dim=-1, descending=True)
         before = torch.cumsum(sp, dim=-1) - sp  # mass strictly before each sorted key
