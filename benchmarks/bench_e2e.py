@@ -2,7 +2,7 @@
 
 One model shape (``--preset``, with ``--layers`` of its layers to fit device time; per-layer figures
 let the full depth be computed), one sequence length per video (``--frames`` x ``--res``: tokens =
-frames * (res / 8)^2), the same synthetic inputs, batch 1, AdamW, bf16 on a GPU. Arms:
+frames * (res / 8)^2), the same synthetic inputs, batch 1, AdamW on fp32 main weights, bf16 on a GPU. Arms:
 
 * ``full``: ``DenseCoreAttention`` (torch SDPA, cuDNN first: the fastest dense attention measured here);
 * ``dsv_stage2``: DSV with the library defaults in stage 2, per-head budgets forced to a profile
@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import flow_matching_step, head_sparsity, init_dist, sync, write_results  # noqa: E402
+from benchmarks.common import MainWeightsAdamW, flow_matching_step, head_sparsity, init_dist, sync, write_results  # noqa: E402
 from megatron_dsv.attention import dsv_layers, dsv_on_step_end  # noqa: E402
 from megatron_dsv.attention.schedule import is_profile_step, trains_predictor  # noqa: E402
 from megatron_dsv.config import DSVConfig  # noqa: E402
@@ -109,7 +109,7 @@ def schedule_step(cfg: DSVConfig, stage: int, train: bool, profile: bool) -> int
 def run_arm(arm: str, args, frames: int, res: int, device, dtype) -> dict:
     model, cfg, dsv = build(arm, args, frames, res, device, dtype)
     model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    opt = MainWeightsAdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     g = torch.Generator(device=device).manual_seed(0)
     latents = torch.randn(1, cfg.in_channels, cfg.latent_frames, cfg.latent_height, cfg.latent_width,
                           generator=g, device=device).to(dtype)

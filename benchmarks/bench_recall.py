@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import flow_matching_step, init_dist, sync, write_results  # noqa: E402
+from benchmarks.common import MainWeightsAdamW, flow_matching_step, init_dist, sync, write_results  # noqa: E402
 from megatron_dsv.attention import dsv_layers, dsv_metrics, dsv_on_step_end, dsv_stage  # noqa: E402
 from megatron_dsv.attention.predictor import predictor_flops_per_token  # noqa: E402
 from megatron_dsv.attention.schedule import is_profile_step, trains_predictor  # noqa: E402
@@ -72,11 +72,11 @@ class _Timers:
 def _train(model, data, steps, dtype, device, args, first_step=0, log=None):
     """Plain training steps; returns each step's wall time in ms (synchronised at step ends only).
 
-    AdamW at ``args.lr`` with a linear warm-up over ``args.warmup`` steps and gradient clipping at 1.
+    AdamW (fp32 main weights) at ``args.lr`` with a linear warm-up over ``args.warmup`` steps and gradient clipping at 1.
     ``log(step, loss)``, when given, is called after every step's timing (it may sync the device).
     """
     lr, warmup = args.lr, args.warmup
-    opt = getattr(model, "_bench_opt", None) or torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = getattr(model, "_bench_opt", None) or MainWeightsAdamW(model.parameters(), lr=lr)
     model._bench_opt = opt
     g = torch.Generator().manual_seed(first_step)
     times = []

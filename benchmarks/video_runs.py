@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import flow_matching_step, sync  # noqa: E402
+from benchmarks.common import MainWeightsAdamW, flow_matching_step, sync  # noqa: E402
 from megatron_dsv.attention import dsv_layers, dsv_metrics, dsv_on_step_end, dsv_stage  # noqa: E402
 from megatron_dsv.attention.schedule import is_profile_step  # noqa: E402
 from megatron_dsv.config import DSVConfig  # noqa: E402
@@ -189,7 +189,7 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
     """Train one arm (resumed from ``args.save_dir`` when its checkpoint is there); returns ``(model, clips, summary)``.
 
     ``on_profile(step, model)`` runs after every DSV profile step, ``on_val(step, loss)`` after every
-    validation (every ``args.val_every`` steps and at the end). AdamW, linear warm-up over
+    validation (every ``args.val_every`` steps and at the end). AdamW on fp32 main weights, linear warm-up over
     ``args.warmup`` steps, gradient clipping at 1, batch ``args.batch``.
     """
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -268,15 +268,16 @@ def qk_gains(model) -> List[float]:
     return [float(((g["q"] * g["k"]) ** 2).mean().sqrt()) for g in gains.values() if len(g) == 2]
 
 
-def _optimizer(model, arm: dict) -> torch.optim.Optimizer:
-    """AdamW, no weight decay; the QK-norm parameters in their own group at ``qk_lr`` times the rate.
-    Each group's ``lr_mult`` is applied by the schedule in :func:`train_arm`."""
+def _optimizer(model, arm: dict) -> MainWeightsAdamW:
+    """AdamW on fp32 main weights (Megatron's bf16 recipe), no weight decay; the QK-norm parameters in
+    their own group at ``qk_lr`` times the rate. Each group's ``lr_mult`` is applied by the schedule in
+    :func:`train_arm`."""
     qk = {id(p) for p in qk_norm_parameters(model)}
     rest = [p for p in model.parameters() if id(p) not in qk]
     groups = [dict(params=rest, lr_mult=1.0)]
     if qk:
         groups.append(dict(params=[p for p in model.parameters() if id(p) in qk], lr_mult=float(arm["qk_lr"])))
-    return torch.optim.AdamW(groups, lr=arm["lr"], weight_decay=0.0)
+    return MainWeightsAdamW(groups, lr=arm["lr"], weight_decay=0.0)
 
 
 _RESUME_KEYS = ("data", "frames", "res", "attn", "lr", "qk_norm", "qk_lr", "rope", "stage1", "window_frac")
@@ -285,7 +286,7 @@ _RESUME_KEYS = ("data", "frames", "res", "attn", "lr", "qk_norm", "qk_lr", "rope
 def save_run(path: str, arm: dict, model, opt, g, step: int, counters: dict) -> None:
     """Model (with its DSV state), optimizer, noise generator and step of a run, written atomically."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    state = {"format": "megatron_dsv.video_run.v1", "arm": {k: arm[k] for k in _RESUME_KEYS}, "step": step,
+    state = {"format": "megatron_dsv.video_run.v2", "arm": {k: arm[k] for k in _RESUME_KEYS}, "step": step,
              "counters": counters, "model": model.state_dict(), "optimizer": opt.state_dict(), "rng": g.get_state()}
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)
@@ -299,8 +300,11 @@ def load_run(path: str, arm: dict, model, opt, g):
     except Exception as err:  # truncated file, not a checkpoint, pickled objects
         raise ValueError(f"cannot read run checkpoint {path!r} ({type(err).__name__}: {err}); delete it to "
                          "start the arm afresh") from err
-    if not isinstance(state, dict) or state.get("format") != "megatron_dsv.video_run.v1":
-        raise ValueError(f"{path!r} is not a video-run checkpoint (format megatron_dsv.video_run.v1)")
+    if isinstance(state, dict) and state.get("format") == "megatron_dsv.video_run.v1":
+        raise ValueError(f"{path!r} was written before fp32 main weights (format v1, bf16 AdamW); its optimizer "
+                         "cannot continue exactly: delete it to start the arm afresh")
+    if not isinstance(state, dict) or state.get("format") != "megatron_dsv.video_run.v2":
+        raise ValueError(f"{path!r} is not a video-run checkpoint (format megatron_dsv.video_run.v2)")
     saved = dict(state["arm"])
     saved.setdefault("qk_lr", ARM_DEFAULTS["qk_lr"])  # written before the key existed
     differ = {k: (saved.get(k), arm[k]) for k in _RESUME_KEYS if saved.get(k) != arm[k]}

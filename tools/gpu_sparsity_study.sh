@@ -17,6 +17,10 @@
 #   qklr     the follow-up of long8k's finding (QK-norm gains at 10x lr: sparser and a lower loss): the 8K arm
 #            at 30x, the 32K 6-layer arm at 10x (both resumable from runs/sparsity/), and full vs DSV vs window
 #            at 10x on ViZDoom 8K for quality (bench_quality.py)
+#   main32   the arms above trained their bf16 weights in place, so every AdamW step under half a bf16 spacing
+#            was lost (norm gains at 1.0 never moved at lr 3e-4); the study now keeps fp32 main weights as
+#            Megatron does. Re-measures, resumable from runs/sparsity/: 8K at qk_lr 1 and 10 (against long8k's
+#            in-place arms) and 32K with 6 layers at qk_lr 1, beside the CUDA build and the GPU tests
 # Installs carried wheels (.whl/: megatron-core, vizdoom, ale-py for the GPU machine's Python) if any.
 # Arms run as concurrent processes on the one GPU: the small 8K arms are launch-bound and fill the
 # gaps the 32K arm leaves. Logs: OUT_DIR/<arm group>.log; JSON + PNG: OUT_DIR.
@@ -74,6 +78,16 @@ qklr() {
   timeout 585 python3 benchmarks/bench_quality.py --out-dir "$out" --samples 64 --workers 5 \
     --arm "data=vizdoom,frames=32,res=128,steps=3000,stage1=1500,qk_lr=10,minutes=2.6" > "$out/quality-qklr10.log" 2>&1 &
   wait; }
+main32() {
+  local run="timeout 585 python3 benchmarks/bench_sparsity_emergence.py --out-dir $out --samples 64 --workers 4"
+  local arm=data=vizdoom,frames=32,steps=40000,stage1=3000,minutes=${MINUTES:-8.2}
+  $run --tag=-8k-main32 --save-dir runs/sparsity --arm $arm,res=128,label=vizdoom-dsv-S8K-64clips-main32 \
+    > "$out/main32-8k.log" 2>&1 &
+  $run --tag=-8k-main32-qklr10 --save-dir runs/sparsity \
+    --arm $arm,res=128,qk_lr=10,label=vizdoom-dsv-qklr10-S8K-64clips-main32 > "$out/main32-8k-qklr10.log" 2>&1 &
+  $run --tag=-32k-main32 --layers 6 --save-dir runs/sparsity \
+    --arm $arm,res=256,label=vizdoom-dsv-S32K-64clips-6layers-main32 > "$out/main32-32k.log" 2>&1 &
+  wait; }
 gputests() { timeout 300 env DSV_FORCE_CUDA_BUILD=1 python3 setup.py -q build_ext --inplace > "$out/build.log" 2>&1
   echo "== build rc=$?"; tail -n 5 "$out/build.log"
   timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops tests/attention tests/models tests/training \
@@ -88,6 +102,7 @@ case $stage in
   lead) lead32k ;;
   long8k) long8k ;;
   qklr) qklr ;;
+  main32) main32 & { [ -n "${SKIP_GPU_TESTS:-}" ] || gputests; } & wait ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
 for f in "$out"/*.log; do echo "== $f"; grep -E "^==|^val loss|iteration .*(000|500)/|sweep at|resumed|Error|error:" "$f" | tail -n 25; done
