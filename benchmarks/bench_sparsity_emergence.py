@@ -23,7 +23,11 @@ After step 1, then every ``--sweep-every`` steps, and at the end, a *sweep* prob
 times t (``--sweep-t``), every layer dense: ``kind="sweep"`` rows with, per layer, the exact sparsity, the
 logits' spread over the keys (``logit_std``, mean over sampled queries and heads), the sparsity that
 spread would give Gaussian logits (``gaussian_sparsity``: how much of the sparsity is scale, how much
-tail) and the QK-norm gain factor (``qk_gain``). The sweeps are plotted in ``..._sweep.png``.
+tail) and the QK-norm gain factor (``qk_gain``). At the t nearest 0.5 the row also carries ``list_density``:
+per list shape (one query; one token list per 32 queries; per query group; per group as whole key
+blocks), per layer, the kept fraction an oracle's lists need for 0.95 recall of the critical mass
+(``analysis.oracle_list_density``): which step from a query's own need to the layer's budgets costs the
+keys. The sweeps are plotted in ``..._sweep.png``.
 
 Runs spread over several GPU calls (concurrent processes, a resumed arm) are merged into one file and
 one plot with ``--merge PART.json ... --out FILE.json``; a call whose JSON did not come back can add
@@ -48,7 +52,8 @@ from benchmarks.common import init_dist, write_results  # noqa: E402
 from benchmarks.video_runs import (Clips, add_run_args, layer_sparsity, parse_arm, qk_gains, tokens_of,  # noqa: E402
                                    train_arm)
 from megatron_dsv.attention import dsv_layers, dsv_metrics  # noqa: E402
-from megatron_dsv.attention.analysis import capture_qk, gaussian_sparsity, logit_spread, sample_queries  # noqa: E402
+from megatron_dsv.attention.analysis import (capture_qk, gaussian_sparsity, logit_spread,  # noqa: E402
+                                             oracle_list_density, sample_queries)
 from megatron_dsv.ops.topk_estimation.oracle import head_sparsity  # noqa: E402
 
 QUICK_ARMS = ("data=synthetic,frames=4,res=64,steps=12,stage1=6,minutes=2",
@@ -94,11 +99,13 @@ def sweep(arm, args, step, model) -> list:
     g = torch.Generator(device=x0.device).manual_seed(4321)
     noise = torch.randn(x0.shape, generator=g, device=x0.device)
     gains = qk_gains(model)
+    shapes = list_shapes(dsv_layers(model)[0].dsv_config)
+    t_lists = min(args.sweep_t, key=lambda t: abs(t - 0.5))  # the list decomposition at one t (it costs most)
     rows = []
     for t in args.sweep_t:
         x_t = ((1 - t) * x0 + t * noise).to(clips.latents.dtype)
         captured = capture_qk(model, x_t, torch.full((len(idx),), float(t), device=x0.device), labels)
-        sp, std, gauss = [], [], []
+        sp, std, gauss, lists = [], [], [], {name: [] for name, _, _ in shapes}
         for n in sorted(captured):
             q, k = captured.pop(n)
             qi = sample_queries(q.shape[2], 8, 512, device=q.device)
@@ -106,15 +113,39 @@ def sweep(arm, args, step, model) -> list:
             sp.append(float(head_sparsity(q, k, 0.9, query_index=qi).mean()))
             std.append(float(spread.mean()))
             gauss.append(float(gaussian_sparsity(spread, 0.9).mean()))
-        rows.append(dict(kind="sweep", bench="sparsity_emergence", arm=arm["label"], data=arm["data"],
-                         S=tokens_of(arm), step=step, t=float(t), clips=len(idx), sparsity=sp,
-                         sparsity_mean=sum(sp) / len(sp), logit_std=std, gaussian_sparsity=gauss,
-                         qk_gain=gains))
+            if t == t_lists:
+                for name, dens in oracle_list_density(q, k, shapes, max_groups=args.sweep_groups).items():
+                    lists[name].append(float(dens.mean()))
+        row = dict(kind="sweep", bench="sparsity_emergence", arm=arm["label"], data=arm["data"],
+                   S=tokens_of(arm), step=step, t=float(t), clips=len(idx), sparsity=sp,
+                   sparsity_mean=sum(sp) / len(sp), logit_std=std, gaussian_sparsity=gauss, qk_gain=gains)
+        if t == t_lists:
+            row["list_density"] = lists
+        rows.append(row)
     print(f" [{arm['label']}] sweep at step {step}: " + ", ".join(
         f"t={r['t']:g} sparsity {r['sparsity_mean']:.3f} (logit std {sum(r['logit_std']) / len(r['logit_std']):.2f}, "
         f"gaussian {sum(r['gaussian_sparsity']) / len(r['gaussian_sparsity']):.3f})" for r in rows)
-        + (f", qk gain {sum(gains) / len(gains):.3f}" if gains else ""), flush=True)
+        + (f", qk gain {sum(gains) / len(gains):.3f}" if gains else "")
+        + f"; oracle kept fraction at recall 0.95, t={t_lists:g}: " + ", ".join(
+            f"{name} {sum(v) / len(v):.3f}" for r in rows if "list_density" in r for name, v in r["list_density"].items()),
+        flush=True)
     return rows
+
+
+def list_shapes(cfg) -> list:
+    """The list shapes of a sweep's decomposition (``analysis.oracle_list_density``): one query, the
+    paper's 32-query token lists (where 32 divides the layer's group), the layer's own group as token
+    lists, and (block granularity) as whole key blocks: what each step from a query's exact need to the
+    layer's lists costs."""
+    G, bs = cfg.group_size, cfg.block_size
+    shapes = [("query", 1, 0)]
+    if G > 32 and G % 32 == 0:
+        shapes.append(("g32_tokens", 32, 0))
+    if G > 1:
+        shapes.append((f"g{G}_tokens", G, 0))
+    if bs:
+        shapes.append((f"g{G}_blocks{bs}", G, bs))
+    return shapes
 
 
 def plot_sweeps(rows, path) -> bool:
@@ -245,6 +276,8 @@ def main(argv=None):
     ap.add_argument("--sweep-t", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9],
                     help="flow-matching times of a sweep")
     ap.add_argument("--sweep-clips", type=int, default=2, help="held-out clips per sweep (at most --val-samples)")
+    ap.add_argument("--sweep-groups", type=int, default=16,
+                    help="query groups (whole, evenly spread) of a sweep's list decomposition, at the t nearest 0.5")
     ap.add_argument("--merge", nargs="+", default=None, metavar="PART.json",
                     help="merge these result files (and --log files) into --out instead of training")
     ap.add_argument("--log", nargs="+", default=[], help="with --merge: run logs whose JSON was lost")
@@ -275,6 +308,8 @@ def main(argv=None):
         ap.error(f"--sweep-t values must be in [0, 1], got {args.sweep_t}")
     if not 1 <= args.sweep_clips <= args.val_samples:
         ap.error(f"--sweep-clips must be in [1, --val-samples={args.val_samples}], got {args.sweep_clips}")
+    if args.sweep_groups < 1:
+        ap.error(f"--sweep-groups must be >= 1, got {args.sweep_groups}")
     arms = [parse_arm(a) for a in args.arm]
     for arm in arms:
         if arm["attn"] != "dsv":

@@ -64,6 +64,14 @@ def test_bench_sparsity_emergence_quick_rows_per_arm(tmp_path):
         assert len(r["sparsity"]) == r["layers"] == 2 and 0.0 < r["sparsity_mean"] < 1.0 and r["S"] == 256
     final = [r for r in rows if r["kind"] == "final"]
     assert [r["steps"] for r in final] == [9, 9] and all(r["val_loss"] > 0 for r in final)
+    sweeps = [r for r in rows if r["kind"] == "sweep" and r["arm"] == "synthetic-dsv-S256"]
+    lists = [r["list_density"] for r in sweeps if "list_density" in r]
+    assert sweeps and len(lists) == len({r["step"] for r in sweeps})  # one t per sweep carries the lists
+    for dens in lists:  # per layer: sharing a list and keeping blocks whole never cost fewer keys
+        names = list(dens)
+        assert names[0] == "query" and len(names) >= 2
+        for a, b in zip(names, names[1:]):
+            assert all(x <= y + 1e-12 for x, y in zip(dens[a], dens[b]))
 
 
 def test_bench_sparsity_emergence_merge_parts_and_lost_logs(tmp_path):

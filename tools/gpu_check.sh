@@ -27,7 +27,7 @@ run() {  # run NAME TIMEOUT CMD...
 for s in $stages; do
   case $s in
     build) run build 300 env DSV_FORCE_CUDA_BUILD=1 python3 setup.py -q build_ext --inplace ;;
-    tests) run tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/attention tests/models \
+    tests) run tests 450 python3 -m pytest -q -m gpu -p no:cacheprovider tests/attention tests/models \
              tests/training tests/ops/test_topk_estimation.py -k "not slow" ;;
     train) run train 240 python3 -m megatron_dsv.train --use-dsv-attention --output-dir /tmp/dsv_default
            cp /tmp/dsv_default/samples/*.gif "$out/" 2>/dev/null ;;

@@ -90,7 +90,7 @@ main32() {
   wait; }
 gputests() { timeout 300 env DSV_FORCE_CUDA_BUILD=1 python3 setup.py -q build_ext --inplace > "$out/build.log" 2>&1
   echo "== build rc=$?"; tail -n 5 "$out/build.log"
-  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops tests/attention tests/models tests/training \
+  timeout 450 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops tests/attention tests/models tests/training \
     -k "not slow" > "$out/tests.log" 2>&1; echo "== gpu tests rc=$?"; tail -n 15 "$out/tests.log"; }
 case $stage in
   study) study32k & study8k & wait ;;

@@ -7,6 +7,8 @@ For one batch, :func:`capture_qk` records every DSV layer's post-RoPE q, k; then
 * :func:`critical_distance_histogram`: 3D distances from queries to their critical keys
   (are critical keys local?) and the share within a small radius;
 * :func:`cube_overlap`: how much the critical sets of the queries of one query group agree;
+* :func:`oracle_list_density`: the kept fraction one list per query group needs at a recall target
+  when the attention itself picks it, per list shape (group size, token or block lists);
 * :func:`predictor_recall`: critical-mass recall of the lists the layer's predictor builds at the
   layer's current budgets (``DSVCoreAttention._estimate``, the lists a sparse forward would use);
 * :func:`logit_spread`: the standard deviation of a query's scaled logits over the keys, and
@@ -30,13 +32,15 @@ from megatron_dsv.attention.core_attention import DSVCoreAttention
 from megatron_dsv.attention.dispatcher import density_budgets, head_budgets
 from megatron_dsv.attention.grouping import cube_order_coords
 from megatron_dsv.attention.hooks import dsv_layers
-from megatron_dsv.attention.profiler import profile_stats
+from megatron_dsv.attention.profiler import profile_stats, smallest_k_reaching
 # The oracle's validation and chunked softmax / critical-set pass: the same definition of a
 # critical set as the profiler's, not a second copy of it.
+from megatron_dsv.ops.topk_estimation.naive import block_view
 from megatron_dsv.ops.topk_estimation.oracle import _check, _logit_chunks, _prob_chunks, head_sparsity
 
 __all__ = ["capture_qk", "sample_queries", "key_fractions", "mass_curve", "critical_distance_histogram",
-           "cube_overlap", "predictor_recall", "logit_spread", "gaussian_sparsity", "analyze"]
+           "cube_overlap", "oracle_list_density", "ORACLE_LIST_SHAPES", "predictor_recall", "logit_spread",
+           "gaussian_sparsity", "analyze"]
 
 _CHUNK = 1 << 24
 
@@ -271,6 +275,74 @@ def cube_overlap(q: torch.Tensor, k: torch.Tensor, group_size: int, theta: float
                 pairs += n * (n - 1)
     mean = sums / pairs if pairs else torch.full_like(sums, float("nan"))
     return {"jaccard": mean[0], "containment": mean[1], "groups": int(gi.numel())}
+
+
+ORACLE_LIST_SHAPES = (("query", 1, 0), ("g32_tokens", 32, 0), ("g128_tokens", 128, 0), ("g128_blocks128", 128, 128))
+"""(name, query group size, key block size or 0 for token lists) of :func:`oracle_list_density`'s
+default decomposition: one query's own need, then sharing one list among 32 and 128 queries (the
+paper's token lists; a 4x4x8 cube), then keeping 128-key blocks whole (this library's default)."""
+
+
+def oracle_list_density(q: torch.Tensor, k: torch.Tensor, shapes=ORACLE_LIST_SHAPES, theta: float = 0.9,
+                        target: float = 0.95, softmax_scale: Optional[float] = None,
+                        group_index: Optional[torch.Tensor] = None, max_groups: int = 16,
+                        chunk_elems: int = _CHUNK) -> Dict[str, torch.Tensor]:
+    """The smallest kept fraction of keys with which one key list per query group could reach
+    ``target`` mean recall of the theta-critical mass, if the lists were chosen by the attention
+    itself (an oracle, not a predictor), per (batch, head) and per list shape.
+
+    For each ``(name, group_size, block_size)`` in ``shapes``: the queries of a group share one list
+    of tokens (``block_size`` 0) or of whole key blocks; the oracle keeps the items with the largest
+    mean share of the group's queries' critical mass, which maximises the mean recall at every list
+    length. As the profiler's recall rule, one length per head: the smallest at which the mean over
+    the measured queries reaches ``target``. Sizes the two costs between a query's exact sparsity and
+    a layer's kept fraction: sharing a list among a group's queries, and keeping blocks whole (the
+    predictor's own cost is the gap from there to the profiler's budgets).
+
+    Queries: every query of ``max_groups`` whole groups of the *largest* group size, evenly spread
+    (``group_index`` ids in those units), so every shape is measured on the same queries; group sizes
+    must divide the largest. Returns ``{name: float64 [B, H] kept fraction}`` (list tokens / S).
+    """
+    _check(q, k, theta, None)
+    if not (0.0 < float(target) <= 1.0):
+        raise ValueError(f"oracle_list_density: `target` must be in (0, 1], got {target}")
+    shapes = [(str(n), int(g), int(b)) for n, g, b in shapes]
+    if not shapes:
+        raise ValueError("oracle_list_density: `shapes` is empty")
+    big = max(g for _, g, _ in shapes)
+    for name, g, b in shapes:
+        if g < 1 or big % g or b < 0:
+            raise ValueError(f"oracle_list_density: shape {name!r} needs group_size >= 1 dividing the largest "
+                             f"({big}) and block_size >= 0, got group_size={g}, block_size={b}")
+    B, H, S, _ = q.shape
+    NG = -(-S // big)
+    if group_index is None:
+        group_index = torch.linspace(0, NG - 1, min(NG, max(1, max_groups))).round().long().unique()
+    gi = torch.as_tensor(group_index, device=q.device).long()
+    if gi.dim() != 1 or gi.numel() == 0 or int(gi.min()) < 0 or int(gi.max()) >= NG:
+        raise ValueError(f"oracle_list_density: `group_index` must be a non-empty 1-D tensor of ids in [0, {NG})")
+    curves = {name: torch.zeros(B, H, S if b == 0 else -(-S // b), dtype=torch.float64, device=q.device)
+              for name, _, b in shapes}
+    n_queries = 0
+    per_pass = max(1, chunk_elems // (B * H * S * big))
+    for g0 in range(0, gi.numel(), per_pass):
+        pos = _group_positions(gi[g0:g0 + per_pass], big, S)
+        for p, probs, crit in _prob_chunks(q, k, theta, softmax_scale, pos, max(chunk_elems, B * H * S * pos.numel())):
+            cmass = (probs * crit).double()
+            share = cmass / cmass.sum(-1, keepdim=True).clamp_min(1e-300)  # each query's critical mass sums to 1
+            n_queries += p.numel()
+            for name, g, b in shapes:
+                item = block_view(share, b, 0.0).sum(-1) if b else share  # [B, H, n, n_items]
+                for group in torch.unique(p // g):
+                    rows = item[:, :, p // g == group]
+                    best = torch.sort(rows.sum(2), dim=-1, descending=True).values  # the group's summed shares
+                    curves[name] += torch.cumsum(best, dim=-1)
+    out = {}
+    for name, _, b in shapes:
+        curve = curves[name] / max(1, n_queries)
+        items = smallest_k_reaching(curve, target)
+        out[name] = (items * (b or 1)).clamp(max=S).double() / S
+    return out
 
 
 @torch.no_grad()

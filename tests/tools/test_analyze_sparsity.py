@@ -14,7 +14,7 @@ import torch
 from megatron_dsv.attention import dsv_layers
 from megatron_dsv.attention.analysis import (capture_qk, critical_distance_histogram, cube_overlap,
                                              gaussian_sparsity, key_fractions, logit_spread, mass_curve,
-                                             predictor_recall, sample_queries)
+                                             oracle_list_density, predictor_recall, sample_queries)
 from megatron_dsv.attention.grouping import cube_order_coords
 from megatron_dsv.config import DSVConfig
 from megatron_dsv.ops.topk_estimation.oracle import head_sparsity
@@ -192,6 +192,70 @@ def test_cube_overlap_matches_brute_force():
     torch.testing.assert_close(got["jaccard"], small_chunks["jaccard"])
     assert got["groups"] == 3
     assert cube_overlap(q, k, 1, theta)["jaccard"].isnan().all()  # no pairs in one-token groups
+
+
+# ---------------------------------------------------------------- oracle list density
+def _best_mean_recall(p_rows, sets, items, n):
+    """Exhaustive: the highest mean recall (critical mass inside / critical mass) of the group's
+    queries over every list of n items (an item = a set of key ids)."""
+    import itertools
+
+    best = 0.0
+    for pick in itertools.combinations(range(len(items)), n):
+        keys = set().union(*(items[i] for i in pick))
+        rec = [sum(row[j] for j in crit & keys) / sum(row[j] for j in crit) for row, crit in zip(p_rows, sets)]
+        best = max(best, float(np.mean(rec)))
+    return best
+
+
+def test_oracle_list_density_matches_exhaustive_search():
+    """Against every list of every length: the smallest length whose best lists reach the target mean
+    recall (one length per head, the mean over all measured queries), token and block lists, a partial
+    last block and a partial last group."""
+    S, theta, target = 10, 0.8, 0.9
+    q, k = _qk(B=1, H=2, Hkv=1, S=S, D=8, seed=5, scale=1.2)
+    p = _probs(q, k)
+    shapes = (("query", 1, 0), ("pairs", 2, 0), ("g4", 4, 0), ("g4_blocks3", 4, 3))
+    got = oracle_list_density(q, k, shapes, theta, target, max_groups=10)  # every group: 0-3 (3 partial)
+    chunked = oracle_list_density(q, k, shapes, theta, target, max_groups=10, chunk_elems=1)
+    for name, G, bs in shapes:
+        items = [set(range(j, min(S, j + bs))) for j in range(0, S, bs)] if bs else [{j} for j in range(S)]
+        for h in range(2):
+            groups = [list(range(g0, min(S, g0 + G))) for g0 in range(0, S, G)]
+            sets = {i: _critical_set(p[0, h, i].tolist(), theta) for i in range(S)}
+            want = None
+            for n in range(1, len(items) + 1):
+                total = sum(_best_mean_recall([p[0, h, i].tolist() for i in grp], [sets[i] for i in grp], items, n)
+                            * len(grp) for grp in groups)
+                if total / S >= target - 1e-12:
+                    want = min(S, n * (bs or 1)) / S
+                    break
+            assert abs(float(got[name][0, h]) - want) < 1e-12, (name, h)
+        torch.testing.assert_close(got[name], chunked[name])
+
+
+def test_oracle_list_density_orders_the_costs():
+    """Sharing a list among more queries and keeping blocks whole can only cost keys; queries that
+    attend alike share for free."""
+    q, k = _qk(B=1, H=3, Hkv=3, S=300, D=16, seed=7, scale=1.5)
+    got = oracle_list_density(q, k, max_groups=3)
+    order = ["query", "g32_tokens", "g128_tokens", "g128_blocks128"]
+    for a, b in zip(order, order[1:]):
+        assert (got[a] <= got[b] + 1e-12).all(), (a, b)
+    assert (got["g128_blocks128"] > got["query"]).all()
+    same = q[:, :, :1].expand_as(q).contiguous()  # every query the same: one list serves all
+    alike = oracle_list_density(same, k, (("query", 1, 0), ("g128_tokens", 128, 0)), max_groups=2)
+    torch.testing.assert_close(alike["query"], alike["g128_tokens"])
+
+
+def test_oracle_list_density_rejects_bad_arguments():
+    q, k = _qk(B=1, H=1, Hkv=1, S=40, D=8)
+    with pytest.raises(ValueError, match="group_size >= 1 dividing the largest"):
+        oracle_list_density(q, k, (("a", 3, 0), ("b", 4, 0)))
+    with pytest.raises(ValueError, match="target"):
+        oracle_list_density(q, k, target=1.5)
+    with pytest.raises(ValueError, match="group_index"):
+        oracle_list_density(q, k, group_index=torch.tensor([5]))
 
 
 # ---------------------------------------------------------------- capture and the predictor
