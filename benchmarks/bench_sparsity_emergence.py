@@ -149,8 +149,10 @@ def list_shapes(cfg) -> list:
 
 
 def plot_sweeps(rows, path) -> bool:
-    """Left: mean sparsity vs t at each arm's last sweep. Right: measured vs Gaussian-predicted sparsity,
-    one point per layer and sweep, coloured by step. False when there are no sweep rows."""
+    """Left: mean sparsity vs t at each arm's last sweep. Middle: measured vs Gaussian-predicted sparsity,
+    one point per layer and sweep, coloured by step. Right (when sweeps carry ``list_density``): at each
+    arm's last such sweep, the kept fraction, mean over layers, from a query's critical share through the
+    oracle's list shapes to the profiler's budgets. False when there are no sweep rows."""
     sweeps = [r for r in rows if r.get("kind") == "sweep"]
     if not sweeps:
         return False
@@ -159,7 +161,11 @@ def plot_sweeps(rows, path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 5))
+    lists = [r for r in sweeps if r.get("list_density")]
+    fig, axes = plt.subplots(1, 3 if lists else 2, figsize=(18 if lists else 12, 5))
+    ax, bx = axes[0], axes[1]
+    if lists:
+        _plot_list_costs(axes[2], rows, lists)
     arms = list(dict.fromkeys(r["arm"] for r in sweeps))
     for i, name in enumerate(arms):
         mine = [r for r in sweeps if r["arm"] == name]
@@ -183,6 +189,32 @@ def plot_sweeps(rows, path) -> bool:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def _plot_list_costs(ax, rows, lists) -> None:
+    """Bars per arm (its last sweep with ``list_density``): ``1 - sparsity`` (a query's theta-critical
+    share), each oracle list shape's kept fraction at 0.95 recall, and the budget density of the arm's
+    profile nearest that step (the predictor's lists); all means over layers. The dispatcher's 0.2 line."""
+    arms = list(dict.fromkeys(r["arm"] for r in lists))
+    width = 0.8 / len(arms)
+    names = None
+    for i, name in enumerate(arms):
+        row = max((r for r in lists if r["arm"] == name), key=lambda r: r["step"])
+        profiles = [r for r in rows if r.get("kind") == "profile" and r["arm"] == name and "budget_density" in r]
+        near = min(profiles, key=lambda r: abs(r["step"] - row["step"])) if profiles else None
+        shapes = list(row["list_density"])
+        names = ["critical (1 - sparsity)", *shapes, "budgets (predictor)"]
+        vals = [1.0 - row["sparsity_mean"], *[sum(v) / len(v) for v in row["list_density"].values()],
+                near["budget_density"] if near else float("nan")]
+        ax.bar([j + i * width for j in range(len(vals))], vals, width, color=f"C{i % 10}",
+               label=f"{name} @ {row['step']}")
+    ax.axhline(0.2, color="grey", lw=0.8, ls=":")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))])
+    ax.set_xticklabels(names, rotation=20, fontsize=7)
+    ax.set_ylabel("kept fraction of keys (mean over layers)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7)
 
 
 def plot(rows, path):
