@@ -19,7 +19,8 @@ profiles every ``profile_interval`` in warm-up and ``profile_interval_after_warm
 amortised ``ms_step`` (stage 1: at the warm-up profile period; ``ms_step_after_warmup`` weights the same
 kinds at ``profile_interval_after_warmup``). Breakdown (stacked bars): attention fwd+bwd and selection from isolated
 measurements at the same shapes x layers, predictor and profiler from the step kinds' differences,
-"linear and rest" the remainder. Peak memory: ``torch.cuda.max_memory_allocated`` over the arm's steps.
+"linear and rest" the remainder. Peak memory: ``torch.cuda.max_memory_allocated`` over the arm's training
+steps (``peak_mem_gb``), and per step kind (``peak_mem_gb_plain`` / ``_train`` / ``_profile``).
 MFU: performed FLOPs (linear 6 x layer parameters x tokens, attention 4 S^2 hidden x 3.5 x kept fraction)
 over time, against ``--peak-tflops`` (H200 bf16 dense: 989).
 
@@ -129,17 +130,19 @@ def run_arm(arm: str, args, frames: int, res: int, device, dtype) -> dict:
                 dsv_on_step_end(model, at + 1)
         return one
 
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
     kinds = {"plain": (False, False)}
     if dsv is not None:
         kinds.update(train=(True, False), profile=(dsv.predictor_train_interval > 0 or stage == 1, True))
-    ms = {}
+    ms, peaks = {}, {}
     for name, (train, profile) in kinds.items():
         fn = step_of(train, profile)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         for _ in range(args.warmup):
             fn()
         ms[name] = _time_ms(fn, args.reps)
+        if device.type == "cuda":  # per step kind: which of them sets the peak
+            peaks[name] = torch.cuda.max_memory_allocated() / 2**30
     out = dict(arm=arm, S=S, frames=frames, res=res, preset=args.preset, layers=args.layers, hidden=cfg.hidden,
                heads=cfg.heads, head_dim=cfg.head_dim)
     parts = dict.fromkeys(PARTS, 0.0)
@@ -176,7 +179,8 @@ def run_arm(arm: str, args, frames: int, res: int, device, dtype) -> dict:
     layer_params = 12 * cfg.hidden ** 2 + 2 * cfg.hidden * (cfg.ffn_hidden - 4 * cfg.hidden)  # qkv, o, mlp, adaLN ~
     flops = args.layers * (6 * layer_params * S + 4 * S * S * cfg.hidden * 3.5 * kept)
     out["mfu"] = flops / (out["ms_step"] / 1e3) / (args.peak_tflops * 1e12)
-    out["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+    out["peak_mem_gb"] = max(peaks.values()) if peaks else None  # the training steps' peak
+    out.update({f"peak_mem_gb_{name}": gb for name, gb in peaks.items()})
     return out
 
 
