@@ -21,6 +21,10 @@
 #            was lost (norm gains at 1.0 never moved at lr 3e-4); the study now keeps fp32 main weights as
 #            Megatron does. Re-measures, resumable from runs/sparsity/: 8K at qk_lr 1 and 10 (against long8k's
 #            in-place arms) and 32K with 6 layers at qk_lr 1, beside the CUDA build and the GPU tests
+#   lists    after main32: where the kept keys go. The 8K arm with gains at 10x lr (the sparsest healthy arm) and
+#            the 32K 6-layer arm, both on fp32 main weights and resumable, whose sweeps now split the budgets'
+#            density into a query's need, 32-query token lists, the cube as tokens and as blocks; beside them
+#            full vs DSV vs window at 8K for quality (bench_quality.py, fp32 main weights, 3000 steps)
 # Installs carried wheels (.whl/: megatron-core, vizdoom, ale-py for the GPU machine's Python) if any.
 # Arms run as concurrent processes on the one GPU: the small 8K arms are launch-bound and fill the
 # gaps the 32K arm leaves. Logs: OUT_DIR/<arm group>.log; JSON + PNG: OUT_DIR.
@@ -88,6 +92,16 @@ main32() {
   $run --tag=-32k-main32 --layers 6 --save-dir runs/sparsity \
     --arm $arm,res=256,label=vizdoom-dsv-S32K-64clips-6layers-main32 > "$out/main32-32k.log" 2>&1 &
   wait; }
+lists() {
+  local run="timeout 585 python3 benchmarks/bench_sparsity_emergence.py --out-dir $out --samples 64 --workers 4"
+  local arm=data=vizdoom,frames=32,steps=40000,stage1=3000,minutes=${MINUTES:-8.2}
+  $run --tag=-8k-lists --save-dir runs/sparsity \
+    --arm $arm,res=128,qk_lr=10,label=vizdoom-dsv-qklr10-S8K-64clips-lists > "$out/lists-8k.log" 2>&1 &
+  $run --tag=-32k-lists --layers 6 --save-dir runs/sparsity \
+    --arm $arm,res=256,label=vizdoom-dsv-S32K-64clips-6layers-lists > "$out/lists-32k.log" 2>&1 &
+  timeout 585 python3 benchmarks/bench_quality.py --out-dir "$out" --samples 64 --workers 4 --samples-out "$out/samples" \
+    --arm "data=vizdoom,frames=32,res=128,steps=3000,stage1=1500,minutes=2.6" > "$out/quality-main32.log" 2>&1 &
+  wait; }
 gputests() { timeout 300 env DSV_FORCE_CUDA_BUILD=1 python3 setup.py -q build_ext --inplace > "$out/build.log" 2>&1
   echo "== build rc=$?"; tail -n 5 "$out/build.log"
   timeout 450 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops tests/attention tests/models tests/training \
@@ -102,6 +116,7 @@ case $stage in
   lead) lead32k ;;
   long8k) long8k ;;
   qklr) qklr ;;
+  lists) lists ;;
   main32) main32 & { [ -n "${SKIP_GPU_TESTS:-}" ] || gputests; } & wait ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
