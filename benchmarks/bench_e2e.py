@@ -40,7 +40,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import MainWeightsAdamW, flow_matching_step, head_sparsity, init_dist, sync, write_results  # noqa: E402
+from benchmarks.common import (MainWeightsAdamW, flow_matching_step, head_sparsity, init_dist, sync,  # noqa: E402
+                               write_results)
 from megatron_dsv.attention import dsv_layers, dsv_on_step_end  # noqa: E402
 from megatron_dsv.attention.schedule import is_profile_step, trains_predictor  # noqa: E402
 from megatron_dsv.config import DSVConfig  # noqa: E402

@@ -72,7 +72,8 @@ class _Timers:
 def _train(model, data, steps, dtype, device, args, first_step=0, log=None):
     """Plain training steps; returns each step's wall time in ms (synchronised at step ends only).
 
-    AdamW (fp32 main weights) at ``args.lr`` with a linear warm-up over ``args.warmup`` steps and gradient clipping at 1.
+    AdamW (fp32 main weights) at ``args.lr`` with a linear warm-up over ``args.warmup`` steps and gradient
+    clipping at 1.
     ``log(step, loss)``, when given, is called after every step's timing (it may sync the device).
     """
     lr, warmup = args.lr, args.warmup

@@ -127,7 +127,8 @@ def sweep(arm, args, step, model) -> list:
         f"gaussian {sum(r['gaussian_sparsity']) / len(r['gaussian_sparsity']):.3f})" for r in rows)
         + (f", qk gain {sum(gains) / len(gains):.3f}" if gains else "")
         + f"; oracle kept fraction at recall 0.95, t={t_lists:g}: " + ", ".join(
-            f"{name} {sum(v) / len(v):.3f}" for r in rows if "list_density" in r for name, v in r["list_density"].items()),
+            f"{name} {sum(v) / len(v):.3f}" for r in rows if "list_density" in r
+            for name, v in r["list_density"].items()),
         flush=True)
     return rows
 

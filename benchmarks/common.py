@@ -18,8 +18,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-__all__ = ["collect_meta", "gpu_slug", "write_results", "bench_ms", "dense_fwd_bwd_ms", "init_dist", "sync", "flow_matching_step",
-           "MainWeightsAdamW"]
+__all__ = ["collect_meta", "gpu_slug", "write_results", "bench_ms", "dense_fwd_bwd_ms", "init_dist", "sync",
+           "flow_matching_step", "MainWeightsAdamW"]
 
 
 def _git_commit() -> str:

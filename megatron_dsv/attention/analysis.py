@@ -226,6 +226,17 @@ def critical_distance_histogram(q: torch.Tensor, k: torch.Tensor, coords: torch.
             "within_radius": near / pairs.clamp_min(1.0)}
 
 
+def _group_ids(group_index, NG: int, max_groups: int, device, fn: str) -> torch.Tensor:
+    """The query groups to measure: ``group_index`` checked against ``[0, NG)``, or by default
+    ``max_groups`` ids evenly spread over the NG groups."""
+    if group_index is None:
+        group_index = torch.linspace(0, NG - 1, min(NG, max(1, max_groups))).round().long().unique()
+    gi = torch.as_tensor(group_index, device=device).long()
+    if gi.dim() != 1 or gi.numel() == 0 or int(gi.min()) < 0 or int(gi.max()) >= NG:
+        raise ValueError(f"{fn}: `group_index` must be a non-empty 1-D tensor of group ids in [0, {NG})")
+    return gi
+
+
 def _group_positions(group_index: torch.Tensor, group_size: int, S: int) -> torch.Tensor:
     pos = group_index.view(-1, 1) * group_size + torch.arange(group_size, device=group_index.device)
     return pos.flatten()[pos.flatten() < S]
@@ -248,12 +259,7 @@ def cube_overlap(q: torch.Tensor, k: torch.Tensor, group_size: int, theta: float
     B, H, S, _ = q.shape
     if group_size < 1:
         raise ValueError(f"cube_overlap: `group_size` must be >= 1, got {group_size}")
-    NG = -(-S // group_size)
-    if group_index is None:
-        group_index = torch.linspace(0, NG - 1, min(NG, max(1, max_groups))).round().long().unique()
-    gi = torch.as_tensor(group_index, device=q.device).long()
-    if gi.dim() != 1 or gi.numel() == 0 or int(gi.min()) < 0 or int(gi.max()) >= NG:
-        raise ValueError(f"cube_overlap: `group_index` must be a non-empty 1-D tensor of group ids in [0, {NG})")
+    gi = _group_ids(group_index, -(-S // group_size), max_groups, q.device, "cube_overlap")
     sums = torch.zeros(2, B, H, dtype=torch.float64, device=q.device)
     pairs = 0
     # whole groups per softmax pass: a group is never split between chunks
@@ -315,12 +321,7 @@ def oracle_list_density(q: torch.Tensor, k: torch.Tensor, shapes=ORACLE_LIST_SHA
             raise ValueError(f"oracle_list_density: shape {name!r} needs group_size >= 1 dividing the largest "
                              f"({big}) and block_size >= 0, got group_size={g}, block_size={b}")
     B, H, S, _ = q.shape
-    NG = -(-S // big)
-    if group_index is None:
-        group_index = torch.linspace(0, NG - 1, min(NG, max(1, max_groups))).round().long().unique()
-    gi = torch.as_tensor(group_index, device=q.device).long()
-    if gi.dim() != 1 or gi.numel() == 0 or int(gi.min()) < 0 or int(gi.max()) >= NG:
-        raise ValueError(f"oracle_list_density: `group_index` must be a non-empty 1-D tensor of ids in [0, {NG})")
+    gi = _group_ids(group_index, -(-S // big), max_groups, q.device, "oracle_list_density")
     curves = {name: torch.zeros(B, H, S if b == 0 else -(-S // b), dtype=torch.float64, device=q.device)
               for name, _, b in shapes}
     n_queries = 0
