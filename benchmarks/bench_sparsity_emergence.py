@@ -25,8 +25,8 @@ logits' spread over the keys (``logit_std``, mean over sampled queries and heads
 spread would give Gaussian logits (``gaussian_sparsity``: how much of the sparsity is scale, how much
 tail) and the QK-norm gain factor (``qk_gain``). At the t nearest 0.5 the row also carries ``list_density``:
 per list shape (one query; one token list per 32 queries; per query group; per group as whole key
-blocks), per layer, the kept fraction an oracle's lists need for 0.95 recall of the critical mass
-(``analysis.oracle_list_density``): which step from a query's own need to the layer's budgets costs the
+blocks), per layer, the kept fraction an oracle's lists need for the layer's ``recall_target`` (the
+budgets' recall) of the critical mass (``analysis.oracle_list_density``): which step from a query's own need to the layer's budgets costs the
 keys. The sweeps are plotted in ``..._sweep.png``.
 
 Runs spread over several GPU calls (concurrent processes, a resumed arm) are merged into one file and
@@ -99,7 +99,8 @@ def sweep(arm, args, step, model) -> list:
     g = torch.Generator(device=x0.device).manual_seed(4321)
     noise = torch.randn(x0.shape, generator=g, device=x0.device)
     gains = qk_gains(model)
-    shapes = list_shapes(dsv_layers(model)[0].dsv_config)
+    cfg = dsv_layers(model)[0].dsv_config
+    shapes = list_shapes(cfg)
     t_lists = min(args.sweep_t, key=lambda t: abs(t - 0.5))  # the list decomposition at one t (it costs most)
     rows = []
     for t in args.sweep_t:
@@ -114,7 +115,8 @@ def sweep(arm, args, step, model) -> list:
             std.append(float(spread.mean()))
             gauss.append(float(gaussian_sparsity(spread, 0.9).mean()))
             if t == t_lists:
-                for name, dens in oracle_list_density(q, k, shapes, max_groups=args.sweep_groups).items():
+                for name, dens in oracle_list_density(q, k, shapes, target=cfg.recall_target,
+                                                      max_groups=args.sweep_groups).items():
                     lists[name].append(float(dens.mean()))
         row = dict(kind="sweep", bench="sparsity_emergence", arm=arm["label"], data=arm["data"],
                    S=tokens_of(arm), step=step, t=float(t), clips=len(idx), sparsity=sp,
@@ -126,7 +128,7 @@ def sweep(arm, args, step, model) -> list:
         f"t={r['t']:g} sparsity {r['sparsity_mean']:.3f} (logit std {sum(r['logit_std']) / len(r['logit_std']):.2f}, "
         f"gaussian {sum(r['gaussian_sparsity']) / len(r['gaussian_sparsity']):.3f})" for r in rows)
         + (f", qk gain {sum(gains) / len(gains):.3f}" if gains else "")
-        + f"; oracle kept fraction at recall 0.95, t={t_lists:g}: " + ", ".join(
+        + f"; oracle kept fraction at recall {cfg.recall_target:g}, t={t_lists:g}: " + ", ".join(
             f"{name} {sum(v) / len(v):.3f}" for r in rows if "list_density" in r
             for name, v in r["list_density"].items()),
         flush=True)
@@ -194,7 +196,7 @@ def plot_sweeps(rows, path) -> bool:
 
 def _plot_list_costs(ax, rows, lists) -> None:
     """Bars per arm (its last sweep with ``list_density``): ``1 - sparsity`` (a query's theta-critical
-    share), each oracle list shape's kept fraction at 0.95 recall, and the budget density of the arm's
+    share), each oracle list shape's kept fraction at the budgets' recall target, and the budget density of the arm's
     profile nearest that step (the predictor's lists); all means over layers. The dispatcher's 0.2 line."""
     arms = list(dict.fromkeys(r["arm"] for r in lists))
     width = 0.8 / len(arms)
