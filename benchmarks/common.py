@@ -172,6 +172,8 @@ class MainWeightsAdamW:
     directly (no copy). ``groups`` as for ``torch.optim.AdamW`` (a parameter list or dicts with
     ``params``; other keys, such as a schedule's ``lr_mult``, are kept in :attr:`param_groups`).
     :meth:`state_dict` holds the main copies, so a resumed run continues from the exact fp32 weights.
+    As with any main-weights optimizer, a low-precision parameter changed outside it keeps the change
+    only until its next update (then the main copy, unaware of it, is written back).
     """
 
     def __init__(self, groups, lr: float, **kwargs):
@@ -195,14 +197,13 @@ class MainWeightsAdamW:
 
     @torch.no_grad()
     def step(self) -> None:
-        for p, main in self._pairs:
-            if main is not p:
-                main.grad = None if p.grad is None else p.grad.float()
+        stepped = [(p, main) for p, main in self._pairs if main is not p and p.grad is not None]
+        for p, main in stepped:
+            main.grad = p.grad.float()
         self.optimizer.step()
-        for p, main in self._pairs:
-            if main is not p:
-                p.copy_(main)
-                main.grad = None
+        for p, main in stepped:  # a parameter without a gradient is neither updated nor overwritten
+            p.copy_(main)
+            main.grad = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p, main in self._pairs:

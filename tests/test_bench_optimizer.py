@@ -63,6 +63,19 @@ def test_fp32_parameters_are_not_copied():
     assert opt.state_dict()["main_params"] == []
 
 
+def test_parameter_without_gradient_is_left_alone():
+    """A low-precision parameter changed outside the optimizer (no gradient this step) keeps its value."""
+    a = torch.ones(3, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.ones(3, dtype=torch.bfloat16, requires_grad=True)
+    opt = MainWeightsAdamW([a, b], lr=0.1)
+    with torch.no_grad():
+        b.fill_(5.0)
+    a.grad = torch.ones_like(a)
+    opt.step()
+    assert torch.equal(b.detach(), torch.full((3,), 5.0, dtype=torch.bfloat16))
+    assert float(a.detach()[0]) < 1.0
+
+
 def test_group_keys_survive_for_the_schedule():
     p = torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)
     opt = MainWeightsAdamW([dict(params=[p], lr_mult=10.0)], lr=1e-3)
