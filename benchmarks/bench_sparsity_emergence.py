@@ -52,8 +52,8 @@ from benchmarks.common import init_dist, write_results  # noqa: E402
 from benchmarks.video_runs import (Clips, add_run_args, layer_sparsity, parse_arm, qk_gains, tokens_of,  # noqa: E402
                                    train_arm)
 from megatron_dsv.attention import dsv_layers, dsv_metrics  # noqa: E402
-from megatron_dsv.attention.analysis import (capture_qk, gaussian_sparsity, logit_spread,  # noqa: E402
-                                             oracle_list_density, sample_queries)
+from megatron_dsv.attention.analysis import (capture_qk, gaussian_sparsity, list_shapes,  # noqa: E402
+                                             logit_spread, oracle_list_density, sample_queries)
 from megatron_dsv.ops.topk_estimation.oracle import head_sparsity  # noqa: E402
 
 QUICK_ARMS = ("data=synthetic,frames=4,res=64,steps=12,stage1=6,minutes=2",
@@ -133,22 +133,6 @@ def sweep(arm, args, step, model) -> list:
             for name, v in r["list_density"].items()),
         flush=True)
     return rows
-
-
-def list_shapes(cfg) -> list:
-    """The list shapes of a sweep's decomposition (``analysis.oracle_list_density``): one query, the
-    paper's 32-query token lists (where 32 divides the layer's group), the layer's own group as token
-    lists, and (block granularity) as whole key blocks: what each step from a query's exact need to the
-    layer's lists costs."""
-    G, bs = cfg.group_size, cfg.block_size
-    shapes = [("query", 1, 0)]
-    if G > 32 and G % 32 == 0:
-        shapes.append(("g32_tokens", 32, 0))
-    if G > 1:
-        shapes.append((f"g{G}_tokens", G, 0))
-    if bs:
-        shapes.append((f"g{G}_blocks{bs}", G, bs))
-    return shapes
 
 
 def plot_sweeps(rows, path) -> bool:

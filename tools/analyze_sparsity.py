@@ -10,7 +10,9 @@ exact sparsity at theta, softmax mass vs keys kept, distances to critical keys, 
 overlap inside a query group, the recall of the layer predictor's lists, and the logits' spread with
 the sparsity Gaussian logits of that spread would have (is the sparsity scale or tail?). Writes
 ``analysis.json`` and PNGs to --out-dir: sparsity_heatmap, mass_curves, distance_histogram,
-cube_overlap, predictor_recall, and sparsity_trajectory with --trajectory (a
+cube_overlap, list_costs (the kept fraction from a query's own need through oracle lists shared by a
+query group, token or block lists, to the predictor's budgets), predictor_recall, and
+sparsity_trajectory with --trajectory (a
 benchmarks/bench_recall.py trajectory JSON). The --dsv-* flags (the trainer's) configure a
 --preset model; a checkpoint brings its own. Needs matplotlib (pip install -e .[plots]).
 """
@@ -320,6 +322,25 @@ def plot_all(result: dict, out_dir: str, runs: Optional[dict] = None, metric: st
     ax.set_title(f"query groups of {reps[0]['cube_overlap']['group_size']} tokens (one cube), theta={theta:g}",
                  fontsize=10)
     paths.append(_finish(plt, fig, ax, os.path.join(out_dir, "cube_overlap.png"), True))
+
+    # where the kept keys go: a query's critical share -> one oracle list per group -> blocks -> the predictor's
+    names = [n for n in reps[0]["list_density"] if n != "target"]
+    bars = [("critical (1 - sparsity)", lambda r: 1 - sum(r["sparsity"]) / len(r["sparsity"]))]
+    bars += [(n, lambda r, n=n: sum(r["list_density"][n]) / len(r["list_density"][n])) for n in names]
+    bars += [("budgets (predictor)",
+              lambda r: sum(r["predictor"]["budget_density"]) / len(r["predictor"]["budget_density"]))]
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.2 * len(reps) + 3), 4.5))
+    width = 0.8 / len(bars)
+    for j, (label, get) in enumerate(bars):
+        ax.bar([x - 0.4 + (j + 0.5) * width for x in xs], [get(r) for r in reps], width=width, label=label)
+    ax.axhline(1 - reps[0]["predictor"]["sparsity_threshold"], color="gray", ls=":", lw=1)  # the dispatcher's
+    ax.set_xticks(xs, [str(n) for n in numbers])
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("kept fraction of keys (mean over heads)")
+    ax.set_title(f"keys kept for {reps[0]['list_density']['target']:g} recall of the theta={theta:g} critical mass "
+                 "(oracle lists, then the predictor's budgets)", fontsize=9)
+    paths.append(_finish(plt, fig, ax, os.path.join(out_dir, "list_costs.png"), True))
 
     if runs:
         paths.append(_plot_trajectory(plt, runs, metric, os.path.join(out_dir, "sparsity_trajectory.png")))

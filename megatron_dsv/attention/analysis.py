@@ -8,7 +8,8 @@ For one batch, :func:`capture_qk` records every DSV layer's post-RoPE q, k; then
   (are critical keys local?) and the share within a small radius;
 * :func:`cube_overlap`: how much the critical sets of the queries of one query group agree;
 * :func:`oracle_list_density`: the kept fraction one list per query group needs at a recall target
-  when the attention itself picks it, per list shape (group size, token or block lists);
+  when the attention itself picks it, per list shape (:func:`list_shapes`: one query, 32-query token
+  lists, the layer's group as tokens and as blocks);
 * :func:`predictor_recall`: critical-mass recall of the lists the layer's predictor builds at the
   layer's current budgets (``DSVCoreAttention._estimate``, the lists a sparse forward would use);
 * :func:`logit_spread`: the standard deviation of a query's scaled logits over the keys, and
@@ -33,13 +34,14 @@ from megatron_dsv.attention.dispatcher import density_budgets, head_budgets
 from megatron_dsv.attention.grouping import cube_order_coords
 from megatron_dsv.attention.hooks import dsv_layers
 from megatron_dsv.attention.profiler import profile_stats, smallest_k_reaching
+from megatron_dsv.config import DSVConfig
 # The oracle's validation and chunked softmax / critical-set pass: the same definition of a
 # critical set as the profiler's, not a second copy of it.
 from megatron_dsv.ops.topk_estimation.naive import block_view
 from megatron_dsv.ops.topk_estimation.oracle import _check, _logit_chunks, _prob_chunks, head_sparsity
 
 __all__ = ["capture_qk", "sample_queries", "key_fractions", "mass_curve", "critical_distance_histogram",
-           "cube_overlap", "oracle_list_density", "ORACLE_LIST_SHAPES", "predictor_recall", "logit_spread",
+           "cube_overlap", "oracle_list_density", "list_shapes", "predictor_recall", "logit_spread",
            "gaussian_sparsity", "analyze"]
 
 _CHUNK = 1 << 24
@@ -283,13 +285,23 @@ def cube_overlap(q: torch.Tensor, k: torch.Tensor, group_size: int, theta: float
     return {"jaccard": mean[0], "containment": mean[1], "groups": int(gi.numel())}
 
 
-ORACLE_LIST_SHAPES = (("query", 1, 0), ("g32_tokens", 32, 0), ("g128_tokens", 128, 0), ("g128_blocks128", 128, 128))
-"""(name, query group size, key block size or 0 for token lists) of :func:`oracle_list_density`'s
-default decomposition: one query's own need, then sharing one list among 32 and 128 queries (the
-paper's token lists; a 4x4x8 cube), then keeping 128-key blocks whole (this library's default)."""
+def list_shapes(cfg) -> list:
+    """The list shapes of a layer's decomposition (:func:`oracle_list_density`): one query, the paper's
+    32-query token lists (where 32 divides the layer's group), the layer's own group as token lists, and
+    (block granularity) as whole key blocks: what each step from a query's own need to the layer's
+    lists costs."""
+    G, bs = cfg.group_size, cfg.block_size
+    shapes = [("query", 1, 0)]
+    if G > 32 and G % 32 == 0:
+        shapes.append(("g32_tokens", 32, 0))
+    if G > 1:
+        shapes.append((f"g{G}_tokens", G, 0))
+    if bs:
+        shapes.append((f"g{G}_blocks{bs}", G, bs))
+    return shapes
 
 
-def oracle_list_density(q: torch.Tensor, k: torch.Tensor, shapes=ORACLE_LIST_SHAPES, theta: float = 0.9,
+def oracle_list_density(q: torch.Tensor, k: torch.Tensor, shapes=None, theta: float = 0.9,
                         target: float = 0.95, softmax_scale: Optional[float] = None,
                         group_index: Optional[torch.Tensor] = None, max_groups: int = 16,
                         chunk_elems: int = _CHUNK) -> Dict[str, torch.Tensor]:
@@ -297,8 +309,9 @@ def oracle_list_density(q: torch.Tensor, k: torch.Tensor, shapes=ORACLE_LIST_SHA
     ``target`` mean recall of the theta-critical mass, if the lists were chosen by the attention
     itself (an oracle, not a predictor), per (batch, head) and per list shape.
 
-    For each ``(name, group_size, block_size)`` in ``shapes``: the queries of a group share one list
-    of tokens (``block_size`` 0) or of whole key blocks; the oracle keeps the items with the largest
+    For each ``(name, group_size, block_size)`` in ``shapes`` (default: :func:`list_shapes` of the
+    library's default configuration, 4x4x8 cubes of 128 queries and 128-key blocks): the queries of a
+    group share one list of tokens (``block_size`` 0) or of whole key blocks; the oracle keeps the items with the largest
     mean share of the group's queries' critical mass, which maximises the mean recall at every list
     length. As the profiler's recall rule, one length per head: the smallest at which the mean over
     the measured queries reaches ``target``. Sizes the two costs between a query's exact sparsity and
@@ -312,6 +325,8 @@ def oracle_list_density(q: torch.Tensor, k: torch.Tensor, shapes=ORACLE_LIST_SHA
     _check(q, k, theta, None)
     if not (0.0 < float(target) <= 1.0):
         raise ValueError(f"oracle_list_density: `target` must be in (0, 1], got {target}")
+    if shapes is None:
+        shapes = list_shapes(DSVConfig())
     shapes = [(str(n), int(g), int(b)) for n, g, b in shapes]
     if not shapes:
         raise ValueError("oracle_list_density: `shapes` is empty")
@@ -391,6 +406,8 @@ def _layer_report(layer: DSVCoreAttention, q, k, hidden, coords, qi, theta, opts
     curve = mass_curve(q, k, qi, layer.softmax_scale, opts["fractions"]).mean(0)
     hist = critical_distance_histogram(q, k, coords, qi, theta, opts["edges"], layer.softmax_scale, opts["radius"])
     over = cube_overlap(q, k, G, theta, layer.softmax_scale, max_groups=opts["max_groups"])
+    lists = oracle_list_density(q, k, list_shapes(layer.dsv_config), theta, layer.dsv_config.recall_target,
+                                layer.softmax_scale, max_groups=opts["max_groups"])
     crit, pairs = hist["critical"].sum((0, 1)), hist["critical"].sum(-1)
     sparsity = pr["sparsity"].mean(0)
     spread = logit_spread(q, k, qi, layer.softmax_scale)
@@ -407,9 +424,12 @@ def _layer_report(layer: DSVCoreAttention, q, k, hidden, coords, qi, theta, opts
                          "containment": _vals(over["containment"].mean(0)),
                          "jaccard_mean": _vals(over["jaccard"].mean()),
                          "containment_mean": _vals(over["containment"].mean())},
+        "list_density": {"target": layer.dsv_config.recall_target,
+                         **{name: _vals(d.mean(0)) for name, d in lists.items()}},
         "predictor": {"recall": _vals(pr["recall"].mean(0)), "recall_mean": _vals(pr["recall"].mean()),
                       "budget_density": _vals(pr["tokens"].double() / S), "budget_source": pr["budget_source"],
                       "sparse": bool(layer.decide(S)[0]), "stage": layer.stage_host,
+                      "sparsity_threshold": layer.dsv_config.sparsity_threshold,
                       "state_sparsity": _vals(layer._sparsity_cpu), "state_recall": _vals(layer._recall_cpu)},
     }
 
@@ -426,6 +446,8 @@ def _summary(layers: list) -> dict:
             "cube_containment": _vals(col(lambda r: [r["cube_overlap"]["containment_mean"]]).nanmean()),
             "predictor_recall": _vals(col(lambda r: [r["predictor"]["recall_mean"]]).mean()),
             "logit_std": _vals(col(lambda r: r["logit_std"]).mean()),
+            "list_density": {name: _vals(col(lambda r, n=name: r["list_density"][n]).mean())
+                             for name in layers[0]["list_density"] if name != "target"} if layers else {},
             "gaussian_sparsity": _vals(col(lambda r: r["gaussian_sparsity"]).mean())}
 
 
@@ -471,7 +493,9 @@ def analyze(model, latents: torch.Tensor, timesteps: torch.Tensor, labels: Optio
                      f"{rep['within_radius_mean']:.3f}, cube jaccard {_fmt(rep['cube_overlap']['jaccard_mean'])}, "
                      f"predictor recall {rep['predictor']['recall_mean']:.3f}, logit std "
                      f"{sum(rep['logit_std']) / len(rep['logit_std']):.2f} (Gaussian-logit sparsity "
-                     f"{sum(rep['gaussian_sparsity']) / len(rep['gaussian_sparsity']):.3f})")
+                     f"{sum(rep['gaussian_sparsity']) / len(rep['gaussian_sparsity']):.3f}), oracle kept fraction "
+                     + ", ".join(f"{name} {sum(v) / len(v):.3f}" for name, v in rep["list_density"].items()
+                                 if name != "target"))
     return {"theta": theta, "S": S, "batch": int(latents.shape[0]), "grid": list(grid) if grid else None,
             "cube": list(cube) if cube else None, "query_stride": query_stride, "num_queries": int(qi.numel()),
             "radius": radius, "key_fractions": _vals(opts["fractions"]), "distance_edges": _vals(opts["edges"]),

@@ -355,10 +355,13 @@ def test_tool_end_to_end(megatron_cpu, tmp_path):
             assert key in rep["cube_overlap"]
         for key in ("recall", "budget_density", "budget_source", "sparse", "state_sparsity"):
             assert key in rep["predictor"]
+        # group of 16 (1x4x4) as tokens: no 32-query shape; token granularity: no block shape
+        assert set(rep["list_density"]) == {"target", "query", "g16_tokens"}
+        assert all(a <= b + 1e-9 for a, b in zip(rep["list_density"]["query"], rep["list_density"]["g16_tokens"]))
     assert set(data["trajectory"]["runs"]) == {"arm=a", "arm=b"}
     assert data["trajectory"]["runs"]["arm=a"]["median_last"] == pytest.approx(0.3 + 0.2 + 0.04)
-    for name in ("sparsity_heatmap", "mass_curves", "distance_histogram", "cube_overlap", "predictor_recall",
-                 "sparsity_trajectory"):
+    for name in ("sparsity_heatmap", "mass_curves", "distance_histogram", "cube_overlap", "list_costs",
+                 "predictor_recall", "sparsity_trajectory"):
         assert (out / f"{name}.png").stat().st_size > 1000, name
 
 
