@@ -182,6 +182,8 @@ def _plot_list_costs(ax, rows, lists) -> None:
     """Bars per arm (its last sweep with ``list_density``): ``1 - sparsity`` (a query's theta-critical
     share), each oracle list shape's kept fraction at the budgets' recall target, and the budget density of the arm's
     profile nearest that step (the predictor's lists); all means over layers. The dispatcher's 0.2 line."""
+    shapes0 = list(lists[0]["list_density"])
+    lists = [r for r in lists if list(r["list_density"]) == shapes0]  # one set of bars: arms with the same shapes
     arms = list(dict.fromkeys(r["arm"] for r in lists))
     width = 0.8 / len(arms)
     names = None

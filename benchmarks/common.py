@@ -168,9 +168,9 @@ class MainWeightsAdamW:
     optimizers do: the update is applied to the fp32 copy, which is then rounded into the model.
 
     Updating bf16 parameters in place loses every step smaller than half the bf16 spacing: at lr 3e-4
-    a norm gain at 1.0 (spacing 2^-7 above, 2^-8 below) never moves at all. fp32 parameters are used
-    directly (no copy). ``groups`` as for ``torch.optim.AdamW`` (a parameter list or dicts with
-    ``params``; other keys, such as a schedule's ``lr_mult``, are kept in :attr:`param_groups`).
+    a norm gain at 1.0 (spacing 2^-7 above, 2^-8 below) never moves at all. fp32 (and fp64) parameters
+    are used directly (no copy). ``groups`` as for ``torch.optim.AdamW`` (a parameter list or dicts
+    with ``params``; other keys, such as a schedule's ``lr_mult``, are kept in :attr:`param_groups`).
     :meth:`state_dict` holds the main copies, so a resumed run continues from the exact fp32 weights.
     As with any main-weights optimizer, a low-precision parameter changed outside it keeps the change
     only until its next update (then the main copy, unaware of it, is written back).
@@ -181,11 +181,15 @@ class MainWeightsAdamW:
         if groups and not isinstance(groups[0], dict):
             groups = [dict(params=groups)]
         self._pairs = []  # (model parameter, fp32 main parameter), in group order
-        main_groups = []
+        main_groups, seen = [], set()
         for group in groups:
             mains = []
             for p in group["params"]:
-                main = p if p.dtype == torch.float32 else p.detach().float().clone().requires_grad_(True)
+                if id(p) in seen:
+                    raise ValueError("MainWeightsAdamW: a parameter appears twice in the groups")
+                seen.add(id(p))
+                low = p.dtype in (torch.bfloat16, torch.float16)  # fp32 and fp64 are their own main weights
+                main = p.detach().float().clone().requires_grad_(True) if low else p
                 self._pairs.append((p, main))
                 mains.append(main)
             main_groups.append(dict(group, params=mains))
@@ -201,8 +205,9 @@ class MainWeightsAdamW:
         for p, main in stepped:
             main.grad = p.grad.float()
         self.optimizer.step()
-        for p, main in stepped:  # a parameter without a gradient is neither updated nor overwritten
-            p.copy_(main)
+        if stepped:  # a parameter without a gradient is neither updated nor overwritten
+            torch._foreach_copy_([p for p, _ in stepped], [main for _, main in stepped])
+        for _, main in stepped:
             main.grad = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:

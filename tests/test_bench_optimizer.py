@@ -58,9 +58,12 @@ def test_main_weights_follow_fp32_adamw_exactly():
 
 def test_fp32_parameters_are_not_copied():
     p = torch.zeros(3, requires_grad=True)
-    opt = MainWeightsAdamW([p], lr=0.1)
-    assert opt.param_groups[0]["params"][0] is p
+    d = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    opt = MainWeightsAdamW([p, d], lr=0.1)
+    assert opt.param_groups[0]["params"][0] is p and opt.param_groups[0]["params"][1] is d
     assert opt.state_dict()["main_params"] == []
+    with pytest.raises(ValueError, match="twice"):
+        MainWeightsAdamW([dict(params=[p]), dict(params=[p])], lr=0.1)
 
 
 def test_parameter_without_gradient_is_left_alone():

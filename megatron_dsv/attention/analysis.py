@@ -301,6 +301,7 @@ def list_shapes(cfg) -> list:
     return shapes
 
 
+@torch.no_grad()
 def oracle_list_density(q: torch.Tensor, k: torch.Tensor, shapes=None, theta: float = 0.9,
                         target: float = 0.95, softmax_scale: Optional[float] = None,
                         group_index: Optional[torch.Tensor] = None, max_groups: int = 16,
@@ -311,16 +312,19 @@ def oracle_list_density(q: torch.Tensor, k: torch.Tensor, shapes=None, theta: fl
 
     For each ``(name, group_size, block_size)`` in ``shapes`` (default: :func:`list_shapes` of the
     library's default configuration, 4x4x8 cubes of 128 queries and 128-key blocks): the queries of a
-    group share one list of tokens (``block_size`` 0) or of whole key blocks; the oracle keeps the items with the largest
-    mean share of the group's queries' critical mass, which maximises the mean recall at every list
-    length. As the profiler's recall rule, one length per head: the smallest at which the mean over
-    the measured queries reaches ``target``. Sizes the two costs between a query's exact sparsity and
-    a layer's kept fraction: sharing a list among a group's queries, and keeping blocks whole (the
-    predictor's own cost is the gap from there to the profiler's budgets).
+    group share one list of tokens (``block_size`` 0) or of whole key blocks; the oracle keeps the
+    items with the largest mean share of the group's queries' critical mass, which maximises the mean
+    recall at every list length. As the profiler's recall rule, one length per head: the smallest at
+    which the mean over the measured queries reaches ``target``. Sizes the two costs between a query's
+    exact sparsity and a layer's kept fraction: sharing a list among a group's queries, and keeping
+    blocks whole (the predictor's own cost is the gap from there to the profiler's budgets).
 
     Queries: every query of ``max_groups`` whole groups of the *largest* group size, evenly spread
-    (``group_index`` ids in those units), so every shape is measured on the same queries; group sizes
-    must divide the largest. Returns ``{name: float64 [B, H] kept fraction}`` (list tokens / S).
+    (``group_index`` ids in those units), so every shape is measured on the same queries. The group
+    sizes must form a chain of divisors (each divides the next larger, e.g. 1, 32, 128). Softmax rows
+    are computed ``chunk_elems`` probabilities at a time, as elsewhere in this module: a group larger
+    than a chunk sums its shares over chunks. Returns ``{name: float64 [B, H] kept fraction}`` (list
+    tokens / S).
     """
     _check(q, k, theta, None)
     if not (0.0 < float(target) <= 1.0):
@@ -330,28 +334,45 @@ def oracle_list_density(q: torch.Tensor, k: torch.Tensor, shapes=None, theta: fl
     shapes = [(str(n), int(g), int(b)) for n, g, b in shapes]
     if not shapes:
         raise ValueError("oracle_list_density: `shapes` is empty")
-    big = max(g for _, g, _ in shapes)
+    sizes = sorted({g for _, g, _ in shapes})
     for name, g, b in shapes:
-        if g < 1 or big % g or b < 0:
-            raise ValueError(f"oracle_list_density: shape {name!r} needs group_size >= 1 dividing the largest "
-                             f"({big}) and block_size >= 0, got group_size={g}, block_size={b}")
+        if g < 1 or b < 0 or any(max(g, h) % min(g, h) for h in sizes):
+            raise ValueError(f"oracle_list_density: shape {name!r} needs a group_size >= 1 in a chain of divisors "
+                             f"with the others ({sizes}) and block_size >= 0, got group_size={g}, block_size={b}")
     B, H, S, _ = q.shape
+    big = sizes[-1]
     gi = _group_ids(group_index, -(-S // big), max_groups, q.device, "oracle_list_density")
-    curves = {name: torch.zeros(B, H, S if b == 0 else -(-S // b), dtype=torch.float64, device=q.device)
-              for name, _, b in shapes}
+    # queries per softmax pass: the most that fit chunk_elems with every group either inside a pass or
+    # made of whole passes (a divisor of big, a multiple of the smaller sizes, dividing the larger ones)
+    fits = [c for c in range(big, 0, -1) if big % c == 0 and all(c % g == 0 if g <= c else g % c == 0 for g in sizes)]
+    c = next((c for c in fits if c * B * H * S <= chunk_elems), 1)
+    n_items = {name: S if b == 0 else -(-S // b) for name, _, b in shapes}
+    curves = {name: torch.zeros(B, H, n_items[name], dtype=torch.float64, device=q.device) for name in n_items}
+    open_sums = {}  # name -> the summed shares of a group larger than a pass, while its passes come in
     n_queries = 0
-    per_pass = max(1, chunk_elems // (B * H * S * big))
-    for g0 in range(0, gi.numel(), per_pass):
-        pos = _group_positions(gi[g0:g0 + per_pass], big, S)
-        for p, probs, crit in _prob_chunks(q, k, theta, softmax_scale, pos, max(chunk_elems, B * H * S * pos.numel())):
+    for group in gi.tolist():
+        positions = _group_positions(torch.tensor([group], device=q.device), big, S)
+        for c0 in range(0, positions.numel(), c):
+            pos = positions[c0:c0 + c]
+            (_, probs, crit), = _prob_chunks(q, k, theta, softmax_scale, pos, B * H * S * pos.numel())
             cmass = (probs * crit).double()
             share = cmass / cmass.sum(-1, keepdim=True).clamp_min(1e-300)  # each query's critical mass sums to 1
-            n_queries += p.numel()
+            n = pos.numel()
+            n_queries += n
+            last = c0 + n >= positions.numel()
             for name, g, b in shapes:
                 item = block_view(share, b, 0.0).sum(-1) if b else share  # [B, H, n, n_items]
-                for group in torch.unique(p // g):
-                    rows = item[:, :, p // g == group]
-                    best = torch.sort(rows.sum(2), dim=-1, descending=True).values  # the group's summed shares
+                if g <= c:  # whole groups (the last one maybe partial) inside this pass
+                    full = n // g * g
+                    sums = item[:, :, :full].reshape(B, H, full // g, g, item.shape[-1]).sum(3)
+                    if full < n:  # the partial last group at the end of the sequence
+                        sums = torch.cat([sums, item[:, :, full:].sum(2, keepdim=True)], dim=2)
+                    best = torch.sort(sums, dim=-1, descending=True).values
+                    curves[name] += torch.cumsum(best, dim=-1).sum(2)
+                    continue
+                open_sums[name] = open_sums.get(name, 0.0) + item.sum(2)
+                if last or (c0 + n) % g == 0:  # the group is complete
+                    best = torch.sort(open_sums.pop(name), dim=-1, descending=True).values
                     curves[name] += torch.cumsum(best, dim=-1)
     out = {}
     for name, _, b in shapes:

@@ -217,7 +217,8 @@ def test_oracle_list_density_matches_exhaustive_search():
     p = _probs(q, k)
     shapes = (("query", 1, 0), ("pairs", 2, 0), ("g4", 4, 0), ("g4_blocks3", 4, 3))
     got = oracle_list_density(q, k, shapes, theta, target, max_groups=10)  # every group: 0-3 (3 partial)
-    chunked = oracle_list_density(q, k, shapes, theta, target, max_groups=10, chunk_elems=1)
+    chunked = oracle_list_density(q, k, shapes, theta, target, max_groups=10, chunk_elems=1)  # one query a pass
+    pairs = oracle_list_density(q, k, shapes, theta, target, max_groups=10, chunk_elems=40)  # 2 queries a pass
     for name, G, bs in shapes:
         items = [set(range(j, min(S, j + bs))) for j in range(0, S, bs)] if bs else [{j} for j in range(S)]
         for h in range(2):
@@ -232,6 +233,7 @@ def test_oracle_list_density_matches_exhaustive_search():
                     break
             assert abs(float(got[name][0, h]) - want) < 1e-12, (name, h)
         torch.testing.assert_close(got[name], chunked[name])
+        torch.testing.assert_close(got[name], pairs[name])
 
 
 def test_oracle_list_density_orders_the_costs():
@@ -250,7 +252,7 @@ def test_oracle_list_density_orders_the_costs():
 
 def test_oracle_list_density_rejects_bad_arguments():
     q, k = _qk(B=1, H=1, Hkv=1, S=40, D=8)
-    with pytest.raises(ValueError, match="group_size >= 1 dividing the largest"):
+    with pytest.raises(ValueError, match="chain of divisors"):
         oracle_list_density(q, k, (("a", 3, 0), ("b", 4, 0)))
     with pytest.raises(ValueError, match="target"):
         oracle_list_density(q, k, target=1.5)
