@@ -23,11 +23,12 @@ After step 1, then every ``--sweep-every`` steps, and at the end, a *sweep* prob
 times t (``--sweep-t``), every layer dense: ``kind="sweep"`` rows with, per layer, the exact sparsity, the
 logits' spread over the keys (``logit_std``, mean over sampled queries and heads), the sparsity that
 spread would give Gaussian logits (``gaussian_sparsity``: how much of the sparsity is scale, how much
-tail) and the QK-norm gain factor (``qk_gain``). At the t nearest 0.5 the row also carries ``list_density``:
-per list shape (one query; one token list per 32 queries; per query group; per group as whole key
-blocks), per layer, the kept fraction an oracle's lists need for the layer's ``recall_target`` (the
-budgets' recall) of the critical mass (``analysis.oracle_list_density``): which step from a query's own need to the layer's budgets costs the
-keys. The sweeps are plotted in ``..._sweep.png``.
+tail) and the QK-norm gain factor (``qk_gain``). At the t nearest 0.5 the row also carries
+``list_density``: per list shape (one query; one token list per 32 queries; per query group; per group
+as whole key blocks), per layer, the kept fraction an oracle's lists need for the layer's
+``recall_target`` (the budgets' recall) of the critical mass (``analysis.oracle_list_density``): which
+step from a query's own need to the layer's budgets costs the keys. The sweeps are plotted in
+``..._sweep.png``.
 
 Runs spread over several GPU calls (concurrent processes, a resumed arm) are merged into one file and
 one plot with ``--merge PART.json ... --out FILE.json``; a call whose JSON did not come back can add
@@ -180,19 +181,18 @@ def plot_sweeps(rows, path) -> bool:
 
 def _plot_list_costs(ax, rows, lists) -> None:
     """Bars per arm (its last sweep with ``list_density``): ``1 - sparsity`` (a query's theta-critical
-    share), each oracle list shape's kept fraction at the budgets' recall target, and the budget density of the arm's
-    profile nearest that step (the predictor's lists); all means over layers. The dispatcher's 0.2 line."""
-    shapes0 = list(lists[0]["list_density"])
-    lists = [r for r in lists if list(r["list_density"]) == shapes0]  # one set of bars: arms with the same shapes
+    share), each oracle list shape's kept fraction at the budgets' recall target, and the budget density
+    of the arm's profile nearest that step (the predictor's lists); all means over layers. The
+    dispatcher's 0.2 line."""
+    shapes = list(lists[0]["list_density"])
+    lists = [r for r in lists if list(r["list_density"]) == shapes]  # one set of bars: arms with the same shapes
+    names = ["critical (1 - sparsity)", *shapes, "budgets (predictor)"]
     arms = list(dict.fromkeys(r["arm"] for r in lists))
     width = 0.8 / len(arms)
-    names = None
     for i, name in enumerate(arms):
         row = max((r for r in lists if r["arm"] == name), key=lambda r: r["step"])
         profiles = [r for r in rows if r.get("kind") == "profile" and r["arm"] == name and "budget_density" in r]
         near = min(profiles, key=lambda r: abs(r["step"] - row["step"])) if profiles else None
-        shapes = list(row["list_density"])
-        names = ["critical (1 - sparsity)", *shapes, "budgets (predictor)"]
         vals = [1.0 - row["sparsity_mean"], *[sum(v) / len(v) for v in row["list_density"].values()],
                 near["budget_density"] if near else float("nan")]
         ax.bar([j + i * width for j in range(len(vals))], vals, width, color=f"C{i % 10}",
