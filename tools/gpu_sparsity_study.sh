@@ -22,10 +22,13 @@
 #            Megatron does. Re-measures, resumable from runs/sparsity/: 8K at qk_lr 1 and 10 (against long8k's
 #            in-place arms) and 32K with 6 layers at qk_lr 1, beside the CUDA build and the GPU tests
 #            (SKIP_GPU_TESTS=1 on the back-to-back second call)
-#   lists    after main32: where the kept keys go. The 8K arm with gains at 10x lr (the sparsest healthy arm) and
-#            the 32K 6-layer arm, both on fp32 main weights and resumable, whose sweeps now split the budgets'
-#            density into a query's need, 32-query token lists, the cube as tokens and as blocks; beside them
-#            full vs DSV vs window at 8K for quality (bench_quality.py, fp32 main weights, 3000 steps)
+#   lists    after main32: where the kept keys go. The 8K and 32K (6 layers) arms with gains at 10x lr (the
+#            sparsest healthy arm, whose plateau comes within ~2000 steps; the 32K arm enters stage 2 at step
+#            1500 so that its dispatcher decides within the two calls), both on fp32 main weights and
+#            resumable, whose sweeps now split the budgets' density into a query's need, 32-query token lists,
+#            the cube as tokens and as blocks; beside them full vs DSV vs window at 8K for quality
+#            (bench_quality.py, fp32 main weights, 2000 steps) and the CUDA build + GPU tests; RESUME=1 on the
+#            back-to-back second call runs only the two resumable arms
 # Installs carried wheels (.whl/: megatron-core, vizdoom, ale-py for the GPU machine's Python) if any.
 # Arms run as concurrent processes on the one GPU: the small 8K arms are launch-bound and fill the
 # gaps the 32K arm leaves. Logs: OUT_DIR/<arm group>.log; JSON + PNG: OUT_DIR.
@@ -99,9 +102,10 @@ lists() {
   $run --tag=-8k-lists --save-dir runs/sparsity \
     --arm $arm,res=128,qk_lr=10,label=vizdoom-dsv-qklr10-S8K-64clips-lists > "$out/lists-8k.log" 2>&1 &
   $run --tag=-32k-lists --layers 6 --save-dir runs/sparsity \
-    --arm $arm,res=256,label=vizdoom-dsv-S32K-64clips-6layers-lists > "$out/lists-32k.log" 2>&1 &
-  timeout 585 python3 benchmarks/bench_quality.py --out-dir "$out" --samples 64 --workers 4 --samples-out "$out/samples" \
-    --arm "data=vizdoom,frames=32,res=128,steps=3000,stage1=1500,minutes=2.6" > "$out/quality-main32.log" 2>&1 &
+    --arm $arm,res=256,qk_lr=10,stage1=1500,label=vizdoom-dsv-qklr10-S32K-64clips-6layers-lists > "$out/lists-32k.log" 2>&1 &
+  [ -n "${RESUME:-}" ] || timeout 585 python3 benchmarks/bench_quality.py --out-dir "$out" --samples 64 --workers 4 \
+    --samples-out "$out/samples" --arm "data=vizdoom,frames=32,res=128,steps=2000,stage1=1000,minutes=3.0" \
+    > "$out/quality-main32.log" 2>&1 &
   wait; }
 gputests() {  # build + tests end by 560 s, inside the device's 600 s beside 585 s arms
   local t0; t0=$(date +%s)
@@ -119,7 +123,7 @@ case $stage in
   lead) lead32k ;;
   long8k) long8k ;;
   qklr) qklr ;;
-  lists) lists ;;
+  lists) lists & { [ -n "${RESUME:-}" ] || gputests; } & wait ;;
   main32) main32 & { [ -n "${SKIP_GPU_TESTS:-}" ] || gputests; } & wait ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
