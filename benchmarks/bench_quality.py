@@ -8,9 +8,10 @@ window attention keeping about the same fraction of keys as DSV's budgets did at
 on held-out clips at fixed noise and timesteps.
 
 Writes ``benchmarks/results/quality-<gpu>-<yyyymmdd>.json`` (one ``final`` row: ``val_loss_full``,
-``val_loss_dsv``, ``val_loss_window``, ``recall``, ``steps``, ``seed``, ``sparse_layer_fraction``
-(share of stage-2 layer-steps DSV ran sparse), ``sparsity_mean``; plus ``curve`` rows per arm and
-validation), a PNG of the validation curves, and (``--samples-out``) GIF / PNG grids of a few
+``val_loss_dsv``, ``val_loss_window`` at ``steps``, the last validation step all three arms reached (an
+arm stopped early by its ``minutes`` budget is never compared against longer ones; ``val_loss_last`` and
+``steps_per_arm`` hold each arm's own end), ``recall``, ``seed``, ``sparse_layer_fraction`` (share of
+stage-2 layer-steps DSV ran sparse), ``sparsity_mean``; plus ``curve`` rows per arm and validation), a PNG of the validation curves, and (``--samples-out``) GIF / PNG grids of a few
 videos sampled from each model.
 
     PYTHONPATH=. python benchmarks/bench_quality.py --quick                      # CPU check
@@ -44,6 +45,16 @@ def _sample_grid(model, clips, arm, path_prefix, n=2, steps=10):
         frames = torch.stack([torch.from_numpy(clips.decoder(x)) for x in latents])
         latents = frames.permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0
     return write_gif_and_grid(latents, path_prefix, min_side=64)
+
+
+def equal_step_losses(curves):
+    """``(step, {attn: val_loss})`` at the last validation step every arm reached: arms stopped by their
+    minutes budget at different steps are compared at equal training, never a longer run against a shorter."""
+    common = set.intersection(*({s for s, _ in pts} for pts in curves.values()))
+    if not common:
+        raise ValueError(f"the arms {sorted(curves)} share no validation step; raise `minutes` or lower `--val-every`")
+    step = max(common)
+    return step, {attn: dict(pts)[step] for attn, pts in curves.items()}
 
 
 def plot(curves, path, title):
@@ -94,14 +105,18 @@ def main(argv=None):
             print("wrote", *_sample_grid(model, clips, arm, os.path.join(args.samples_out, f"quality-{attn}")))
         del model
     dsv = summaries["dsv"]
+    step, val = equal_step_losses(curves)
+    if len({s["steps"] for s in summaries.values()}) > 1:
+        print(f"warning: the arms stopped at different steps ({ {a: s['steps'] for a, s in summaries.items()} }, "
+              f"their minutes budgets); the final row compares them at step {step}, the last validation all reached")
     final = dict(bench="quality", kind="final", data=base["data"], S=tokens_of(base), frames=base["frames"],
                  res=base["res"], preset=args.preset, layers=args.layers, lr=base["lr"], seed=args.seed,
-                 samples=args.samples, steps=min(s["steps"] for s in summaries.values()),
+                 samples=args.samples, steps=step,
                  steps_per_arm={a: s["steps"] for a, s in summaries.items()}, stage1=base["stage1"],
-                 val_loss_full=summaries["full"]["val_loss"], val_loss_dsv=dsv["val_loss"],
-                 val_loss_window=summaries["window"]["val_loss"], window_frac=args.window_frac,
-                 dsv_vs_full_pct=100.0 * (dsv["val_loss"] / summaries["full"]["val_loss"] - 1.0),
-                 window_vs_full_pct=100.0 * (summaries["window"]["val_loss"] / summaries["full"]["val_loss"] - 1.0),
+                 val_loss_full=val["full"], val_loss_dsv=val["dsv"], val_loss_window=val["window"],
+                 val_loss_last={a: s["val_loss"] for a, s in summaries.items()}, window_frac=args.window_frac,
+                 dsv_vs_full_pct=100.0 * (val["dsv"] / val["full"] - 1.0),
+                 window_vs_full_pct=100.0 * (val["window"] / val["full"] - 1.0),
                  recall=dsv["recall"], sparse_layer_fraction=dsv["sparse_layer_fraction"],
                  sparsity_mean=dsv["sparsity_mean"], budget_density=dsv["budget_density"],
                  ms_step_full=summaries["full"]["ms_step"], ms_step_dsv=dsv["ms_step"],

@@ -9,7 +9,8 @@ Keys (defaults in :data:`ARM_DEFAULTS`): ``data`` (``vizdoom``, ``ale`` or ``syn
 and ``res`` (clip length and square frame size in pixels; with the fixed 4x DCT downsampler and
 patch (1, 2, 2), tokens S = frames * (res / 8)^2), ``attn`` (``full``, ``dsv`` or ``window``),
 ``lr``, ``qk_norm`` (0/1), ``qk_lr`` (learning-rate multiplier of the QK-norm gains and biases, the
-parameters that set the attention logits' scale under QK-norm), ``rope`` (RoPE base), ``steps`` and ``minutes`` (the run stops at
+parameters that set the attention logits' scale under QK-norm), ``rope`` (RoPE base), ``gran`` (DSV's KV list
+granularity, ``block`` or ``token``: ``DSVConfig.granularity``), ``steps`` and ``minutes`` (the run stops at
 whichever comes first, so a run fits the device time), ``stage1`` (DSV's stage-1 steps; default
 half of ``steps``), ``window_frac`` (the window baseline's kept fraction of keys), ``label`` (a
 name for the plots; default built from the keys that differ from the defaults).
@@ -34,10 +35,11 @@ from megatron_dsv.attention.schedule import is_profile_step  # noqa: E402
 from megatron_dsv.config import DSVConfig  # noqa: E402
 
 ARM_DEFAULTS = dict(data="vizdoom", frames=32, res=256, attn="dsv", lr=3e-4, qk_norm=1, qk_lr=1.0, rope=10000.0,
-                    steps=1000, minutes=3.0, stage1=None, window_frac=0.1, label=None)
+                    gran="block", steps=1000, minutes=3.0, stage1=None, window_frac=0.1, label=None)
 _INT_KEYS = ("frames", "res", "qk_norm", "steps", "stage1")
 _FLOAT_KEYS = ("lr", "qk_lr", "rope", "minutes", "window_frac")
 DATA_SOURCES = ("vizdoom", "ale", "synthetic")
+GRANULARITIES = ("block", "token")  # DSVConfig.granularity
 ATTENTIONS = ("full", "dsv", "window")
 
 
@@ -55,6 +57,8 @@ def parse_arm(text: str) -> dict:
         raise ValueError(f"arm data must be one of {DATA_SOURCES}, got {arm['data']!r}")
     if arm["attn"] not in ATTENTIONS:
         raise ValueError(f"arm attn must be one of {ATTENTIONS}, got {arm['attn']!r}")
+    if arm["gran"] not in GRANULARITIES:
+        raise ValueError(f"arm gran must be one of {GRANULARITIES}, got {arm['gran']!r}")
     if arm["res"] % 8:
         raise ValueError(f"arm res must be a multiple of 8 (4x downsampler, 2x2 patches), got {arm['res']}")
     if arm["qk_lr"] != 1.0 and not arm["qk_norm"]:
@@ -63,7 +67,7 @@ def parse_arm(text: str) -> dict:
         arm["stage1"] = arm["steps"] // 2
     if arm["label"] is None:
         variants = [f"{k.replace('_', '')}{arm[k]:g}" for k in ("lr", "qk_norm", "qk_lr", "rope")
-                    if arm[k] != ARM_DEFAULTS[k]]
+                    if arm[k] != ARM_DEFAULTS[k]] + ([f"{arm['gran']}lists"] if arm["gran"] != "block" else [])
         arm["label"] = "-".join([arm["data"], arm["attn"], *variants, f"S{_tokens_text(tokens_of(arm))}"])
     return arm
 
@@ -136,7 +140,7 @@ def build_model(arm: dict, args, device, dtype):
     cfg = VideoDiTConfig.from_preset(args.preset, **over)
     dsv = window = None
     if arm["attn"] == "dsv":
-        dsv = DSVConfig(stage_switch_rule="steps", stage_switch_steps=arm["stage1"],
+        dsv = DSVConfig(stage_switch_rule="steps", stage_switch_steps=arm["stage1"], granularity=arm["gran"],
                         profile_interval=args.profile_every, profile_warmup_steps=10**9,
                         speedup_table=args.speedup_table if device.type == "cuda" else None)
     elif arm["attn"] == "window":
@@ -280,7 +284,7 @@ def _optimizer(model, arm: dict) -> MainWeightsAdamW:
     return MainWeightsAdamW(groups, lr=arm["lr"], weight_decay=0.0)
 
 
-_RESUME_KEYS = ("data", "frames", "res", "attn", "lr", "qk_norm", "qk_lr", "rope", "stage1", "window_frac")
+_RESUME_KEYS = ("data", "frames", "res", "attn", "lr", "qk_norm", "qk_lr", "rope", "gran", "stage1", "window_frac")
 
 
 def save_run(path: str, arm: dict, model, opt, g, step: int, counters: dict) -> None:
@@ -306,7 +310,8 @@ def load_run(path: str, arm: dict, model, opt, g):
     if not isinstance(state, dict) or state.get("format") != "megatron_dsv.video_run.v2":
         raise ValueError(f"{path!r} is not a video-run checkpoint (format megatron_dsv.video_run.v2)")
     saved = dict(state["arm"])
-    saved.setdefault("qk_lr", ARM_DEFAULTS["qk_lr"])  # written before the key existed
+    for key in ("qk_lr", "gran"):  # written before the key existed
+        saved.setdefault(key, ARM_DEFAULTS[key])
     differ = {k: (saved.get(k), arm[k]) for k in _RESUME_KEYS if saved.get(k) != arm[k]}
     if differ:
         raise ValueError(f"run checkpoint {path!r} was written by another arm: (saved, now) = {differ}")

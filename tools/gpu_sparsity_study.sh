@@ -29,6 +29,11 @@
 #            the cube as tokens and as blocks; beside them full vs DSV vs window at 8K for quality
 #            (bench_quality.py, fp32 main weights, 2000 steps) and the CUDA build + GPU tests; RESUME=1 on the
 #            back-to-back second call runs only the two resumable arms
+#   tokens   after lists: the 32K 6-layer arm of `lists` (gains at 10x lr, stage 2 from 1500) with token lists
+#            (DSV's granularity 'token', the paper's) instead of 128-key blocks, alone on the GPU and resumable
+#            from runs/sparsity/ (call it back to back): at 32K the sparsest layer's oracle cube list keeps 0.10 of
+#            the keys as tokens and 0.20 as blocks, its predictor budgets 0.33; does the dispatcher (same 0.8
+#            threshold, same 0.96 recall, the measured token-list speedups) run it sparse with token lists?
 # Installs carried wheels (.whl/: megatron-core, vizdoom, ale-py for the GPU machine's Python) if any.
 # Arms run as concurrent processes on the one GPU: the small 8K arms are launch-bound and fill the
 # gaps the 32K arm leaves. Logs: OUT_DIR/<arm group>.log; JSON + PNG: OUT_DIR.
@@ -107,6 +112,11 @@ lists() {
     --samples-out "$out/samples" --arm "data=vizdoom,frames=32,res=128,steps=2000,stage1=1000,minutes=3.0" \
     > "$out/quality-main32.log" 2>&1 &
   wait; }
+tokens() {
+  timeout 585 python3 benchmarks/bench_sparsity_emergence.py --out-dir "$out" --samples 64 --workers 6 --tag=-32k-tokens \
+    --layers 6 --save-dir runs/sparsity \
+    --arm "data=vizdoom,frames=32,res=256,steps=40000,stage1=1500,qk_lr=10,gran=token,minutes=${MINUTES:-8.4},label=vizdoom-dsv-qklr10-tokenlists-S32K-64clips-6layers" \
+    > "$out/tokens-32k.log" 2>&1; }
 gputests() {  # build + tests end by 560 s, inside the device's 600 s beside 585 s arms
   local t0; t0=$(date +%s)
   timeout 300 env DSV_FORCE_CUDA_BUILD=1 python3 setup.py -q build_ext --inplace > "$out/build.log" 2>&1
@@ -124,6 +134,7 @@ case $stage in
   long8k) long8k ;;
   qklr) qklr ;;
   lists) lists & { [ -n "${RESUME:-}" ] || gputests; } & wait ;;
+  tokens) tokens ;;
   main32) main32 & { [ -n "${SKIP_GPU_TESTS:-}" ] || gputests; } & wait ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
