@@ -27,8 +27,13 @@ tail) and the QK-norm gain factor (``qk_gain``). At the t nearest 0.5 the row al
 ``list_density``: per list shape (one query; one token list per 32 queries; per query group; per group
 as whole key blocks), per layer, the kept fraction an oracle's lists need for the layer's
 ``recall_target`` (the budgets' recall) of the critical mass (``analysis.oracle_list_density``): which
-step from a query's own need to the layer's budgets costs the keys. The sweeps are plotted in
-``..._sweep.png``.
+step from a query's own need to the layer's budgets costs the keys; and ``predictor_list_density``: the
+same per layer for the layer's group as token lists and as key blocks when the layer's own predictor
+ranks the items, as the profiler does, on the same queries (``analysis.predictor_list_density``; never
+below the oracle's value of the same name): what the predictor's ranking costs over the oracle's; its
+``exact_<shape>`` entries rank by the same rule on the exact logits (full rank), which splits that cost
+into the low rank's and the ranking rule's (one proxy query per group, a block's max). The
+sweeps are plotted in ``..._sweep.png``.
 
 Runs spread over several GPU calls (concurrent processes, a resumed arm) are merged into one file and
 one plot with ``--merge PART.json ... --out FILE.json``; a call whose JSON did not come back can add
@@ -54,7 +59,8 @@ from benchmarks.video_runs import (Clips, add_run_args, layer_sparsity, parse_ar
                                    train_arm)
 from megatron_dsv.attention import dsv_layers, dsv_metrics  # noqa: E402
 from megatron_dsv.attention.analysis import (capture_qk, gaussian_sparsity, list_shapes,  # noqa: E402
-                                             logit_spread, oracle_list_density, sample_queries)
+                                             logit_spread, oracle_list_density, predictor_list_density,
+                                             ranked_label, sample_queries)
 from megatron_dsv.ops.topk_estimation.oracle import head_sparsity  # noqa: E402
 
 QUICK_ARMS = ("data=synthetic,frames=4,res=64,steps=12,stage1=6,minutes=2",
@@ -100,30 +106,37 @@ def sweep(arm, args, step, model) -> list:
     g = torch.Generator(device=x0.device).manual_seed(4321)
     noise = torch.randn(x0.shape, generator=g, device=x0.device)
     gains = qk_gains(model)
-    cfg = dsv_layers(model)[0].dsv_config
+    layers = {layer.layer_number: layer for layer in dsv_layers(model)}  # capture_qk's keys
+    cfg = next(iter(layers.values())).dsv_config
     shapes = list_shapes(cfg)
     t_lists = min(args.sweep_t, key=lambda t: abs(t - 0.5))  # the list decomposition at one t (it costs most)
     rows = []
     for t in args.sweep_t:
         x_t = ((1 - t) * x0 + t * noise).to(clips.latents.dtype)
-        captured = capture_qk(model, x_t, torch.full((len(idx),), float(t), device=x0.device), labels)
-        sp, std, gauss, lists = [], [], [], {name: [] for name, _, _ in shapes}
+        captured = capture_qk(model, x_t, torch.full((len(idx),), float(t), device=x0.device), labels,
+                              with_hidden=True)
+        sp, std, gauss, lists, predicted = [], [], [], {name: [] for name, _, _ in shapes}, {}
         for n in sorted(captured):
-            q, k = captured.pop(n)
+            q, k, hidden = captured.pop(n)  # hidden: None unless predictor_input='hidden'
+            layer = layers[n]
             qi = sample_queries(q.shape[2], 8, 512, device=q.device)
             spread = logit_spread(q, k, qi)
             sp.append(float(head_sparsity(q, k, 0.9, query_index=qi).mean()))
             std.append(float(spread.mean()))
             gauss.append(float(gaussian_sparsity(spread, 0.9).mean()))
-            if t == t_lists:
-                for name, dens in oracle_list_density(q, k, shapes, target=cfg.recall_target,
+            if t == t_lists:  # the same queries, theta and scale for the oracle and the predictor
+                for name, dens in oracle_list_density(q, k, shapes, 0.9, cfg.recall_target, layer.softmax_scale,
                                                       max_groups=args.sweep_groups).items():
                     lists[name].append(float(dens.mean()))
+                for name, dens in predictor_list_density(layer, q, k, hidden, target=cfg.recall_target,
+                                                         max_groups=args.sweep_groups, theta=0.9,
+                                                         full_rank=True).items():
+                    predicted.setdefault(name, []).append(float(dens.mean()))
         row = dict(kind="sweep", bench="sparsity_emergence", arm=arm["label"], data=arm["data"],
                    S=tokens_of(arm), step=step, t=float(t), clips=len(idx), sparsity=sp,
                    sparsity_mean=sum(sp) / len(sp), logit_std=std, gaussian_sparsity=gauss, qk_gain=gains)
         if t == t_lists:
-            row["list_density"] = lists
+            row["list_density"], row["predictor_list_density"] = lists, predicted
         rows.append(row)
     print(f" [{arm['label']}] sweep at step {step}: " + ", ".join(
         f"t={r['t']:g} sparsity {r['sparsity_mean']:.3f} (logit std {sum(r['logit_std']) / len(r['logit_std']):.2f}, "
@@ -131,7 +144,10 @@ def sweep(arm, args, step, model) -> list:
         + (f", qk gain {sum(gains) / len(gains):.3f}" if gains else "")
         + f"; oracle kept fraction at recall {cfg.recall_target:g}, t={t_lists:g}: " + ", ".join(
             f"{name} {sum(v) / len(v):.3f}" for r in rows if "list_density" in r
-            for name, v in r["list_density"].items()),
+            for name, v in r["list_density"].items())
+        + "; predictor kept fraction: " + ", ".join(
+            f"{name} {sum(v) / len(v):.3f}" for r in rows if "predictor_list_density" in r
+            for name, v in r["predictor_list_density"].items()),
         flush=True)
     return rows
 
@@ -140,7 +156,7 @@ def plot_sweeps(rows, path) -> bool:
     """Left: mean sparsity vs t at each arm's last sweep. Middle: measured vs Gaussian-predicted sparsity,
     one point per layer and sweep, coloured by step. Right (when sweeps carry ``list_density``): at each
     arm's last such sweep, the kept fraction, mean over layers, from a query's critical share through the
-    oracle's list shapes to the profiler's budgets. False when there are no sweep rows."""
+    oracle's list shapes and the predictor's to the profiler's budgets. False when there are no sweep rows."""
     sweeps = [r for r in rows if r.get("kind") == "sweep"]
     if not sweeps:
         return False
@@ -181,25 +197,30 @@ def plot_sweeps(rows, path) -> bool:
 
 def _plot_list_costs(ax, rows, lists) -> None:
     """Bars per arm (its last sweep with ``list_density``): ``1 - sparsity`` (a query's theta-critical
-    share), each oracle list shape's kept fraction at the budgets' recall target, and the budget density
-    of the arm's profile nearest that step (the predictor's lists); all means over layers. The
-    dispatcher's 0.2 line."""
+    share), each oracle list shape's kept fraction at the budgets' recall target, the predictor's own
+    (``pred ...``, where the rows carry ``predictor_list_density``; files written before have none), and
+    the budget density of the arm's profile nearest that step (the predictor's lists); all means over
+    layers. The dispatcher's 0.2 line."""
     shapes = list(lists[0]["list_density"])
     lists = [r for r in lists if list(r["list_density"]) == shapes]  # one set of bars: arms with the same shapes
-    names = ["critical (1 - sparsity)", *shapes, "budgets (predictor)"]
+    predicted = next((list(r["predictor_list_density"]) for r in lists if r.get("predictor_list_density")), [])
+    predicted.sort(key=lambda n: not n.startswith("exact_"))  # the exact logits' ranking, then the predictor's
+    names = ["critical (1 - sparsity)", *shapes, *map(ranked_label, predicted), "budgets (predictor)"]
     arms = list(dict.fromkeys(r["arm"] for r in lists))
     width = 0.8 / len(arms)
     for i, name in enumerate(arms):
         row = max((r for r in lists if r["arm"] == name), key=lambda r: r["step"])
         profiles = [r for r in rows if r.get("kind") == "profile" and r["arm"] == name and "budget_density" in r]
         near = min(profiles, key=lambda r: abs(r["step"] - row["step"])) if profiles else None
+        pred = [row.get("predictor_list_density", {}).get(n) for n in predicted]
         vals = [1.0 - row["sparsity_mean"], *[sum(v) / len(v) for v in row["list_density"].values()],
+                *[sum(v) / len(v) if v else float("nan") for v in pred],
                 near["budget_density"] if near else float("nan")]
         ax.bar([j + i * width for j in range(len(vals))], vals, width, color=f"C{i % 10}",
                label=f"{name} @ {row['step']}")
     ax.axhline(0.2, color="grey", lw=0.8, ls=":")
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))])
-    ax.set_xticklabels(names, rotation=20, fontsize=7)
+    ax.set_xticklabels(names, rotation=30, ha="right", fontsize=7)
     ax.set_ylabel("kept fraction of keys (mean over layers)")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3, axis="y")

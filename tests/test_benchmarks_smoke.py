@@ -72,6 +72,16 @@ def test_bench_sparsity_emergence_quick_rows_per_arm(tmp_path):
         assert names[0] == "query" and len(names) >= 2
         for a, b in zip(names, names[1:]):
             assert all(x <= y + 1e-12 for x, y in zip(dens[a], dens[b]))
+    for r in sweeps:  # the predictor's lists on the oracle's queries: the oracle is the best list of every length
+        if "list_density" not in r:
+            assert "predictor_list_density" not in r
+            continue
+        pred = r["predictor_list_density"]
+        # the arms' DSVConfig: 4x4x8 cubes, 128-key blocks; ranked by the predictor, then by the exact logits
+        assert list(pred) == ["g128_tokens", "g128_blocks128", "exact_g128_tokens", "exact_g128_blocks128"]
+        for name, vals in pred.items():
+            assert len(vals) == len(r["sparsity"]) == 2 and all(0.0 <= v <= 1.0 for v in vals), name
+            assert all(p >= o - 1e-9 for p, o in zip(vals, r["list_density"][name.removeprefix("exact_")])), name
 
 
 def test_bench_sparsity_emergence_merge_parts_and_lost_logs(tmp_path):

@@ -11,9 +11,9 @@ overlap inside a query group, the recall of the layer predictor's lists, and the
 the sparsity Gaussian logits of that spread would have (is the sparsity scale or tail?). Writes
 ``analysis.json`` and PNGs to --out-dir: sparsity_heatmap, mass_curves, distance_histogram,
 cube_overlap, list_costs (the kept fraction from a query's own need through oracle lists shared by a
-query group, token or block lists, to the predictor's budgets), predictor_recall, and
-sparsity_trajectory with --trajectory (a
-benchmarks/bench_recall.py trajectory JSON). The --dsv-* flags (the trainer's) configure a
+query group, token or block lists, and the same lists ranked by the predictor, to the predictor's
+budgets), predictor_recall, and sparsity_trajectory with --trajectory (a benchmarks/bench_recall.py
+trajectory JSON). The --dsv-* flags (the trainer's) configure a
 --preset model; a checkpoint brings its own. Needs matplotlib (pip install -e .[plots]).
 """
 
@@ -275,6 +275,8 @@ def _heatmap(plt, out_dir: str, name: str, matrix, layers, title: str, label: st
 
 def plot_all(result: dict, out_dir: str, runs: Optional[dict] = None, metric: str = "sparsity") -> list:
     """Write the PNGs of ``result`` (the analysis dict) to ``out_dir``; returns their paths."""
+    from megatron_dsv.attention.analysis import ranked_label
+
     plt = _pyplot()
     reps, theta = result["layers"], result["theta"]
     numbers = [r["layer"] for r in reps]
@@ -324,9 +326,14 @@ def plot_all(result: dict, out_dir: str, runs: Optional[dict] = None, metric: st
     paths.append(_finish(plt, fig, ax, os.path.join(out_dir, "cube_overlap.png"), True))
 
     # where the kept keys go: a query's critical share -> one oracle list per group -> blocks -> the predictor's
+    # ranking of the same lists -> its budgets
     names = [n for n in reps[0]["list_density"] if n != "target"]
     bars = [("critical (1 - sparsity)", lambda r: 1 - sum(r["sparsity"]) / len(r["sparsity"]))]
     bars += [(n, lambda r, n=n: sum(r["list_density"][n]) / len(r["list_density"][n])) for n in names]
+    predicted = [n for n in reps[0].get("predictor_list_density", {}) if n != "target"]  # older JSONs: none
+    predicted.sort(key=lambda n: not n.startswith("exact_"))  # the exact logits' ranking, then the predictor's
+    bars += [(ranked_label(n), lambda r, n=n: sum(r["predictor_list_density"][n]) / len(r["predictor_list_density"][n]))
+             for n in predicted]
     bars += [("budgets (predictor)",
               lambda r: sum(r["predictor"]["budget_density"]) / len(r["predictor"]["budget_density"]))]
     fig, ax = plt.subplots(figsize=(max(7.0, 1.2 * len(reps) + 3), 4.5))
@@ -339,7 +346,7 @@ def plot_all(result: dict, out_dir: str, runs: Optional[dict] = None, metric: st
     ax.set_xlabel("layer")
     ax.set_ylabel("kept fraction of keys (mean over heads)")
     ax.set_title(f"keys kept for {reps[0]['list_density']['target']:g} recall of the theta={theta:g} critical mass "
-                 "(oracle lists, then the predictor's budgets)", fontsize=9)
+                 "(oracle lists, the predictor's lists, its budgets)", fontsize=9)
     paths.append(_finish(plt, fig, ax, os.path.join(out_dir, "list_costs.png"), True))
 
     if runs:

@@ -10,6 +10,8 @@ For one batch, :func:`capture_qk` records every DSV layer's post-RoPE q, k; then
 * :func:`oracle_list_density`: the kept fraction one list per query group needs at a recall target
   when the attention itself picks it, per list shape (:func:`list_shapes`: one query, 32-query token
   lists, the layer's group as tokens and as blocks);
+* :func:`predictor_list_density`: the same kept fraction when the layer's own predictor ranks the
+  items (the profiler's recall curve), on the same queries: the predictor's cost over the oracle;
 * :func:`predictor_recall`: critical-mass recall of the lists the layer's predictor builds at the
   layer's current budgets (``DSVCoreAttention._estimate``, the lists a sparse forward would use);
 * :func:`logit_spread`: the standard deviation of a query's scaled logits over the keys, and
@@ -25,7 +27,7 @@ the oracle, never S x S. Pure torch: CPU or GPU.
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -33,16 +35,16 @@ from megatron_dsv.attention.core_attention import DSVCoreAttention
 from megatron_dsv.attention.dispatcher import density_budgets, head_budgets
 from megatron_dsv.attention.grouping import cube_order_coords
 from megatron_dsv.attention.hooks import dsv_layers
-from megatron_dsv.attention.profiler import profile_stats, smallest_k_reaching
+from megatron_dsv.attention.profiler import _RecallCurve, profile_stats, smallest_k_reaching
 from megatron_dsv.config import DSVConfig
 # The oracle's validation and chunked softmax / critical-set pass: the same definition of a
 # critical set as the profiler's, not a second copy of it.
 from megatron_dsv.ops.topk_estimation.naive import block_view
-from megatron_dsv.ops.topk_estimation.oracle import _check, _logit_chunks, _prob_chunks, head_sparsity
+from megatron_dsv.ops.topk_estimation.oracle import _check, _logit_chunks, _one_pass, _prob_chunks, head_sparsity
 
 __all__ = ["capture_qk", "sample_queries", "key_fractions", "mass_curve", "critical_distance_histogram",
-           "cube_overlap", "oracle_list_density", "list_shapes", "predictor_recall", "logit_spread",
-           "gaussian_sparsity", "analyze"]
+           "cube_overlap", "oracle_list_density", "list_shapes", "predictor_list_density", "ranked_label",
+           "predictor_recall", "logit_spread", "gaussian_sparsity", "analyze"]
 
 _CHUNK = 1 << 24
 
@@ -86,9 +88,11 @@ def _capture(model, latents, timesteps, labels, text=None, text_mask=None, force
 
 
 def capture_qk(model, latents: torch.Tensor, timesteps: torch.Tensor, labels: Optional[torch.Tensor], *,
-               text=None, text_mask=None, force_dense: bool = True) -> Dict[int, Tuple[torch.Tensor, torch.Tensor]]:
+               text=None, text_mask=None, force_dense: bool = True, with_hidden: bool = False) -> Dict[int, tuple]:
     """One eval, no-grad forward of ``model``; returns ``{layer_number: (q, k)}`` for every DSV layer:
     post-RoPE q ``[B, H, S, D]`` and k ``[B, Hkv, S, D]`` in the model's token (cube-major) order.
+    ``with_hidden``: ``(q, k, hidden)`` instead, the layer's input hidden states ``[S, B, hidden]``
+    where its predictor reads them (``predictor_input='hidden'``), else None.
 
     The arguments are the model's forward inputs. ``force_dense`` (default) runs every DSV layer
     dense during the capture, so each layer sees the activations of exact attention. DSV state
@@ -96,7 +100,7 @@ def capture_qk(model, latents: torch.Tensor, timesteps: torch.Tensor, labels: Op
     are as before afterwards; the hooks are removed. Holds every layer's q, k at once.
     """
     out = _capture(model, latents, timesteps, labels, text, text_mask, force_dense)
-    return {n: (q, k) for n, (q, k, _) in out.items()}
+    return out if with_hidden else {n: (q, k) for n, (q, k, _) in out.items()}
 
 
 # ---------------------------------------------------------------- sampling and grids
@@ -285,19 +289,42 @@ def cube_overlap(q: torch.Tensor, k: torch.Tensor, group_size: int, theta: float
     return {"jaccard": mean[0], "containment": mean[1], "groups": int(gi.numel())}
 
 
+def _group_shapes(cfg) -> list:
+    """The layer's query group as token lists and as lists of whole ``kv_block_size`` key blocks
+    (whatever the layer's granularity): ``[(f"g{G}_tokens", G, 0), (f"g{G}_blocks{bs}", G, bs)]``."""
+    G, bs = cfg.group_size, cfg.kv_block_size
+    return [(f"g{G}_tokens", G, 0), (f"g{G}_blocks{bs}", G, bs)]
+
+
 def list_shapes(cfg) -> list:
     """The list shapes of a layer's decomposition (:func:`oracle_list_density`): one query, the paper's
     32-query token lists (where 32 divides the layer's group), the layer's own group as token lists, and
     (block granularity) as whole key blocks: what each step from a query's own need to the layer's
     lists costs."""
-    G, bs = cfg.group_size, cfg.block_size
+    G = cfg.group_size
+    tokens, blocks = _group_shapes(cfg)
     shapes = [("query", 1, 0)]
     if G > 32 and G % 32 == 0:
         shapes.append(("g32_tokens", 32, 0))
     if G > 1:
-        shapes.append((f"g{G}_tokens", G, 0))
-    if bs:
-        shapes.append((f"g{G}_blocks{bs}", G, bs))
+        shapes.append(tokens)
+    if cfg.block_size:
+        shapes.append(blocks)
+    return shapes
+
+
+def _checked_shapes(shapes, fn: str) -> list:
+    """``shapes`` as ``[(name, group_size, block_size)]``: non-empty, group sizes >= 1 forming a chain
+    of divisors (each divides the next larger: whole groups of the largest size hold whole groups of
+    every other), block sizes >= 0."""
+    shapes = [(str(n), int(g), int(b)) for n, g, b in shapes]
+    if not shapes:
+        raise ValueError(f"{fn}: `shapes` is empty")
+    sizes = sorted({g for _, g, _ in shapes})
+    for name, g, b in shapes:
+        if g < 1 or b < 0 or any(max(g, h) % min(g, h) for h in sizes):
+            raise ValueError(f"{fn}: shape {name!r} needs a group_size >= 1 in a chain of divisors "
+                             f"with the others ({sizes}) and block_size >= 0, got group_size={g}, block_size={b}")
     return shapes
 
 
@@ -317,7 +344,7 @@ def oracle_list_density(q: torch.Tensor, k: torch.Tensor, shapes=None, theta: fl
     recall at every list length. As the profiler's recall rule, one length per head: the smallest at
     which the mean over the measured queries reaches ``target``. Sizes the two costs between a query's
     exact sparsity and a layer's kept fraction: sharing a list among a group's queries, and keeping
-    blocks whole (the predictor's own cost is the gap from there to the profiler's budgets).
+    blocks whole (the predictor's own cost: :func:`predictor_list_density`).
 
     Queries: every query of ``max_groups`` whole groups of the *largest* group size, evenly spread
     (``group_index`` ids in those units), so every shape is measured on the same queries. The group
@@ -329,16 +356,8 @@ def oracle_list_density(q: torch.Tensor, k: torch.Tensor, shapes=None, theta: fl
     _check(q, k, theta, None)
     if not (0.0 < float(target) <= 1.0):
         raise ValueError(f"oracle_list_density: `target` must be in (0, 1], got {target}")
-    if shapes is None:
-        shapes = list_shapes(DSVConfig())
-    shapes = [(str(n), int(g), int(b)) for n, g, b in shapes]
-    if not shapes:
-        raise ValueError("oracle_list_density: `shapes` is empty")
+    shapes = _checked_shapes(list_shapes(DSVConfig()) if shapes is None else shapes, "oracle_list_density")
     sizes = sorted({g for _, g, _ in shapes})
-    for name, g, b in shapes:
-        if g < 1 or b < 0 or any(max(g, h) % min(g, h) for h in sizes):
-            raise ValueError(f"oracle_list_density: shape {name!r} needs a group_size >= 1 in a chain of divisors "
-                             f"with the others ({sizes}) and block_size >= 0, got group_size={g}, block_size={b}")
     B, H, S, _ = q.shape
     big = sizes[-1]
     gi = _group_ids(group_index, -(-S // big), max_groups, q.device, "oracle_list_density")
@@ -380,6 +399,75 @@ def oracle_list_density(q: torch.Tensor, k: torch.Tensor, shapes=None, theta: fl
         items = smallest_k_reaching(curve, target)
         out[name] = (items * (b or 1)).clamp(max=S).double() / S
     return out
+
+
+@torch.no_grad()
+def predictor_list_density(layer: DSVCoreAttention, q: torch.Tensor, k: torch.Tensor, hidden=None, shapes=None,
+                           target: Optional[float] = None, group_index: Optional[torch.Tensor] = None,
+                           max_groups: int = 16, chunk_elems: int = _CHUNK, *,
+                           theta: Optional[float] = None, full_rank: bool = False) -> Dict[str, torch.Tensor]:
+    """:func:`oracle_list_density` with the layer's predictor choosing the lists: the smallest kept
+    fraction of keys with which the lists ``layer``'s low-rank predictor ranks reach ``target``
+    (default ``recall_target`` of the layer's config) mean recall of the theta-critical mass (default
+    the config's ``theta``), per (batch, head) and per list shape.
+
+    The ranking is the profiler's (:func:`~megatron_dsv.attention.profiler.recall_curve` on
+    ``layer.predictor.project(q, k, hidden)`` in q's dtype, with the config's ``group_proxy`` and
+    ``block_score``; the estimator's lists at every length), read per (batch, head) like the oracle,
+    without the profiler's batch mean and ``k_min`` floor. Shapes ``(name, group_size, block_size)``
+    (default: the layer's group G as token lists and as whole ``kv_block_size`` blocks, at either
+    granularity, named as :func:`list_shapes` names them); group sizes a chain of divisors, block
+    sizes 0, 64 or 128 (the estimator's). Queries: every query of ``max_groups`` whole groups of the
+    largest group size, evenly spread (or ``group_index``), as :func:`oracle_list_density` picks them,
+    so with the same arguments the two are measured on the same queries and, the oracle's lists being
+    the best at every length, the predictor's kept fraction is never below the oracle's (up to
+    rounding at the target). ``hidden`` ``[S, B, hidden]``: for ``predictor_input='hidden'``.
+    ``full_rank``: also ``exact_<name>`` per shape, the same ranking rule (group proxy, block score) on
+    the exact scaled ``q . k`` instead of the rank-r projections: splits the predictor's cost over the
+    oracle into what the low rank loses (``<name>`` over ``exact_<name>``) and what ranking a group's
+    items by one proxy query's scores loses (``exact_<name>`` over the oracle). One softmax pass of
+    ``chunk_elems`` probabilities at a time for all shapes. Returns ``{name: float64 [B, H] kept
+    fraction}`` (list tokens / S, at most 1).
+    """
+    fn = "predictor_list_density"
+    if not isinstance(layer, DSVCoreAttention):
+        raise ValueError(f"{fn}: `layer` must be a DSVCoreAttention, got {type(layer).__name__}")
+    cfg = layer.dsv_config
+    theta = cfg.theta if theta is None else theta
+    target = cfg.recall_target if target is None else target
+    _check(q, k, theta, None)
+    B, H, S, D = q.shape
+    if not (0.0 < float(target) <= 1.0):
+        raise ValueError(f"{fn}: `target` must be in (0, 1], got {target}")
+    if H != layer.predictor.heads or (cfg.predictor_input == "qk" and D != layer.predictor.head_dim):
+        raise ValueError(f"{fn}: `q` must have the layer's {layer.predictor.heads} heads of "
+                         f"{layer.predictor.head_dim} channels, got {tuple(q.shape)}")
+    if cfg.predictor_input == "hidden" and (not isinstance(hidden, torch.Tensor)
+                                            or tuple(hidden.shape) != (S, B, layer.predictor.hidden)):
+        raise ValueError(f"{fn}: `hidden` must be the layer's [S, B, hidden] = [{S}, {B}, {layer.predictor.hidden}] "
+                         f"input (predictor_input='hidden'), got {tuple(getattr(hidden, 'shape', ())) or hidden}")
+    if max_groups < 1 or chunk_elems < 1:
+        raise ValueError(f"{fn}: `max_groups` and `chunk_elems` must be >= 1, got {max_groups}, {chunk_elems}")
+    shapes = _checked_shapes(_group_shapes(cfg) if shapes is None else shapes, fn)
+    for name, _, b in shapes:
+        if b not in (0, 64, 128):
+            raise ValueError(f"{fn}: shape {name!r} needs a block_size in (0, 64, 128) (the estimator's), got {b}")
+    big = max(g for _, g, _ in shapes)
+    pos = _group_positions(_group_ids(group_index, -(-S // big), max_groups, q.device, fn), big, S)
+    rankings = [("", layer.predictor.project(q, k, hidden, dtype=q.dtype))]
+    if full_rank:  # the exact logits' ranking: q scaled (lse block scores see the softmax's scale), k per q head
+        rankings.append(("exact_", (q.float() * layer.softmax_scale, k.float().repeat_interleave(H // k.shape[1], 1))))
+    accs = [_RecallCurve(q, q_lr, k_lr, g, b, cfg.group_proxy, cfg.block_score)
+            for _, (q_lr, k_lr) in rankings for _, g, b in shapes]
+    curves = iter(_one_pass(q, k, theta, layer.softmax_scale, pos, chunk_elems, accs))
+    return {prefix + name: (smallest_k_reaching(next(curves), target) * (b or 1)).clamp(max=S).double() / S
+            for prefix, _ in rankings for name, _, b in shapes}
+
+
+def ranked_label(name: str) -> str:
+    """Plot label of a :func:`predictor_list_density` key: ``exact_<shape>`` is ranked by the exact
+    logits (``full-rank <shape>``), ``<shape>`` by the predictor (``pred <shape>``)."""
+    return f"full-rank {name[6:]}" if name.startswith("exact_") else f"pred {name}"
 
 
 @torch.no_grad()
@@ -427,8 +515,11 @@ def _layer_report(layer: DSVCoreAttention, q, k, hidden, coords, qi, theta, opts
     curve = mass_curve(q, k, qi, layer.softmax_scale, opts["fractions"]).mean(0)
     hist = critical_distance_histogram(q, k, coords, qi, theta, opts["edges"], layer.softmax_scale, opts["radius"])
     over = cube_overlap(q, k, G, theta, layer.softmax_scale, max_groups=opts["max_groups"])
-    lists = oracle_list_density(q, k, list_shapes(layer.dsv_config), theta, layer.dsv_config.recall_target,
-                                layer.softmax_scale, max_groups=opts["max_groups"])
+    target = layer.dsv_config.recall_target
+    lists = oracle_list_density(q, k, list_shapes(layer.dsv_config), theta, target, layer.softmax_scale,
+                                max_groups=opts["max_groups"])
+    predicted = predictor_list_density(layer, q, k, hidden, target=target, max_groups=opts["max_groups"], theta=theta,
+                                       full_rank=True)
     crit, pairs = hist["critical"].sum((0, 1)), hist["critical"].sum(-1)
     sparsity = pr["sparsity"].mean(0)
     spread = logit_spread(q, k, qi, layer.softmax_scale)
@@ -445,8 +536,8 @@ def _layer_report(layer: DSVCoreAttention, q, k, hidden, coords, qi, theta, opts
                          "containment": _vals(over["containment"].mean(0)),
                          "jaccard_mean": _vals(over["jaccard"].mean()),
                          "containment_mean": _vals(over["containment"].mean())},
-        "list_density": {"target": layer.dsv_config.recall_target,
-                         **{name: _vals(d.mean(0)) for name, d in lists.items()}},
+        "list_density": {"target": target, **{name: _vals(d.mean(0)) for name, d in lists.items()}},
+        "predictor_list_density": {"target": target, **{name: _vals(d.mean(0)) for name, d in predicted.items()}},
         "predictor": {"recall": _vals(pr["recall"].mean(0)), "recall_mean": _vals(pr["recall"].mean()),
                       "budget_density": _vals(pr["tokens"].double() / S), "budget_source": pr["budget_source"],
                       "sparse": bool(layer.decide(S)[0]), "stage": layer.stage_host,
@@ -460,6 +551,10 @@ def _summary(layers: list) -> dict:
         vals = [v for rep in layers for v in get(rep) if v is not None]
         return torch.tensor(vals, dtype=torch.float64) if vals else torch.full((1,), float("nan"))
 
+    def per_shape(key):  # {shape: mean over layers and heads} of a list-density dict
+        names = [n for n in layers[0][key] if n != "target"] if layers else []
+        return {n: _vals(col(lambda r, n=n: r[key][n]).mean()) for n in names}
+
     heads = col(lambda r: r["sparsity"])
     return {"sparsity_median": _vals(heads.median()), "sparsity_min": _vals(heads.min()),
             "sparsity_max": _vals(heads.max()), "within_radius": _vals(col(lambda r: [r["within_radius_mean"]]).mean()),
@@ -467,8 +562,7 @@ def _summary(layers: list) -> dict:
             "cube_containment": _vals(col(lambda r: [r["cube_overlap"]["containment_mean"]]).nanmean()),
             "predictor_recall": _vals(col(lambda r: [r["predictor"]["recall_mean"]]).mean()),
             "logit_std": _vals(col(lambda r: r["logit_std"]).mean()),
-            "list_density": {name: _vals(col(lambda r, n=name: r["list_density"][n]).mean())
-                             for name in layers[0]["list_density"] if name != "target"} if layers else {},
+            "list_density": per_shape("list_density"), "predictor_list_density": per_shape("predictor_list_density"),
             "gaussian_sparsity": _vals(col(lambda r: r["gaussian_sparsity"]).mean())}
 
 
@@ -486,7 +580,8 @@ def analyze(model, latents: torch.Tensor, timesteps: torch.Tensor, labels: Optio
     VideoDiT's cube-major coordinates. ``progress`` receives one line per layer. The dict:
     ``theta, S, batch, grid, cube, query_stride, num_queries, radius, key_fractions [P],
     distance_edges [nbins + 1], layers`` (one dict per layer: per-head lists ``sparsity``,
-    ``mass_curve [H][P]``, ``within_radius``, ``cube_overlap``, ``predictor``; per-layer
+    ``mass_curve [H][P]``, ``within_radius``, ``cube_overlap``, ``predictor``, per shape ``list_density``
+    (the oracle's) and ``predictor_list_density`` (with their recall ``target``); per-layer
     ``distance_critical`` / ``distance_all_keys`` histograms as shares) and ``summary``.
     """
     grid = cube = None
@@ -516,7 +611,10 @@ def analyze(model, latents: torch.Tensor, timesteps: torch.Tensor, labels: Optio
                      f"{sum(rep['logit_std']) / len(rep['logit_std']):.2f} (Gaussian-logit sparsity "
                      f"{sum(rep['gaussian_sparsity']) / len(rep['gaussian_sparsity']):.3f}), oracle kept fraction "
                      + ", ".join(f"{name} {sum(v) / len(v):.3f}" for name, v in rep["list_density"].items()
-                                 if name != "target"))
+                                 if name != "target")
+                     + "; predictor kept fraction " + ", ".join(
+                         f"{name} {sum(v) / len(v):.3f}" for name, v in rep["predictor_list_density"].items()
+                         if name != "target"))
     return {"theta": theta, "S": S, "batch": int(latents.shape[0]), "grid": list(grid) if grid else None,
             "cube": list(cube) if cube else None, "query_stride": query_stride, "num_queries": int(qi.numel()),
             "radius": radius, "key_fractions": _vals(opts["fractions"]), "distance_edges": _vals(opts["edges"]),

@@ -360,6 +360,15 @@ def test_tool_end_to_end(megatron_cpu, tmp_path):
         # group of 16 (1x4x4) as tokens: no 32-query shape; token granularity: no block shape
         assert set(rep["list_density"]) == {"target", "query", "g16_tokens"}
         assert all(a <= b + 1e-9 for a, b in zip(rep["list_density"]["query"], rep["list_density"]["g16_tokens"]))
+        # the predictor's own lists: the group as tokens and as kv_block_size blocks, never below the oracle
+        pred = rep["predictor_list_density"]
+        # (and exact_*: the same ranking rule on the exact logits), never below the oracle
+        ranked = {"g16_tokens", "g16_blocks128", "exact_g16_tokens", "exact_g16_blocks128"}
+        assert set(pred) == {"target"} | ranked and pred["target"] == 0.96
+        assert all(0 < v <= 1 for name in ranked for v in pred[name])
+        for name in ("g16_tokens", "exact_g16_tokens"):
+            assert all(p >= o - 1e-9 for p, o in zip(pred[name], rep["list_density"]["g16_tokens"]))
+    assert set(data["summary"]["predictor_list_density"]) == ranked
     assert set(data["trajectory"]["runs"]) == {"arm=a", "arm=b"}
     assert data["trajectory"]["runs"]["arm=a"]["median_last"] == pytest.approx(0.3 + 0.2 + 0.04)
     for name in ("sparsity_heatmap", "mass_curves", "distance_histogram", "cube_overlap", "list_costs",
