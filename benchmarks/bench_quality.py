@@ -10,9 +10,10 @@ on held-out clips at fixed noise and timesteps.
 Writes ``benchmarks/results/quality-<gpu>-<yyyymmdd>.json`` (one ``final`` row: ``val_loss_full``,
 ``val_loss_dsv``, ``val_loss_window`` at ``steps``, the last validation step all three arms reached (an
 arm stopped early by its ``minutes`` budget is never compared against longer ones; ``val_loss_last`` and
-``steps_per_arm`` hold each arm's own end), ``recall``, ``seed``, ``sparse_layer_fraction`` (share of
-stage-2 layer-steps DSV ran sparse), ``sparsity_mean``; plus ``curve`` rows per arm and validation), a PNG of the validation curves, and (``--samples-out``) GIF / PNG grids of a few
-videos sampled from each model.
+``steps_per_arm`` hold each arm's own end), ``seed``; and DSV's state at its own end: ``recall``,
+``sparse_layer_fraction`` (share of stage-2 layer-steps DSV ran sparse), ``sparsity_mean``,
+``budget_density``; plus ``curve`` rows per arm and validation), a PNG of the validation curves, and
+(``--samples-out``) GIF / PNG grids of a few videos sampled from each model.
 
     PYTHONPATH=. python benchmarks/bench_quality.py --quick                      # CPU check
     PYTHONPATH=. python benchmarks/bench_quality.py --arm data=vizdoom,frames=32,res=128,steps=1500
@@ -50,6 +51,8 @@ def _sample_grid(model, clips, arm, path_prefix, n=2, steps=10):
 def equal_step_losses(curves):
     """``(step, {attn: val_loss})`` at the last validation step every arm reached: arms stopped by their
     minutes budget at different steps are compared at equal training, never a longer run against a shorter."""
+    if not curves:
+        raise ValueError("equal_step_losses: `curves` is empty (no arm trained)")
     common = set.intersection(*({s for s, _ in pts} for pts in curves.values()))
     if not common:
         raise ValueError(f"the arms {sorted(curves)} share no validation step; raise `minutes` or lower `--val-every`")

@@ -67,7 +67,8 @@ def parse_arm(text: str) -> dict:
         arm["stage1"] = arm["steps"] // 2
     if arm["label"] is None:
         variants = [f"{k.replace('_', '')}{arm[k]:g}" for k in ("lr", "qk_norm", "qk_lr", "rope")
-                    if arm[k] != ARM_DEFAULTS[k]] + ([f"{arm['gran']}lists"] if arm["gran"] != "block" else [])
+                    if arm[k] != ARM_DEFAULTS[k]]
+        variants += [f"{arm['gran']}lists"] if arm["gran"] != "block" and arm["attn"] == "dsv" else []
         arm["label"] = "-".join([arm["data"], arm["attn"], *variants, f"S{_tokens_text(tokens_of(arm))}"])
     return arm
 

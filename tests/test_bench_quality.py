@@ -24,3 +24,5 @@ def test_equal_step_losses_takes_the_last_step_every_arm_reached():
 def test_equal_step_losses_without_a_shared_step_names_the_fix():
     with pytest.raises(ValueError, match="minutes"):
         equal_step_losses({"full": [(250, 1.0)], "dsv": [(100, 1.1)], "window": [(250, 1.2)]})
+    with pytest.raises(ValueError, match="`curves` is empty"):
+        equal_step_losses({})

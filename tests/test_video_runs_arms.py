@@ -14,6 +14,7 @@ def test_gran_key_parses_labels_and_rejects_unknown():
     assert parse_arm("data=synthetic")["gran"] == "block"
     arm = parse_arm("data=synthetic,frames=4,res=64,gran=token")
     assert arm["gran"] == "token" and arm["label"] == "synthetic-dsv-tokenlists-S256"
+    assert parse_arm("data=synthetic,frames=4,res=64,gran=token,attn=full")["label"] == "synthetic-full-S256"
     with pytest.raises(ValueError, match="gran must be one of"):
         parse_arm("gran=tokens")
 

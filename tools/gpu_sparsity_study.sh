@@ -23,12 +23,13 @@
 #            in-place arms) and 32K with 6 layers at qk_lr 1, beside the CUDA build and the GPU tests
 #            (SKIP_GPU_TESTS=1 on the back-to-back second call)
 #   lists    after main32: where the kept keys go. The 8K and 32K (6 layers) arms with gains at 10x lr (the
-#            sparsest healthy arm, whose plateau comes within ~2000 steps; the 32K arm enters stage 2 at step
-#            1500 so that its dispatcher decides within the two calls), both on fp32 main weights and
-#            resumable, whose sweeps now split the budgets' density into a query's need, 32-query token lists,
-#            the cube as tokens and as blocks; beside them full vs DSV vs window at 8K for quality
-#            (bench_quality.py, fp32 main weights, 2000 steps) and the CUDA build + GPU tests; RESUME=1 on the
-#            back-to-back second call runs only the two resumable arms
+#            sparsest healthy arm, whose plateau comes within ~2000 steps; the 32K arm enters stage 2 at
+#            step 1500), both on fp32 main weights and resumable, whose sweeps split the budgets' density
+#            into a query's need, 32-query token lists, the cube as tokens and as blocks, and the
+#            predictor's own lists; beside them full vs DSV vs window at 8K for quality (bench_quality.py,
+#            fp32 main weights, 2000 steps) and the CUDA build + GPU tests; RESUME=1 on the back-to-back
+#            second call runs only the two resumable arms
+#   lists32k the 32K arm of `lists` alone, resumed (session 5's third call: 1243 -> 2669 steps)
 #   tokens   after lists: the 32K 6-layer arm of `lists` (gains at 10x lr, stage 2 from 1500) with token lists
 #            (DSV's granularity 'token', the paper's) instead of 128-key blocks, alone on the GPU and resumable
 #            from runs/sparsity/ (call it back to back): at 32K the sparsest layer's oracle cube list keeps 0.10 of
@@ -101,22 +102,26 @@ main32() {
   $run --tag=-32k-main32 --layers 6 --save-dir runs/sparsity \
     --arm $arm,res=256,label=vizdoom-dsv-S32K-64clips-6layers-main32 > "$out/main32-32k.log" 2>&1 &
   wait; }
+lists_arm=data=vizdoom,frames=32,steps=40000,stage1=3000,qk_lr=10
+lists32k_arm=$lists_arm,res=256,stage1=1500,label=vizdoom-dsv-qklr10-S32K-64clips-6layers-lists
+lists32k() { timeout 585 python3 benchmarks/bench_sparsity_emergence.py --out-dir "$out" --samples 64 --workers 4 \
+  --tag=-32k-lists --layers 6 --save-dir runs/sparsity --arm "$lists32k_arm,minutes=${MINUTES:-8.2}" \
+  > "$out/lists-32k.log" 2>&1; }
 lists() {
-  local run="timeout 585 python3 benchmarks/bench_sparsity_emergence.py --out-dir $out --samples 64 --workers 4"
-  local arm=data=vizdoom,frames=32,steps=40000,stage1=3000,minutes=${MINUTES:-8.2}
-  $run --tag=-8k-lists --save-dir runs/sparsity \
-    --arm $arm,res=128,qk_lr=10,label=vizdoom-dsv-qklr10-S8K-64clips-lists > "$out/lists-8k.log" 2>&1 &
-  $run --tag=-32k-lists --layers 6 --save-dir runs/sparsity \
-    --arm $arm,res=256,qk_lr=10,stage1=1500,label=vizdoom-dsv-qklr10-S32K-64clips-6layers-lists > "$out/lists-32k.log" 2>&1 &
+  timeout 585 python3 benchmarks/bench_sparsity_emergence.py --out-dir "$out" --samples 64 --workers 4 \
+    --tag=-8k-lists --save-dir runs/sparsity \
+    --arm "$lists_arm,res=128,minutes=${MINUTES:-8.2},label=vizdoom-dsv-qklr10-S8K-64clips-lists" \
+    > "$out/lists-8k.log" 2>&1 &
+  lists32k &
   [ -n "${RESUME:-}" ] || timeout 585 python3 benchmarks/bench_quality.py --out-dir "$out" --samples 64 --workers 4 \
     --samples-out "$out/samples" --arm "data=vizdoom,frames=32,res=128,steps=2000,stage1=1000,minutes=3.0" \
     > "$out/quality-main32.log" 2>&1 &
   wait; }
-tokens() {
-  timeout 585 python3 benchmarks/bench_sparsity_emergence.py --out-dir "$out" --samples 64 --workers 6 --tag=-32k-tokens \
-    --layers 6 --save-dir runs/sparsity \
-    --arm "data=vizdoom,frames=32,res=256,steps=40000,stage1=1500,qk_lr=10,gran=token,minutes=${MINUTES:-8.4},label=vizdoom-dsv-qklr10-tokenlists-S32K-64clips-6layers" \
-    > "$out/tokens-32k.log" 2>&1; }
+tokens() {  # 7.8 min of training leaves the final sweep (token-list ranking, full rank) and the save inside 585 s
+  local label=vizdoom-dsv-qklr10-tokenlists-S32K-64clips-6layers
+  timeout 585 python3 benchmarks/bench_sparsity_emergence.py --out-dir "$out" --samples 64 --workers 6 \
+    --tag=-32k-tokens --layers 6 --save-dir runs/sparsity \
+    --arm "${lists32k_arm%,label=*},gran=token,minutes=${MINUTES:-7.8},label=$label" > "$out/tokens-32k.log" 2>&1; }
 gputests() {  # build + tests end by 560 s, inside the device's 600 s beside 585 s arms
   local t0; t0=$(date +%s)
   timeout 300 env DSV_FORCE_CUDA_BUILD=1 python3 setup.py -q build_ext --inplace > "$out/build.log" 2>&1
@@ -134,6 +139,7 @@ case $stage in
   long8k) long8k ;;
   qklr) qklr ;;
   lists) lists & { [ -n "${RESUME:-}" ] || gputests; } & wait ;;
+  lists32k) lists32k ;;
   tokens) tokens ;;
   main32) main32 & { [ -n "${SKIP_GPU_TESTS:-}" ] || gputests; } & wait ;;
   *) echo "unknown stage $stage"; exit 2 ;;

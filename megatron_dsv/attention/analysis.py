@@ -467,7 +467,7 @@ def predictor_list_density(layer: DSVCoreAttention, q: torch.Tensor, k: torch.Te
 def ranked_label(name: str) -> str:
     """Plot label of a :func:`predictor_list_density` key: ``exact_<shape>`` is ranked by the exact
     logits (``full-rank <shape>``), ``<shape>`` by the predictor (``pred <shape>``)."""
-    return f"full-rank {name[6:]}" if name.startswith("exact_") else f"pred {name}"
+    return f"full-rank {name.removeprefix('exact_')}" if name.startswith("exact_") else f"pred {name}"
 
 
 @torch.no_grad()

@@ -110,6 +110,22 @@ def test_full_rank_ranks_by_the_exact_logits(make_layer, block_score, kv_heads):
     assert any((fresh[n] != fresh[f"exact_{n}"]).any() for n, _, _ in SHAPES)  # the low rank changed something
 
 
+def test_full_rank_maps_query_heads_to_kv_heads_as_the_predictor(make_layer):
+    """4 query heads on 2 KV heads (where interleaved and tiled maps differ): the exact ranking reads KV
+    head h // 2 for query head h, as the predictor's projections do (Wq = Wk = I: equal values)."""
+    layer = make_layer(dsv_config(), tf_config(hidden=64, heads=4, kv_heads=2))
+    q, k = _clustered(H=4, Hkv=2, seed=4)
+    k = k + torch.tensor([0.0, 3.0]).view(1, 2, 1, 1)  # the two KV heads differ
+    with torch.no_grad():
+        layer.predictor.wq.copy_(torch.eye(D).expand(4, D, D) * layer.softmax_scale)
+        layer.predictor.wk.copy_(torch.eye(D).expand(4, D, D))
+    got = predictor_list_density(layer, q, k, shapes=SHAPES, max_groups=6, full_rank=True)
+    swapped = predictor_list_density(layer, q, k.flip(1), shapes=SHAPES, max_groups=6, full_rank=True)
+    for name, _, _ in SHAPES:
+        torch.testing.assert_close(got[name], got[f"exact_{name}"], rtol=0, atol=0)
+    assert any((got[n] != swapped[n]).any() for n, _, _ in SHAPES)  # the KV heads matter here
+
+
 def test_rejects_bad_arguments(make_layer):
     layer = _layer(make_layer)
     q, k = _clustered()
