@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.common import bench_ms, collect_meta, dense_fwd_bwd_ms, write_results  # noqa: E402
 from megatron_dsv.ops.topk_estimation.cuda_impl import cuda_extension, estimate_topk_cuda  # noqa: E402
 from megatron_dsv.ops.topk_estimation.naive import group_proxies  # noqa: E402
-from megatron_dsv.ops.topk_estimation.triton_impl import estimate_topk_triton  # noqa: E402
+from megatron_dsv.ops.topk_estimation.triton_impl import METHODS, estimate_topk_triton  # noqa: E402
 
 H, R, D, SPARSITY = 16, 16, 128, 0.9
 COOL_DOWN_S = 2.0  # idle seconds before each size's selection timings
@@ -49,9 +49,11 @@ def measure(fn, rep=100):
     return ms, peak
 
 
-def run(sizes, triton_max_s, out_dir, G=32, block=64, backends=("cuda", "triton", "torch_topk"), triton_method="auto"):
+def run(sizes, triton_max_s, out_dir, G=32, block=64, backends=("cuda", "triton", "torch_topk"), triton_method="auto",
+        granularities=("token", "block")):
     """One row per (S, backend, granularity); G query-group size, ``block`` KV block size,
-    ``triton_method`` the Triton backend's method (auto | search | sample)."""
+    ``triton_method`` the Triton backend's method (one of ``triton_impl.METHODS``), ``granularities``
+    the list kinds measured."""
     bench = "topk_estimation" if (G, block) == (32, 64) else f"topk_estimation-g{G}-b{block}"
     rows = []
     meta = collect_meta()
@@ -74,7 +76,7 @@ def run(sizes, triton_max_s, out_dir, G=32, block=64, backends=("cuda", "triton"
                  ("torch_topk", "token", K, lambda: artifact_topk(q, k, K, G))]
         size_rows = []
         for backend, gran, kk, fn in cases:
-            if backend not in backends or (backend == "cuda" and cuda_extension() is None):
+            if backend not in backends or gran not in granularities or (backend == "cuda" and cuda_extension() is None):
                 continue
             row = dict(base, backend=backend, granularity=gran, block_size=block if gran == "block" else 0, K=kk,
                        out_bytes=NG * H * kk * 4)
@@ -129,15 +131,19 @@ def main():
     ap.add_argument("--group-size", type=int, default=32, help="query group size G (results file tagged when not 32)")
     ap.add_argument("--block-size", type=int, default=64, help="KV block size of the block-level rows")
     ap.add_argument("--backends", default="cuda,triton,torch_topk", help="comma-separated subset to run")
-    ap.add_argument("--triton-method", default="auto", choices=("auto", "search", "sample"),
-                    help="method of the Triton backend (auto = search until measured)")
+    ap.add_argument("--granularity", default="token,block", help="comma-separated list kinds: token, block")
+    ap.add_argument("--triton-method", default="auto", choices=METHODS,
+                    help="method of the Triton backend (auto: sample for token lists, keys for block lists)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else (
         [16384, 65536] if args.quick else [16384, 32768, 65536, 131072])
+    granularities = tuple(args.granularity.split(","))
+    if not set(granularities) <= {"token", "block"}:
+        ap.error(f"--granularity takes token and/or block, got {args.granularity!r}")
     run(sizes, args.triton_max_s, args.out, args.group_size, args.block_size, tuple(args.backends.split(",")),
-        args.triton_method)
+        args.triton_method, granularities)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,9 @@ items at or above 16 probes), plus the number of items strictly above it.
 Scores are recomputed in every pass (r is tiny), so memory is the output alone.
 Method "sample" (``_tk_sample``, see its docstring): a sampled threshold window, one scoring pass
 over all items into a per-group candidate buffer, exact selection on the buffer; groups whose window
-missed are redone by the two kernels above (flagged groups only, no host sync). "auto" = "search"
-until a GPU has measured "sample".
+missed are redone by the two kernels above (flagged groups only, no host sync). Method "keys"
+(``_tk_keys``): one scoring pass writing every item's key, then ``torch.topk`` on packed (key, index)
+values; for block lists. "auto": "sample" for token lists, "keys" for block lists.
 The kernels' ``S`` is the KEY length (k_lr's Sk, may differ from q_lr's Sq):
 proxies are precomputed per query group, so the kernels never see Sq.
 """
@@ -287,7 +288,41 @@ def _tk_sample(P, Kp, Counts, Out, Bidx, Bkey, Flags, S, n_items, NG, KMAX, CAP,
             run_eq += tl.sum(eq.to(tl.int32), axis=1)
 
 
-METHODS = ("auto", "search", "sample")
+@triton.jit
+def _tk_keys(P, Kp, Keys, S, n_items, NG, g0, n_g,
+             R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr):
+    """Method "keys", one program = (BG groups of the chunk [g0, g0 + n_g), BN items, b * h): the ordered
+    int32 key of each item, in one scoring pass, into ``Keys`` [B * H, n_g, n_items]; the selection is
+    :func:`_select_from_keys` (torch)."""
+    pid_g = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    bh = tl.program_id(2)
+    offs = pid_g * BG + tl.arange(0, BG)  # rows of the chunk
+    mask_g = offs < n_g
+    Pb = P + bh.to(tl.int64) * NG * R
+    Kb = Kp + bh.to(tl.int64) * S * R
+    key, items, valid = _item_scores(Pb, Kb, g0 + offs, mask_g, pid_n * BN, S, n_items, R, BG, BN, BS, LSE)
+    rows = bh.to(tl.int64) * n_g + offs
+    tl.store(Keys + rows[:, None] * n_items + items[None, :], key, mask=mask_g[:, None] & valid[None, :])
+
+
+def _select_from_keys(keys: torch.Tensor, counts: torch.Tensor, kmax: int) -> torch.Tensor:
+    """The lists of method "keys" from the ordered int32 keys ``[BH, n, n_items]``: per row the
+    ``counts[bh]`` best items (higher key, then lower index), ascending, then -1 padding; int32
+    ``[BH, n, kmax]``. One int64 ``torch.topk``: key in the high word, ``n_items - 1 - index`` in the low
+    word, so the order of the packed values is the tie rule itself; the best ``kmax`` come sorted, and a
+    row keeps the first ``counts[bh]`` of them."""
+    n_items = keys.shape[-1]
+    low = n_items - 1 - torch.arange(n_items, device=keys.device, dtype=torch.int64)
+    packed = keys.to(torch.int64) * (1 << 32) + low
+    top = torch.topk(packed, kmax, dim=-1, sorted=True).values
+    idx = (n_items - 1) - (top & 0xFFFFFFFF)
+    keep = torch.arange(kmax, device=keys.device) < counts.reshape(-1, 1, 1).to(keys.device)
+    idx = torch.sort(torch.where(keep, idx, n_items), dim=-1).values  # dropped slots sort last
+    return torch.where(idx == n_items, -1, idx).to(torch.int32)
+
+
+METHODS = ("auto", "search", "sample", "keys")
 
 
 def sample_plan(n_items: int, kmax: int, sample_size: int = 1024, z: float = 4.0):
@@ -317,16 +352,21 @@ def sample_positions(n_items: int, sample_size: int = 1024) -> torch.Tensor:
 
 def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="mean", block_score="max",
                          BG: int = 16, BN: int = 0, method: str = "auto", *, sample_size: int = 1024,
-                         z: float = 4.0, capacity: int = 0, stats: dict | None = None):
+                         z: float = 4.0, capacity: int = 0, stats: dict | None = None, chunk_elems: int = 1 << 25):
     """Same contract as :func:`estimate_topk`, on Triton (GPU, or CPU under TRITON_INTERPRET=1).
     q_lr [B, H, Sq, r], k_lr [B, H, Sk, r]: Sk may differ from Sq.
 
     ``method``: "search" (two kernels: 16-probe search, 9 passes over all items, then the ordered
     write pass), "sample" (:func:`_tk_sample`: a sampled threshold window, one pass over all items
     into a per-group candidate buffer, exact selection on the buffer; groups whose window missed
-    fall back to the search kernels, on those groups only, without a host sync), or "auto": "sample"
-    for token lists, "search" for block lists (H200, 2026-12-01, S=16K, G=32, 90% sparsity: token
-    lists 58.7 ms vs 149.6 ms; blocks of 64 8.8 ms vs 7.0 ms). Both give the same lists, the naive ones.
+    fall back to the search kernels, on those groups only, without a host sync), "keys" (:func:`_tk_keys`:
+    ONE scoring pass writing every item's ordered key, ``chunk_elems`` keys at a time, then one int64
+    ``torch.topk`` per chunk, :func:`_select_from_keys`; memory B*H*NG*n_items*12 bytes up to
+    ``chunk_elems``, so meant for block lists, whose n_items is S / block_size), or "auto": "sample" for
+    token lists (H200, 2026-12-01, S=16K, G=32, 90% sparsity: 58.7 ms vs "search" 149.6 ms), "keys" for
+    block lists (one scoring pass where "search" makes ten: 9 threshold passes and the write; "search"
+    took 7.0 ms for blocks of 64 there, not yet measured against "keys" on a GPU). All give the same
+    lists, the naive ones.
     "sample" knobs: ``sample_size`` (items scored to place the window), ``z`` (window half-width in
     standard deviations), ``capacity`` (candidate buffer per group; 0 = :func:`sample_plan`'s, a
     smaller value forces overflow in tests). Extra memory of "sample": B*H*NG*capacity*8 bytes.
@@ -335,7 +375,9 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     if method not in METHODS:
         raise ValueError(f"estimate_topk_triton: `method` must be one of {METHODS}, got {method!r}")
     if method == "auto":
-        method = "sample" if block_size == 0 else "search"
+        method = "sample" if block_size == 0 else "keys"
+    if chunk_elems < 1:
+        raise ValueError(f"estimate_topk_triton: `chunk_elems` must be >= 1, got {chunk_elems}")
     P = check_problem(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score)
     out = torch.full((P.B, P.H, P.num_groups, P.kmax), -1, dtype=torch.int32, device=q_lr.device)
     if stats is not None:
@@ -350,6 +392,16 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     BN = BN or (64 if block_size == 0 else 16)
     grid = (triton.cdiv(P.num_groups, BG), P.B * P.H)
     meta = dict(R=P.r, BG=BG, BN=BN, BS=block_size, LSE=block_score == "lse")
+    if method == "keys":
+        n_g = max(1, min(P.num_groups, chunk_elems // max(1, P.B * P.H * P.num_items)))
+        rows = out.view(P.B * P.H, P.num_groups, P.kmax)
+        for g0 in range(0, P.num_groups, n_g):
+            n = min(n_g, P.num_groups - g0)
+            keys = torch.empty(P.B * P.H, n, P.num_items, dtype=torch.int32, device=q_lr.device)
+            _tk_keys[(triton.cdiv(n, BG), triton.cdiv(P.num_items, BN), P.B * P.H)](
+                proxies, k, keys, P.Sk, P.num_items, P.num_groups, g0, n, **meta)
+            rows[:, g0:g0 + n] = _select_from_keys(keys, counts, P.kmax)
+        return out, counts
     flags = thr  # unused by "search"
     if method == "sample":
         F, nsv, cap = sample_plan(P.num_items, P.kmax, sample_size, z)

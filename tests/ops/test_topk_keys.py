@@ -1,0 +1,63 @@
+"""Triton top-k, method "keys" (one scoring pass writing every item's key, then one packed int64
+torch.topk per chunk of groups): the same lists as naive, exactly; "auto" takes it for block lists.
+
+Runs under the Triton interpreter on this CPU machine (fp32, fp16) and on CUDA when a GPU is present;
+the GPU tests of ``test_topk_estimation.py`` reach it too, through "auto" on their block-list cases.
+"""
+
+import pytest
+import torch
+
+from megatron_dsv.ops.topk_estimation import estimate_topk_naive
+from megatron_dsv.ops.topk_estimation.triton_impl import _select_from_keys, estimate_topk_triton
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _ints(shape, dtype, seed, lo=-3, hi=4):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(lo, hi, shape, generator=g).to(dtype).to(DEV)
+
+
+CASES = [  # B, H, Sq, Sk, r, G, block_size, proxy, block_score, budgets
+    pytest.param(1, 3, 300, 300, 32, 16, 64, "mean", "max", [1, 2, 5], id="blk64-S300-max"),
+    pytest.param(1, 2, 301, 301, 16, 32, 128, "middle", "lse", [1, 3], id="blk128-S301-lse"),
+    pytest.param(2, 2, 70, 2000, 16, 32, 128, "mean", "max", [[0, 15], [16, 40]], id="blk128-Sk2000-clip-zero"),
+    # fp32 "mean" proxies of a partial group round differently under fma (every Triton method alike; see
+    # test_topk_sample.py): whole groups of 32 queries, an odd key length
+    pytest.param(1, 2, 224, 203, 16, 32, 0, "mean", "max", [5, 40], id="tok-Sk203"),
+    pytest.param(2, 2, 130, 130, 8, 7, 0, "middle", "max", [[1, 130], [200, 3]], id="tok-G7-all-clip"),
+]
+
+
+@pytest.mark.parametrize("B,H,Sq,Sk,r,G,bs,proxy,bscore,budgets", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("chunk", [1 << 25, 7], ids=["one-chunk", "group-per-chunk"])
+def test_keys_equals_naive_integer_ties(B, H, Sq, Sk, r, G, bs, proxy, bscore, budgets, dtype, chunk):
+    """Small-integer inputs: every score exact, heavy ties at every threshold; chunking over groups
+    (down to one group per chunk) changes nothing."""
+    q, k = _ints((B, H, Sq, r), dtype, 41), _ints((B, H, Sk, r), dtype, 42)
+    budgets = torch.tensor(budgets)
+    ref = estimate_topk_naive(q, k, budgets, G, bs, proxy, bscore)
+    got = estimate_topk_triton(q, k, budgets, G, bs, proxy, bscore, method="keys", chunk_elems=chunk)
+    assert torch.equal(ref[1], got[1]) and got[0].dtype == torch.int32
+    assert torch.equal(ref[0], got[0])
+
+
+def test_auto_takes_keys_for_blocks_and_all_methods_agree():
+    q, k = _ints((1, 2, 64, 16), torch.float32, 43), _ints((1, 2, 900, 16), torch.float32, 44)
+    lists = {m: estimate_topk_triton(q, k, 3, 32, 64, method=m)[0] for m in ("auto", "keys", "search", "sample")}
+    assert all(torch.equal(lists["keys"], v) for v in lists.values())
+    with pytest.raises(ValueError, match="`chunk_elems`"):
+        estimate_topk_triton(q, k, 3, 32, 64, method="keys", chunk_elems=0)
+
+
+def test_select_from_keys_tie_rule_and_padding():
+    """The packed order is (key descending, index ascending); negative keys and the int32 extremes
+    keep their order; a row keeps its head's count, ascending, then -1."""
+    keys = torch.tensor([[[5, -7, 5, 2**31 - 1, -2**31, 5]],
+                         [[0, 0, 0, 0, 0, 0]]], dtype=torch.int32)
+    out = _select_from_keys(keys, torch.tensor([3, 2]), 3)
+    assert out.tolist() == [[[0, 2, 3]], [[0, 1, -1]]]
+    out = _select_from_keys(keys, torch.tensor([6, 0]), 6)
+    assert out.tolist() == [[[0, 1, 2, 3, 4, 5]], [[-1] * 6]]
