@@ -12,6 +12,8 @@ frames * (res / 8)^2), the same synthetic inputs, batch 1, AdamW on fp32 main we
 * ``dsv_stage1``: DSV in stage 1 (dense attention + predictor statistics every step + profiles);
 * ``window``: the fixed 3D local window (``models/window_attention.py``) at the stage-2 kept fraction.
 
+DSV arms use key-block lists unless ``--granularity token`` (rows carry ``granularity``).
+
 A step = zero grads, forward, flow-matching loss, backward, optimizer step, ``dsv_on_step_end``. The
 DSV steps differ by what the schedule asks (predictor training every ``predictor_train_interval`` steps,
 profiles every ``profile_interval`` in warm-up and ``profile_interval_after_warmup`` after): each kind
@@ -69,7 +71,7 @@ def build(arm: str, args, frames: int, res: int, device, dtype):
     cfg = VideoDiTConfig.from_preset(args.preset, layers=args.layers, latent_frames=frames, latent_height=res // 4,
                                      latent_width=res // 4, num_classes=8)
     table = args.speedup_table if device.type == "cuda" else None
-    dsv = DSVConfig(speedup_table=table) if arm.startswith("dsv") else None
+    dsv = DSVConfig(speedup_table=table, granularity=args.granularity) if arm.startswith("dsv") else None
     kwargs = {}
     if arm == "window":
         from megatron_dsv.models.window_attention import WindowConfig, radius_for_fraction
@@ -145,7 +147,7 @@ def run_arm(arm: str, args, frames: int, res: int, device, dtype) -> dict:
         if device.type == "cuda":  # per step kind: which of them sets the peak
             peaks[name] = torch.cuda.max_memory_allocated() / 2**30
     out = dict(arm=arm, S=S, frames=frames, res=res, preset=args.preset, layers=args.layers, hidden=cfg.hidden,
-               heads=cfg.heads, head_dim=cfg.head_dim)
+               heads=cfg.heads, head_dim=cfg.head_dim, granularity=args.granularity if dsv is not None else None)
     parts = dict.fromkeys(PARTS, 0.0)
     if dsv is None:
         out["ms_step"] = ms["plain"]
@@ -249,6 +251,8 @@ def main(argv=None):
                     help="frames per video (with --res 256: 16K, 32K, 64K, 128K tokens)")
     ap.add_argument("--res", type=int, nargs="+", default=[256], help="pixel side per frame (tokens per frame = (res / 8)^2)")
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    ap.add_argument("--granularity", default="block", choices=("block", "token"),
+                    help="DSV's KV lists (DSVConfig.granularity): 128-key blocks (default) or tokens (the paper's)")
     ap.add_argument("--sparsity-min", type=float, default=0.80)
     ap.add_argument("--sparsity-max", type=float, default=0.98)
     ap.add_argument("--sparsity-mean", type=float, default=0.90)

@@ -202,6 +202,16 @@ def test_bench_e2e_quick_four_arms(tmp_path):
     assert rows["dsv_stage1"]["ms_profile_step"] > 0 and rows["dsv_stage1"]["profile_every"] == 25
 
 
+@pytest.mark.timeout(600)
+def test_bench_e2e_quick_token_lists(tmp_path):
+    """--granularity token reaches the DSV arms' config and their rows; the dense arms carry none."""
+    _run_bench("bench_e2e.py", tmp_path, "--granularity", "token", "--arms", "full", "dsv_stage1")
+    (path,) = tmp_path.glob("e2e-*.json")
+    rows = {r["arm"]: r for r in json.loads(path.read_text())["rows"]}
+    assert rows["dsv_stage1"]["granularity"] == "token" and rows["full"]["granularity"] is None
+    assert rows["dsv_stage1"]["ms_step"] > 0
+
+
 def _bench_sparse_attention():
     """The kernel benchmark's module, imported here without side effects (its env defaults are set in main)."""
     sys.path.insert(0, ROOT)
