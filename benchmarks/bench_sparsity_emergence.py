@@ -11,7 +11,8 @@ Writes ``benchmarks/results/sparsity_emergence-<gpu>-<yyyymmdd>.json`` (rows: ``
 ``S``, ``preset``, ``layers``, ``step``, ``sparsity_mean``, per-layer ``sparsity``, ``stage``,
 ``recall``, ``sparse_layers``, per-layer ``budget_density_layers`` (the recall-rule lists' kept
 fraction: against ``1 - sparsity`` it shows how much one list per query group multiplies a query's
-share); one ``final`` row per arm with the run's summary) and a PNG of mean
+share) and ``budget_density_measured_layers`` (the last profile's, before the budgets' smoothing, which
+rises at once and falls with the momentum); one ``final`` row per arm with the run's summary) and a PNG of mean
 and best-layer sparsity over steps per arm. The JSON is rewritten after every arm, so a run cut
 short keeps what it measured.
 
@@ -78,6 +79,8 @@ def _row(arm, args, step, model) -> dict:
                 sparsity_smoothed=m["dsv/sparsity_mean"], budget_density=m["dsv/budget_density_mean"],
                 budget_density_layers=[m[f"dsv/layer{layer.layer_number}/budget_density"]
                                        for layer in dsv_layers(model)],
+                budget_density_measured_layers=[m[f"dsv/layer{layer.layer_number}/budget_density_measured"]
+                                                for layer in dsv_layers(model)],
                 recall=m["dsv/recall_mean"], sparse_layers=round(m["dsv/sparse_fraction"] * n),
                 predictor_loss=m["dsv/predictor_loss"])
 

@@ -62,6 +62,8 @@ def test_bench_sparsity_emergence_quick_rows_per_arm(tmp_path):
     assert [r["step"] for r in profiles] == [1, 4, 7] and {r["stage"] for r in profiles} == {1, 2}
     for r in profiles:
         assert len(r["sparsity"]) == r["layers"] == 2 and 0.0 < r["sparsity_mean"] < 1.0 and r["S"] == 256
+        # the budgets rise at once and fall with the momentum: never below the last profile's own measurement
+        assert all(b >= m - 1e-6 for b, m in zip(r["budget_density_layers"], r["budget_density_measured_layers"]))
     final = [r for r in rows if r["kind"] == "final"]
     assert [r["steps"] for r in final] == [9, 9] and all(r["val_loss"] > 0 for r in final)
     sweeps = [r for r in rows if r["kind"] == "sweep" and r["arm"] == "synthetic-dsv-S256"]

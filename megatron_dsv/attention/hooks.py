@@ -180,6 +180,7 @@ def dsv_metrics(model) -> Dict[str, float]:
         out.update(m)
     keys = {"predictor_loss": "predictor_loss", "sparsity_mean": "sparsity",
             "sparsity_measured_mean": "sparsity_measured", "budget_density_mean": "budget_density",
+            "budget_density_measured_mean": "budget_density_measured",
             "recall_mean": "recall", "sparse_fraction": "sparse", "k_mean": "k_mean"}
     for total, name in keys.items():
         out[f"dsv/{total}"] = _mean([m[f"dsv/layer{layer.layer_number}/{name}"] for layer, m in zip(layers, per_layer)])

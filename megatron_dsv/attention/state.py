@@ -168,6 +168,7 @@ class LayerState:
         self.sparsity = module.sparsity.detach().float().cpu()
         self.measured = self.sparsity.clone()  # the last profile's unsmoothed sparsity
         self.density = module.budget_density.detach().float().cpu()
+        self.density_measured = self.density.clone()  # the last profile's unsmoothed recall-rule density
         self.recall = module.recall.detach().float().cpu()
         self.loss = float(module.predictor_loss[0])
 
@@ -191,6 +192,7 @@ class LayerState:
             # growing need would undershoot the recall target until it catches up
             needed = lay.density(pending) / sp_n
             self.density = torch.maximum(smooth(self.density, needed, momentum, first), needed)
+            self.density_measured = needed
             _write(module.sparsity, self.sparsity)
             _write(module.budget_density, self.density)
             module.profiles += 1
@@ -208,6 +210,7 @@ class LayerState:
         p, sp, dens, rec = prefix, self.sparsity, self.density, self.recall
         out = {p + "sparsity": float(sp.mean()), p + "sparsity_measured": float(self.measured.mean()),
                p + "budget_density": float(dens.mean()),
+               p + "budget_density_measured": float(self.density_measured.mean()),
                p + "sparse": float(last_sparse), p + "recall": float(rec.mean()),
                p + "k_mean": float(last_k.mean()), p + "predictor_loss": self.loss,
                p + "kernel_ok": float(kernel_ok)}

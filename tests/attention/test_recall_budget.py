@@ -81,6 +81,10 @@ def test_budget_density_is_smoothed_and_round_trips(make_layer):
     # head 0 needs more (0.6): taken at once; head 1 needs less (0.1): smoothed, 0.5 * 0.3 + 0.5 * 0.1
     assert torch.allclose(second, torch.tensor([0.6, 0.2]))
     assert torch.equal(a._density_cpu, second) and a.decide(512)[1].tolist() == [308, 103]
+    m = dsv_metrics(a)  # the smoothed budget and the last profile's own measurement, side by side
+    assert m["dsv/layer1/budget_density"] == pytest.approx(0.4) and m["dsv/budget_density_mean"] == pytest.approx(0.4)
+    assert m["dsv/layer1/budget_density_measured"] == pytest.approx(0.35)
+    assert m["dsv/budget_density_measured_mean"] == pytest.approx(0.35)
     sd = a.state_dict()
     assert torch.equal(sd["budget_density"], second)
     c = make_layer(layer_number=5)
