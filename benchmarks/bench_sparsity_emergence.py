@@ -203,10 +203,14 @@ def _plot_list_costs(ax, rows, lists) -> None:
     share), each oracle list shape's kept fraction at the budgets' recall target, the predictor's own
     (``pred ...``, where the rows carry ``predictor_list_density``; files written before have none), and
     the budget density of the arm's profile nearest that step (the predictor's lists); all means over
-    layers. The dispatcher's 0.2 line."""
-    shapes = list(lists[0]["list_density"])
-    lists = [r for r in lists if list(r["list_density"]) == shapes]  # one set of bars: arms with the same shapes
-    predicted = next((list(r["predictor_list_density"]) for r in lists if r.get("predictor_list_density")), [])
+    layers. The dispatcher's 0.2 line. Shapes are the union over the arms (a token-list arm has no block
+    shape in the oracle's decomposition): a shape an arm lacks gets no bar."""
+    def mean_of(dens, name):
+        v = (dens or {}).get(name)
+        return sum(v) / len(v) if v else float("nan")
+
+    shapes = list(dict.fromkeys(n for r in lists for n in r["list_density"]))
+    predicted = list(dict.fromkeys(n for r in lists for n in r.get("predictor_list_density") or {}))
     predicted.sort(key=lambda n: not n.startswith("exact_"))  # the exact logits' ranking, then the predictor's
     names = ["critical (1 - sparsity)", *shapes, *map(ranked_label, predicted), "budgets (predictor)"]
     arms = list(dict.fromkeys(r["arm"] for r in lists))
@@ -215,9 +219,8 @@ def _plot_list_costs(ax, rows, lists) -> None:
         row = max((r for r in lists if r["arm"] == name), key=lambda r: r["step"])
         profiles = [r for r in rows if r.get("kind") == "profile" and r["arm"] == name and "budget_density" in r]
         near = min(profiles, key=lambda r: abs(r["step"] - row["step"])) if profiles else None
-        pred = [row.get("predictor_list_density", {}).get(n) for n in predicted]
-        vals = [1.0 - row["sparsity_mean"], *[sum(v) / len(v) for v in row["list_density"].values()],
-                *[sum(v) / len(v) if v else float("nan") for v in pred],
+        vals = [1.0 - row["sparsity_mean"], *[mean_of(row["list_density"], n) for n in shapes],
+                *[mean_of(row.get("predictor_list_density"), n) for n in predicted],
                 near["budget_density"] if near else float("nan")]
         ax.bar([j + i * width for j in range(len(vals))], vals, width, color=f"C{i % 10}",
                label=f"{name} @ {row['step']}")
