@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.common import bench_ms, collect_meta, dense_fwd_bwd_ms, write_results  # noqa: E402
 from megatron_dsv.ops.topk_estimation.cuda_impl import cuda_extension, estimate_topk_cuda  # noqa: E402
 from megatron_dsv.ops.topk_estimation.naive import group_proxies  # noqa: E402
-from megatron_dsv.ops.topk_estimation.triton_impl import METHODS, estimate_topk_triton  # noqa: E402
+from megatron_dsv.ops.topk_estimation.triton_impl import METHODS, estimate_topk_triton, resolve_method  # noqa: E402
 
 H, R, D, SPARSITY = 16, 16, 128, 0.9
 COOL_DOWN_S = 2.0  # idle seconds before each size's selection timings
@@ -80,8 +80,8 @@ def run(sizes, triton_max_s, out_dir, G=32, block=64, backends=("cuda", "triton"
                 continue
             row = dict(base, backend=backend, granularity=gran, block_size=block if gran == "block" else 0, K=kk,
                        out_bytes=NG * H * kk * 4)
-            if backend == "triton":
-                row["triton_method"] = triton_method
+            if backend == "triton":  # the method that ran ("auto" has meant different ones over time)
+                row["triton_method"] = resolve_method(triton_method, row["block_size"])
             if backend == "triton" and S > triton_max_s:
                 row["skipped"] = f"S > {triton_max_s} (too slow for the lease)"
                 size_rows.append(row)

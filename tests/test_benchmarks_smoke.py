@@ -207,11 +207,13 @@ def test_bench_e2e_quick_four_arms(tmp_path):
 @pytest.mark.timeout(600)
 def test_bench_e2e_quick_token_lists(tmp_path):
     """--granularity token reaches the DSV arms' config and their rows; the dense arms carry none."""
-    _run_bench("bench_e2e.py", tmp_path, "--granularity", "token", "--arms", "full", "dsv_stage1")
-    (path,) = tmp_path.glob("e2e-*.json")
+    _run_bench("bench_e2e.py", tmp_path, "--granularity", "token", "--arms", "full", "dsv_stage2", "dsv_stage1",
+               "--tag=-token")
+    (path,) = tmp_path.glob("e2e-token-*.json")
     rows = {r["arm"]: r for r in json.loads(path.read_text())["rows"]}
-    assert rows["dsv_stage1"]["granularity"] == "token" and rows["full"]["granularity"] is None
-    assert rows["dsv_stage1"]["ms_step"] > 0
+    assert rows["full"]["granularity"] is None
+    for arm in ("dsv_stage2", "dsv_stage1"):
+        assert rows[arm]["granularity"] == "token" and rows[arm]["ms_step"] > 0
 
 
 def _bench_sparse_attention():

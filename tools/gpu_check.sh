@@ -7,8 +7,8 @@
 #   selection benchmark beside the CUDA kernel, "search" at 16K in the same run, then its tests on the GPU),
 #   sweep (bench_sparse_attention.py --sweep: D x G x granularity x S x sparsity against cuDNN and Flex, ~5 min),
 #   e2etok (bench_e2e's full and stage-2 arms with token lists, as e2e otherwise),
-#   topkkeys (the Triton top-k's method "keys", its "auto" for block lists, beside the CUDA kernel at every S,
-#   G=32 / block 64 and G=128 / block 128)
+#   topkkeys (the Triton top-k's method "keys", its "auto" for block lists: its tests on the GPU, then beside the
+#   CUDA kernel at every S, G=32 / block 64 and G=128 / block 128, and "search" at 16K in the same run)
 # Each stage logs to OUT_DIR/<stage>.log and a failing stage does not stop the others.
 set -u
 out=${1:?usage: gpu_check.sh OUT_DIR [stage ...]}; shift
@@ -49,11 +49,15 @@ for s in $stages; do
                   python3 benchmarks/bench_topk_estimation.py --backends triton --triton-method search \
                     --sizes 16384 --out '$out/search'; python3 -m pytest -q -x -p no:cacheprovider tests/ops/test_topk_sample.py" ;;
     e2etok) run e2etok 280 python3 benchmarks/bench_e2e.py --preset 2.7b --layers 2 --frames 16 32 64 128 --res 256 \
-              --granularity token --arms full dsv_stage2 --tag -token --out-dir "$out" ;;
-    topkkeys) run topkkeys 300 sh -c "python3 benchmarks/bench_topk_estimation.py --backends cuda,triton \
+              --granularity token --arms full dsv_stage2 --tag=-token --out-dir "$out" ;;
+    topkkeys) run topkkeys 300 sh -c "python3 -m pytest -q -x -p no:cacheprovider tests/ops/test_topk_keys.py; \
+              python3 benchmarks/bench_topk_estimation.py --backends cuda,triton --triton-method keys \
                 --granularity block --sizes 16384,32768,65536,131072 --triton-max-s 131072 --out '$out/g32' && \
+              python3 benchmarks/bench_topk_estimation.py --backends triton --triton-method search \
+                --granularity block --sizes 16384 --out '$out/search' && \
               python3 benchmarks/bench_topk_estimation.py --backends cuda,triton --group-size 128 --block-size 128 \
-                --granularity block --sizes 16384,32768,65536,131072 --triton-max-s 131072 --out '$out/g128'" ;;
+                --triton-method keys --granularity block --sizes 16384,32768,65536,131072 --triton-max-s 131072 \
+                --out '$out/g128'" ;;
     sweep) run sweep 420 python3 benchmarks/bench_sparse_attention.py --sweep --warm-shards 8 --time-budget-s 300 \
              --out "$out" ;;
     *) echo "unknown stage $s (build tests train recall predictor topk e2e e2etok topksample topkkeys sweep)"; exit 2 ;;

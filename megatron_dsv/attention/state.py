@@ -168,7 +168,9 @@ class LayerState:
         self.sparsity = module.sparsity.detach().float().cpu()
         self.measured = self.sparsity.clone()  # the last profile's unsmoothed sparsity
         self.density = module.budget_density.detach().float().cpu()
-        self.density_measured = self.density.clone()  # the last profile's unsmoothed recall-rule density
+        # the last profile's unsmoothed recall-rule density; not in checkpoints (as ``measured``): after a
+        # load it reads the smoothed budget until the next profile
+        self.density_measured = self.density.clone()
         self.recall = module.recall.detach().float().cpu()
         self.loss = float(module.predictor_loss[0])
 

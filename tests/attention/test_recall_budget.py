@@ -90,6 +90,7 @@ def test_budget_density_is_smoothed_and_round_trips(make_layer):
     c = make_layer(layer_number=5)
     c.load_state_dict(sd)
     assert torch.equal(c.budget_density, second) and torch.equal(c._density_cpu, second)
+    assert dsv_metrics(c)["dsv/layer5/budget_density_measured"] == pytest.approx(0.4)  # not saved: the budget
     sharded = a.sharded_state_dict(prefix="x.")
     assert torch.equal(sharded["x.budget_density"].data, second)
     # an old checkpoint without budget_density loads, starting from the sparsity rule's 1 - s

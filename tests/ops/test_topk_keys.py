@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_dsv.ops.topk_estimation import estimate_topk_naive
-from megatron_dsv.ops.topk_estimation.triton_impl import _select_from_keys, estimate_topk_triton
+from megatron_dsv.ops.topk_estimation.triton_impl import _select_from_keys, estimate_topk_triton, resolve_method
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -44,12 +44,32 @@ def test_keys_equals_naive_integer_ties(B, H, Sq, Sk, r, G, bs, proxy, bscore, b
     assert torch.equal(ref[0], got[0])
 
 
+@pytest.mark.parametrize("bs,BG", [(64, 2), (0, 16)], ids=["blk64-BG2", "tok-BG16"])
+def test_keys_chunks_with_a_remainder(bs, BG):
+    """Chunks of 3 and 5 of the 9 groups (the last chunk partial), tiles of BG rows smaller than a chunk,
+    continuous fp32 inputs (a last-bit difference of the partial group's mean proxy could only swap items
+    tied within an ulp: none at this seed), zero and full budgets, Sq != Sk."""
+    g = torch.Generator().manual_seed(45)
+    q = torch.randn(2, 2, 9 * 32 - 5, 16, generator=g).to(DEV)
+    k = torch.randn(2, 2, 1100, 16, generator=g).to(DEV)
+    n_items = 1100 if bs == 0 else -(-1100 // bs)
+    budgets = torch.tensor([[0, n_items], [3, n_items // 4]])
+    ref = estimate_topk_naive(q, k, budgets, 32, bs)
+    for groups in (3, 5):
+        got = estimate_topk_triton(q, k, budgets, 32, bs, method="keys", BG=BG, chunk_elems=groups * 4 * n_items + 1)
+        assert torch.equal(ref[1], got[1]) and torch.equal(ref[0], got[0]), groups
+
+
 def test_auto_takes_keys_for_blocks_and_all_methods_agree():
     q, k = _ints((1, 2, 64, 16), torch.float32, 43), _ints((1, 2, 900, 16), torch.float32, 44)
     lists = {m: estimate_topk_triton(q, k, 3, 32, 64, method=m)[0] for m in ("auto", "keys", "search", "sample")}
     assert all(torch.equal(lists["keys"], v) for v in lists.values())
     with pytest.raises(ValueError, match="`chunk_elems`"):
         estimate_topk_triton(q, k, 3, 32, 64, method="keys", chunk_elems=0)
+    assert resolve_method("auto", 64) == "keys" and resolve_method("auto", 0) == "sample"
+    assert resolve_method("search", 128) == "search"
+    with pytest.raises(ValueError, match="`method`"):
+        resolve_method("radix", 0)
 
 
 def test_select_from_keys_tie_rule_and_padding():

@@ -26,7 +26,7 @@ import triton.language as tl
 from .common import check_problem
 from .naive import group_proxies
 
-__all__ = ["estimate_topk_triton", "sample_plan", "sample_positions", "METHODS"]
+__all__ = ["estimate_topk_triton", "resolve_method", "sample_plan", "sample_positions", "METHODS"]
 
 _NPROBE = 16
 _NPASS = 9  # (17-way split) 8 passes shrink 2^32 to 1; one spare
@@ -288,7 +288,7 @@ def _tk_sample(P, Kp, Counts, Out, Bidx, Bkey, Flags, S, n_items, NG, KMAX, CAP,
             run_eq += tl.sum(eq.to(tl.int32), axis=1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["g0", "n_g"])  # one compile for every chunk of the loop
 def _tk_keys(P, Kp, Keys, S, n_items, NG, g0, n_g,
              R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr):
     """Method "keys", one program = (BG groups of the chunk [g0, g0 + n_g), BN items, b * h): the ordered
@@ -314,7 +314,8 @@ def _select_from_keys(keys: torch.Tensor, counts: torch.Tensor, kmax: int) -> to
     row keeps the first ``counts[bh]`` of them."""
     n_items = keys.shape[-1]
     low = n_items - 1 - torch.arange(n_items, device=keys.device, dtype=torch.int64)
-    packed = keys.to(torch.int64) * (1 << 32) + low
+    packed = keys.to(torch.int64)
+    packed.mul_(1 << 32).add_(low)  # in place: 12 bytes per key with the int32 keys, not 20
     top = torch.topk(packed, kmax, dim=-1, sorted=True).values
     idx = (n_items - 1) - (top & 0xFFFFFFFF)
     keep = torch.arange(kmax, device=keys.device) < counts.reshape(-1, 1, 1).to(keys.device)
@@ -323,6 +324,16 @@ def _select_from_keys(keys: torch.Tensor, counts: torch.Tensor, kmax: int) -> to
 
 
 METHODS = ("auto", "search", "sample", "keys")
+
+
+def resolve_method(method: str, block_size: int) -> str:
+    """The method :func:`estimate_topk_triton` runs: ``method`` itself, or for "auto" "sample" with token
+    lists (``block_size`` 0) and "keys" with block lists."""
+    if method not in METHODS:
+        raise ValueError(f"estimate_topk_triton: `method` must be one of {METHODS}, got {method!r}")
+    if method != "auto":
+        return method
+    return "sample" if block_size == 0 else "keys"
 
 
 def sample_plan(n_items: int, kmax: int, sample_size: int = 1024, z: float = 4.0):
@@ -360,22 +371,19 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     write pass), "sample" (:func:`_tk_sample`: a sampled threshold window, one pass over all items
     into a per-group candidate buffer, exact selection on the buffer; groups whose window missed
     fall back to the search kernels, on those groups only, without a host sync), "keys" (:func:`_tk_keys`:
-    ONE scoring pass writing every item's ordered key, ``chunk_elems`` keys at a time, then one int64
-    ``torch.topk`` per chunk, :func:`_select_from_keys`; memory B*H*NG*n_items*12 bytes up to
-    ``chunk_elems``, so meant for block lists, whose n_items is S / block_size), or "auto": "sample" for
-    token lists (H200, 2026-12-01, S=16K, G=32, 90% sparsity: 58.7 ms vs "search" 149.6 ms), "keys" for
-    block lists (one scoring pass where "search" makes ten: 9 threshold passes and the write; "search"
-    took 7.0 ms for blocks of 64 there, not yet measured against "keys" on a GPU). All give the same
-    lists, the naive ones.
+    ONE scoring pass writing every item's ordered key, ``chunk_elems`` keys at a time (but at least one
+    group of every batch and head), then one int64 ``torch.topk`` per chunk, :func:`_select_from_keys`;
+    about 12 bytes per key of a chunk, so meant for block lists, whose n_items is S / block_size), or
+    "auto" (:func:`resolve_method`): "sample" for token lists (H200, 2026-12-01, S=16K, G=32, 90%
+    sparsity: 58.7 ms vs "search" 149.6 ms), "keys" for block lists (one scoring pass where "search"
+    makes ten: 9 threshold passes and the write; "search" took 7.0 ms for blocks of 64 there, not yet
+    measured against "keys" on a GPU). All give the same lists, the naive ones.
     "sample" knobs: ``sample_size`` (items scored to place the window), ``z`` (window half-width in
     standard deviations), ``capacity`` (candidate buffer per group; 0 = :func:`sample_plan`'s, a
     smaller value forces overflow in tests). Extra memory of "sample": B*H*NG*capacity*8 bytes.
     ``stats``: a dict that receives ``fallback_groups`` (a host sync; for tests and benchmarks).
     """
-    if method not in METHODS:
-        raise ValueError(f"estimate_topk_triton: `method` must be one of {METHODS}, got {method!r}")
-    if method == "auto":
-        method = "sample" if block_size == 0 else "keys"
+    method = resolve_method(method, block_size)
     if chunk_elems < 1:
         raise ValueError(f"estimate_topk_triton: `chunk_elems` must be >= 1, got {chunk_elems}")
     P = check_problem(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score)
