@@ -185,7 +185,7 @@ def train_predictors(predictors: Sequence["LowRankPredictor"]) -> Tuple[torch.Te
         pred._stash = []
     for (mode, weight, _), calls in groups.items():
         owners = [predictors[i] for i, _ in calls]  # one per call: a layer's micro-batches repeat it
-        stats = [torch.stack(ts) for ts in zip(*(st[:5] for _, st in calls))]  # xq, q_rows, gk, gx, c
+        stats = [torch.stack(ts).float() for ts in zip(*(st[:5] for _, st in calls))]  # xq, q_rows, gk, gx, c
         if mode == "qk":
             wq = torch.stack([p.wq for p in owners]).unsqueeze(1)
             wk = torch.stack([p.wk for p in owners]).unsqueeze(1)
@@ -315,7 +315,9 @@ class LowRankPredictor(nn.Module):
         # On unit rows MSE = 2 (1 - cos) / S, so the paper's loss is one weight times (1 - cos).
         weight = cfg.predictor_loss_cos_weight + 2.0 * cfg.predictor_loss_mse_weight / S
         with torch.no_grad():
-            q_rows = q.index_select(2, query_index).float()
+            # the sampled rows stay in the model's dtype until the step end (half the stash in bf16, and
+            # exact: train_predictors upcasts them to fp32, which is what an fp32 copy here held)
+            q_rows = q.index_select(2, query_index)
             gk = _gram_fp32(k)  # k^T k in fp32 (tensor cores for bf16 keys)
             if self.mode == "qk":
                 if cp > 1:
@@ -331,7 +333,7 @@ class LowRankPredictor(nn.Module):
                 gx = _gram_fp32(x).unsqueeze(1)
                 if cp > 1:
                     all_reduce_many([gk, gx, c], seq_group)
-                xq = hidden.index_select(0, query_index).transpose(0, 1).unsqueeze(1).float()
+                xq = hidden.index_select(0, query_index).transpose(0, 1).unsqueeze(1)
                 stats = _Moments(xq, q_rows, gk, gx, c, weight)  # xq shared by heads
             self._stash.append(stats)
             self.grad_count += 1

@@ -97,6 +97,10 @@ def test_bf16_inputs_match_fp32_definition(mode, hkv):
     hidden = torch.randn(S, B, hidden_size).bfloat16()
     idx = torch.tensor([1, 7, 30, 64, 92])
     ref_loss, ref_grads = _explicit_grads(p, q, k, hidden, idx, D ** -0.5)
+    p.collect(q, k, hidden, idx)  # the stash keeps the sampled rows in bf16 (upcast, exactly, at the step end)
+    (st,) = p._stash
+    assert st.q_rows.dtype == st.xq.dtype == torch.bfloat16 and torch.equal(st.q_rows, q[:, :, idx])
+    p._stash = []
     loss = p.accumulate_grad(q, k, hidden, idx, D ** -0.5)
     torch.testing.assert_close(loss, ref_loss.detach(), rtol=2e-4, atol=1e-6)  # measured 1.4e-5
     for (name, _), g in zip(p._weights(), ref_grads):
