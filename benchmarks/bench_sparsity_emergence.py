@@ -59,9 +59,8 @@ from benchmarks.common import init_dist, write_results  # noqa: E402
 from benchmarks.video_runs import (Clips, add_run_args, layer_sparsity, parse_arm, qk_gains, tokens_of,  # noqa: E402
                                    train_arm)
 from megatron_dsv.attention import dsv_layers, dsv_metrics  # noqa: E402
-from megatron_dsv.attention.analysis import (capture_qk, gaussian_sparsity, list_shapes,  # noqa: E402
-                                             logit_spread, oracle_list_density, predictor_list_density,
-                                             ranked_label, sample_queries)
+from megatron_dsv.attention.analysis import (capture_qk, gaussian_sparsity, layer_list_densities,  # noqa: E402
+                                             logit_spread, ranked_label, sample_queries)
 from megatron_dsv.ops.topk_estimation.oracle import head_sparsity  # noqa: E402
 
 QUICK_ARMS = ("data=synthetic,frames=4,res=64,steps=12,stage1=6,minutes=2",
@@ -111,14 +110,13 @@ def sweep(arm, args, step, model) -> list:
     gains = qk_gains(model)
     layers = {layer.layer_number: layer for layer in dsv_layers(model)}  # capture_qk's keys
     cfg = next(iter(layers.values())).dsv_config
-    shapes = list_shapes(cfg)
     t_lists = min(args.sweep_t, key=lambda t: abs(t - 0.5))  # the list decomposition at one t (it costs most)
     rows = []
     for t in args.sweep_t:
         x_t = ((1 - t) * x0 + t * noise).to(clips.latents.dtype)
         captured = capture_qk(model, x_t, torch.full((len(idx),), float(t), device=x0.device), labels,
                               with_hidden=True)
-        sp, std, gauss, lists, predicted = [], [], [], {name: [] for name, _, _ in shapes}, {}
+        sp, std, gauss, lists, predicted = [], [], [], {}, {}
         for n in sorted(captured):
             q, k, hidden = captured.pop(n)  # hidden: None unless predictor_input='hidden'
             layer = layers[n]
@@ -128,12 +126,10 @@ def sweep(arm, args, step, model) -> list:
             std.append(float(spread.mean()))
             gauss.append(float(gaussian_sparsity(spread, 0.9).mean()))
             if t == t_lists:  # the same queries, theta and scale for the oracle and the predictor
-                for name, dens in oracle_list_density(q, k, shapes, 0.9, cfg.recall_target, layer.softmax_scale,
-                                                      max_groups=args.sweep_groups).items():
-                    lists[name].append(float(dens.mean()))
-                for name, dens in predictor_list_density(layer, q, k, hidden, target=cfg.recall_target,
-                                                         max_groups=args.sweep_groups, theta=0.9,
-                                                         full_rank=True).items():
+                oracle, ranked = layer_list_densities(layer, q, k, hidden, 0.9, args.sweep_groups)
+                for name, dens in oracle.items():
+                    lists.setdefault(name, []).append(float(dens.mean()))
+                for name, dens in ranked.items():
                     predicted.setdefault(name, []).append(float(dens.mean()))
         row = dict(kind="sweep", bench="sparsity_emergence", arm=arm["label"], data=arm["data"],
                    S=tokens_of(arm), step=step, t=float(t), clips=len(idx), sparsity=sp,

@@ -43,7 +43,8 @@ from megatron_dsv.ops.topk_estimation.naive import block_view
 from megatron_dsv.ops.topk_estimation.oracle import _check, _logit_chunks, _one_pass, _prob_chunks, head_sparsity
 
 __all__ = ["capture_qk", "sample_queries", "key_fractions", "mass_curve", "critical_distance_histogram",
-           "cube_overlap", "oracle_list_density", "list_shapes", "predictor_list_density", "ranked_label",
+           "cube_overlap", "oracle_list_density", "list_shapes", "predictor_list_density", "layer_list_densities",
+           "ranked_label",
            "predictor_recall", "logit_spread", "gaussian_sparsity", "analyze"]
 
 _CHUNK = 1 << 24
@@ -464,6 +465,18 @@ def predictor_list_density(layer: DSVCoreAttention, q: torch.Tensor, k: torch.Te
             for prefix, _ in rankings for name, _, b in shapes}
 
 
+def layer_list_densities(layer: DSVCoreAttention, q: torch.Tensor, k: torch.Tensor, hidden=None,
+                         theta: float = 0.9, max_groups: int = 16):
+    """``(oracle, predicted)``: :func:`oracle_list_density` over the layer's :func:`list_shapes` and
+    :func:`predictor_list_density` with its exact-logit twins (``full_rank``), both at the layer's recall
+    target, softmax scale and ``theta``, on the same ``max_groups`` groups: one layer's decomposition."""
+    cfg = layer.dsv_config
+    oracle = oracle_list_density(q, k, list_shapes(cfg), theta, cfg.recall_target, layer.softmax_scale,
+                                 max_groups=max_groups)
+    predicted = predictor_list_density(layer, q, k, hidden, max_groups=max_groups, theta=theta, full_rank=True)
+    return oracle, predicted
+
+
 def ranked_label(name: str) -> str:
     """Plot label of a :func:`predictor_list_density` key: ``exact_<shape>`` is ranked by the exact
     logits (``full-rank <shape>``), ``<shape>`` by the predictor (``pred <shape>``)."""
@@ -516,10 +529,7 @@ def _layer_report(layer: DSVCoreAttention, q, k, hidden, coords, qi, theta, opts
     hist = critical_distance_histogram(q, k, coords, qi, theta, opts["edges"], layer.softmax_scale, opts["radius"])
     over = cube_overlap(q, k, G, theta, layer.softmax_scale, max_groups=opts["max_groups"])
     target = layer.dsv_config.recall_target
-    lists = oracle_list_density(q, k, list_shapes(layer.dsv_config), theta, target, layer.softmax_scale,
-                                max_groups=opts["max_groups"])
-    predicted = predictor_list_density(layer, q, k, hidden, target=target, max_groups=opts["max_groups"], theta=theta,
-                                       full_rank=True)
+    lists, predicted = layer_list_densities(layer, q, k, hidden, theta, opts["max_groups"])
     crit, pairs = hist["critical"].sum((0, 1)), hist["critical"].sum(-1)
     sparsity = pr["sparsity"].mean(0)
     spread = logit_spread(q, k, qi, layer.softmax_scale)

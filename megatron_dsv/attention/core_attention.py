@@ -324,8 +324,7 @@ class DSVCoreAttention(MegatronModule):
             qidx = sampled_queries(S, cfg.predictor_query_stride, self.step_host, q.device)
             thin = profile_thinning(qidx.numel(), cfg.profile_max_queries) if profile else 1
             pidx = qidx[::thin]  # the queries one process would profile
-            mine = (qidx >= rank * s) & (qidx < (rank + 1) * s)
-            qidx, pidx = qidx[mine], pidx[(pidx >= rank * s) & (pidx < (rank + 1) * s)]
+            qidx, pidx = (t[(t >= rank * s) & (t < (rank + 1) * s)] for t in (qidx, pidx))
         self._check_cp_shard(s, sampling=train or profile, thin=thin)
         if train:
             self.predictor.collect(q, k, hidden, qidx - rank * s, seq_group=self.cp_group)

@@ -395,10 +395,7 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     proxies = group_proxies(q_lr.contiguous(), group_size, proxy).contiguous()  # [B, H, NG, r]
     k = k_lr.contiguous()
     counts = P.counts.contiguous()
-    thr = torch.empty(P.B, P.H, P.num_groups, dtype=torch.int32, device=q_lr.device)
-    above = torch.empty_like(thr)
     BN = BN or (64 if block_size == 0 else 16)
-    grid = (triton.cdiv(P.num_groups, BG), P.B * P.H)
     meta = dict(R=P.r, BG=BG, BN=BN, BS=block_size, LSE=block_score == "lse")
     if method == "keys":
         n_g = max(1, min(P.num_groups, chunk_elems // max(1, P.B * P.H * P.num_items)))
@@ -410,6 +407,9 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
                 proxies, k, keys, P.Sk, P.num_items, P.num_groups, g0, n, **meta)
             rows[:, g0:g0 + n] = _select_from_keys(keys, counts, P.kmax)
         return out, counts
+    grid = (triton.cdiv(P.num_groups, BG), P.B * P.H)
+    thr = torch.empty(P.B, P.H, P.num_groups, dtype=torch.int32, device=q_lr.device)
+    above = torch.empty_like(thr)
     flags = thr  # unused by "search"
     if method == "sample":
         F, nsv, cap = sample_plan(P.num_items, P.kmax, sample_size, z)
