@@ -315,7 +315,10 @@ def test_requeued_job_resumes_from_its_checkpoint(slurm_cluster, tmp_path):
     assert state == "COMPLETED" and _tracker(run_dir) == "2", f"{state}\n{log[-4000:]}"
     assert "Requeue=1" in slurm_cluster.cmd("scontrol", "show", "job", job)  # the script's #SBATCH --requeue
     slurm_cluster.cmd("scontrol", "requeue", job)
-    # Slurm holds a requeued job for ~2 minutes (Reason=BeginTime); a real cluster may wait, the test does not
+    # Slurm holds a requeued job for ~2 minutes (Reason=BeginTime); a real cluster may wait, the test waits 2 s.
+    # Not less: slurmd revokes the ended job's credential at one-second resolution and refuses a new launch whose
+    # credential was issued in the same second ("Job credential revoked": the job FAILS without running).
+    time.sleep(2)
     slurm_cluster.cmd("scontrol", "update", f"JobId={job}", "StartTime=now")
     state = slurm_cluster.wait_job(job, timeout=60, restarts=1)
     log = _job_log(str(tmp_path), job)
