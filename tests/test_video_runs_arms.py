@@ -42,6 +42,7 @@ def test_footage_arm_trains_and_validates_on_held_out_frames(megatron_cpu, tmp_p
     import numpy as np
 
     from benchmarks.video_runs import Clips, train_arm
+    from megatron_dsv.checksums import file_sha256
     from megatron_dsv.data import footage, rendered
     from tests.test_benchmarks_smoke import _run_args
 
@@ -52,7 +53,7 @@ def test_footage_arm_trains_and_validates_on_held_out_frames(megatron_cpu, tmp_p
         out.write(rng.integers(0, 255, (64, 96, 3), dtype=np.uint8))
     out.release()
     monkeypatch.setenv("DSV_FOOTAGE_DIR", str(tmp_path))
-    monkeypatch.setitem(footage.FOOTAGE, "v", footage.FootageFile("pypi", "none", "v.avi", footage._sha256(path), 60))
+    monkeypatch.setitem(footage.FOOTAGE, "v", footage.FootageFile("pypi", "none", "v.avi", file_sha256(path), 60))
     monkeypatch.setitem(rendered.SOURCES, "footage", ("v",))
     calls = []
     real = rendered.render_clip

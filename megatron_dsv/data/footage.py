@@ -41,7 +41,6 @@ with any training clip.
 from __future__ import annotations
 
 import gzip
-import hashlib
 import os
 import shutil
 import subprocess
@@ -54,6 +53,8 @@ from functools import lru_cache
 from typing import Dict, Iterable, List, Optional
 
 import numpy as np
+
+from megatron_dsv.checksums import file_sha256
 
 __all__ = ["FOOTAGE", "FETCH_HINT", "footage_dir", "footage_path", "load_video", "footage_clip", "fetch_footage",
            "holdout_start", "require_opencv"]
@@ -123,14 +124,6 @@ def _check_name(name: str) -> FootageFile:
     return FOOTAGE[name]
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def footage_path(name: str, directory: Optional[str] = None) -> str:
     """The checked file of video ``name``: FileNotFoundError or ValueError naming it and the fix."""
     info = _check_name(name)
@@ -158,7 +151,7 @@ def require_opencv():
 
 @lru_cache(maxsize=64)
 def _verified(path: str, size: int, mtime_ns: int, sha256: str) -> bool:
-    return _sha256(path) == sha256
+    return file_sha256(path) == sha256
 
 
 def load_video(name: str, first: int = 0, count: Optional[int] = None, directory: Optional[str] = None) -> np.ndarray:
@@ -295,7 +288,7 @@ def fetch_footage(names: Optional[Iterable[str]] = None, directory: Optional[str
     todo = []
     for name in names:
         path = os.path.join(directory, _file_name(name))
-        if os.path.isfile(path) and _sha256(path) == FOOTAGE[name].sha256:
+        if os.path.isfile(path) and file_sha256(path) == FOOTAGE[name].sha256:
             log(f"{name}: present ({path})")
         else:
             todo.append(name)

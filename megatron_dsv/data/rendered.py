@@ -49,8 +49,8 @@ from torch.utils.data import Dataset
 
 from megatron_dsv.data.footage import FOOTAGE, footage_clip, require_opencv
 
-__all__ = ["SOURCES", "DEFAULT_FRAME_SKIP", "render_clip", "close_engines", "encode_video", "decode_video", "RenderedVideoDataset", "write_rendered_shards",
-           "render_dataset"]
+__all__ = ["SOURCES", "DEFAULT_FRAME_SKIP", "render_clip", "close_engines", "encode_video", "decode_video",
+           "RenderedVideoDataset", "write_rendered_shards", "render_dataset"]
 
 SOURCES: Dict[str, tuple] = {
     "vizdoom": ("deathmatch", "my_way_home", "health_gathering_supreme", "defend_the_center", "deadly_corridor",

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import hashlib
 import json
 import os
 import random
@@ -32,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_dsv.checksums import file_sha256
 from megatron_dsv.training.distributed import barrier, is_rank0
 from megatron_dsv.training.optim import unwrap
 
@@ -103,14 +103,6 @@ def set_rng_state(state: dict) -> None:
 
 
 # ---------------------------------------------------------------- manifest
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _manifest(directory: str, checksums: bool = True) -> dict:
     files = {}
     for base, _, names in os.walk(directory):
@@ -120,7 +112,7 @@ def _manifest(directory: str, checksums: bool = True) -> dict:
             if rel != STATE_FILE:
                 files[rel] = {"size": os.path.getsize(path)}
                 if checksums:
-                    files[rel]["sha256"] = _sha256(path)
+                    files[rel]["sha256"] = file_sha256(path)
     return files
 
 
@@ -262,7 +254,7 @@ def verify_checkpoint(directory: str) -> dict:
         path = os.path.join(directory, rel)
         if not os.path.isfile(path):
             raise CheckpointError(f"checkpoint file missing: {path} (listed in {STATE_FILE})")
-        if os.path.getsize(path) != meta["size"] or ("sha256" in meta and _sha256(path) != meta["sha256"]):
+        if os.path.getsize(path) != meta["size"] or ("sha256" in meta and file_sha256(path) != meta["sha256"]):
             raise CheckpointError(f"checkpoint file corrupt: {path} (size or sha256 differs from {STATE_FILE})")
     common = os.path.join(directory, "common.pt")
     if os.path.isfile(common):

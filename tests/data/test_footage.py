@@ -17,6 +17,7 @@ import pytest
 
 cv2 = pytest.importorskip("cv2", reason="opencv-python-headless not installed (pip install -e '.[video]')")
 
+from megatron_dsv.checksums import file_sha256  # noqa: E402
 from megatron_dsv.data import footage  # noqa: E402
 from megatron_dsv.data.footage import FOOTAGE, FootageFile, fetch_footage, footage_clip, holdout_start  # noqa: E402
 from megatron_dsv.data.rendered import SOURCES, RenderedVideoDataset, render_clip  # noqa: E402
@@ -32,7 +33,7 @@ def _write_ramp(path, n=N_FRAMES, size=(96, 64)):
     for t in range(n):
         out.write(np.full((size[1], size[0], 3), 3 * t, np.uint8))
     out.release()
-    return footage._sha256(path)
+    return file_sha256(path)
 
 
 @pytest.fixture
@@ -95,7 +96,7 @@ def test_crops_zoom_and_mirror_keep_real_content(ramp, tmp_path, monkeypatch):
     for _ in range(40):
         out.write(frame)
     out.release()
-    monkeypatch.setitem(FOOTAGE, "half", FootageFile("pypi", "none", "half.avi", footage._sha256(path), 40))
+    monkeypatch.setitem(FOOTAGE, "half", FootageFile("pypi", "none", "half.avi", file_sha256(path), 40))
     left_bright = [footage_clip("half", 2, 48, 48, 1, np.random.default_rng(i))[0, :, :8].mean() >
                    footage_clip("half", 2, 48, 48, 1, np.random.default_rng(i))[0, :, -8:].mean()
                    for i in range(24)]
