@@ -25,10 +25,10 @@ talk2       ``psychopy`` (PyPI)            the same man, another take           
 ==========  =============================  ==========================================  ======  =========  ==========
 
 About 3,800 frames from 13 cameras. ``python tools/fetch_footage.py`` downloads the packages
-(``pip download``, ``apt-get download``: about 170 MB, once; 33 MB of videos are kept), takes the videos out, checks their hashes and writes them into
-:func:`footage_dir` (``$DSV_FOOTAGE_DIR``, default ``~/.cache/megatron_dsv/footage``). Nothing is
-downloaded at training time; a missing or altered file is an error naming it and that command.
-Decoding needs OpenCV (``opencv-python-headless``, in the ``video`` extra).
+(``pip download``, ``apt-get download``: about 170 MB, once; 32 MB of videos are kept), takes the
+videos out, checks their hashes and writes them into :func:`footage_dir` (``$DSV_FOOTAGE_DIR``, default
+``~/.cache/megatron_dsv/footage``). Nothing is downloaded at training time; a missing or altered
+file is an error naming it and that command. Decoding needs OpenCV (``opencv-python-headless``, in the ``video`` extra).
 
 A clip of video ``v`` is ``frames`` consecutive source frames ``frame_skip`` apart, at a random
 start; the frame is scaled to cover the target size times a random zoom in [1, 1.25], cropped at a
