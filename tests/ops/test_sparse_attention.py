@@ -358,3 +358,23 @@ def test_check_values_false_skips_the_host_sync(monkeypatch):
     torch.testing.assert_close(out, sparse_attention_naive(q, k, v, idx, counts, G, 0), rtol=2e-3, atol=2e-3)
     with pytest.raises(AssertionError, match="value check ran"):
         sparse_attention(q, k, v, idx, counts, G, 0)
+
+
+def test_inverse_map_matches_a_direct_scan():
+    """Random lists over two batches and three heads (the (batch, head) offsets, padding past each
+    head's count, garbage in the padding): each key block's groups, ascending, as a plain scan finds them."""
+    g = torch.Generator().manual_seed(0)
+    B, H, NG, KM, nkb = 2, 3, 5, 4, 7
+    idx = torch.stack([torch.randperm(nkb, generator=g)[:KM] for _ in range(B * H * NG)]).view(B, H, NG, KM)
+    idx = idx.to(torch.int32)
+    cnt = torch.randint(0, KM + 1, (B, H), generator=g, dtype=torch.int32)
+    idx[(torch.arange(KM) >= cnt[:, :, None, None]).expand(B, H, NG, KM)] = -7  # padding holds anything
+    ptr, grp = build_inverse_map(idx, cnt, nkb)
+    assert ptr.dtype == grp.dtype == torch.int32 and ptr.shape == (B * H * nkb + 1,)
+    for b in range(B):
+        for h in range(H):
+            for blk in range(nkb):
+                want = [gr for gr in range(NG) if blk in idx[b, h, gr, :cnt[b, h]].tolist()]
+                i = (b * H + h) * nkb + blk
+                assert grp[ptr[i]:ptr[i + 1]].tolist() == want
+    assert ptr[-1] == int(cnt.sum()) * NG

@@ -136,17 +136,30 @@ def build_inverse_map(kv_indices: torch.Tensor, kv_counts: torch.Tensor, nkb: in
     inv_ptr [B*H*nkb + 1] int32, inv_grp [B*H*NG*Kmax] int32 (tail unused).
     One stable sort of the flat entries; no host sync, so it can run inside a
     captured graph. Padding entries sort last and are never pointed at.
+
+    It runs inside the backward, at the step's memory peak, so it keeps few and narrow temporaries:
+    int32 keys (``B*H*nkb`` < 2^31 for any shape that fits a GPU), the padding marked in place, each
+    temporary freed once used, the sort's int64 order turned into group ids in place. At its peak
+    (the sort) it holds about 16 bytes per list entry beside the sort's own workspace; with int64
+    keys and out-of-place steps it held about 41 (by count of the live tensors, not measured): at
+    128K tokens, 16 heads and 205 of 1024 blocks kept, 54 MB instead of 138 MB.
     """
     B, H, NG, KM = kv_indices.shape
     dev = kv_indices.device
-    valid = torch.arange(KM, device=dev, dtype=torch.int32) < kv_counts[:, :, None, None]
-    bh = torch.arange(B * H, device=dev, dtype=torch.int64).view(B, H, 1, 1)
-    key = torch.where(valid, bh * nkb + kv_indices.long(), B * H * nkb).reshape(-1)
+    n_keys = B * H * nkb
+    key_dtype = torch.int32 if n_keys < 2**31 - 1 else torch.int64
+    pad = torch.arange(KM, device=dev, dtype=torch.int32) >= kv_counts[:, :, None, None]
+    base = torch.arange(B * H, device=dev, dtype=key_dtype).view(B, H, 1, 1) * nkb
+    key = kv_indices.to(key_dtype) + base  # a new tensor: the lists stay untouched
+    key.masked_fill_(pad, n_keys)
+    del pad
     # flat order is (b, h, g, j): a stable sort keeps each key block's groups ascending
-    key_sorted, order = torch.sort(key, stable=True)
-    inv_grp = ((order // KM) % NG).to(torch.int32)
-    bounds = torch.arange(B * H * nkb + 1, device=dev, dtype=torch.int64)
+    key_sorted, order = torch.sort(key.view(-1), stable=True)
+    del key
+    bounds = torch.arange(n_keys + 1, device=dev, dtype=key_dtype)
     inv_ptr = torch.searchsorted(key_sorted, bounds).to(torch.int32)
+    del key_sorted, bounds
+    inv_grp = order.div_(KM, rounding_mode="floor").remainder_(NG).to(torch.int32)
     return inv_ptr, inv_grp
 
 
