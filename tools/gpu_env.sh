@@ -3,6 +3,10 @@
 # it needs, e.g. .whl-vizdoom/ for the ViZDoom arms, since a call's carry is capped at 64 MiB) into
 # /tmp/site, if any, and puts them and the repository on PYTHONPATH; the carried footage (.footage/, from
 # tools/fetch_footage.py) becomes DSV_FOOTAGE_DIR; unbuffered output for the logs.
+# The folders are made once on a machine with PyPI (cp312 wheels for the GPU machine's Python 3.12):
+#   w="pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64"
+#   $w -d .whl megatron-core==0.16.1 ale-py==0.12.1; $w -d .whl-vizdoom vizdoom==1.3.2
+#   python tools/fetch_footage.py --out .footage
 # shellcheck shell=bash
 export PYTHONUNBUFFERED=1
 if ls .whl*/*.whl >/dev/null 2>&1; then
