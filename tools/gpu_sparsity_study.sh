@@ -131,6 +131,9 @@ tokens() {  # 7.8 min of training leaves the final sweep (token-list ranking, fu
 footage_arm=data=footage,frames=32,steps=40000,qk_lr=10
 footage() {
   [ -n "${DSV_FOOTAGE_DIR:-}" ] || { echo "footage: no .footage/ carried (python tools/fetch_footage.py --out .footage)"; exit 2; }
+  # every video checked and decoded to its pinned frame count first (3 s): this machine's OpenCV decodes them
+  python3 -c "from megatron_dsv.data.footage import FOOTAGE, load_video
+for n in FOOTAGE: print(n, load_video(n).shape)" || { echo "footage: a video does not decode here"; exit 2; }
   local run="timeout 585 python3 benchmarks/bench_sparsity_emergence.py --out-dir $out --samples 64 --workers 4"
   $run --tag=-32k-footage --layers 6 --save-dir runs/sparsity \
     --arm "$footage_arm,res=256,stage1=1500,minutes=${MINUTES:-8.2},label=footage-dsv-qklr10-S32K-64clips-6layers" \
