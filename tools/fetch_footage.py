@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Fetch the real camera footage of the ``footage`` data source (once; about 100 MB downloaded).
+"""Fetch the real camera footage of the ``footage`` data source (once; about 170 MB downloaded).
 
     python tools/fetch_footage.py                    # all videos into $DSV_FOOTAGE_DIR (~/.cache/megatron_dsv/footage)
     python tools/fetch_footage.py --out .footage --only bikes carphone

@@ -36,9 +36,10 @@
 #            the keys as tokens and 0.20 as blocks, its predictor budgets 0.33; does the dispatcher (same 0.8
 #            threshold, same 0.96 recall, the measured token-list speedups) run it sparse with token lists?
 #   footage  the first real camera footage (data=footage: tools/fetch_footage.py's videos, carried in .footage/):
-#            the `lists` recipe (gains at 10x lr, fp32 main weights, 64 clips) at 32K with 6 layers (stage 2 from
-#            1500) and at 8K with 4 layers, both resumable from runs/sparsity/, beside full vs DSV vs window at 8K
-#            for quality (2000 steps); RESUME=1 on the back-to-back calls runs only the two resumable arms.
+#            the `lists` recipe (gains at 10x lr, fp32 main weights; 72 clips, 12 held out) at 32K with 6 layers
+#            (stage 2 from 1500) and at 8K with 4 layers, both resumable from runs/sparsity/, beside full vs DSV
+#            vs window at 8K for quality (2000 steps); RESUME=1 on the back-to-back calls runs only the two
+#            resumable arms.
 #            Carry [".whl", ".footage"] (the ViZDoom wheel in .whl-vizdoom/ is not needed and would overflow
 #            the 64 MiB carry with the footage)
 # Installs carried wheels (.whl/ and .whl-*/: megatron-core, ale-py; vizdoom in .whl-vizdoom/) if any.
@@ -129,20 +130,21 @@ tokens() {  # 7.8 min of training leaves the final sweep (token-list ranking, fu
     --tag=-32k-tokens --layers 6 --save-dir runs/sparsity \
     --arm "${lists32k_arm%,label=*},gran=token,minutes=${MINUTES:-7.8},label=$label" > "$out/tokens-32k.log" 2>&1; }
 footage_arm=data=footage,frames=32,steps=40000,qk_lr=10
-footage() {
+footage() {  # 72 training clips and 12 held out: 6 and 1 per video (clip i is of video i % 12)
   [ -n "${DSV_FOOTAGE_DIR:-}" ] || { echo "footage: no .footage/ carried (python tools/fetch_footage.py --out .footage)"; exit 2; }
-  # every video checked and decoded to its pinned frame count first (3 s): this machine's OpenCV decodes them
-  python3 -c "from megatron_dsv.data.footage import FOOTAGE, load_video
-for n in FOOTAGE: print(n, load_video(n).shape)" || { echo "footage: a video does not decode here"; exit 2; }
-  local run="timeout 585 python3 benchmarks/bench_sparsity_emergence.py --out-dir $out --samples 64 --workers 4"
+  # every video checked and counted first (~2 s): this machine's OpenCV must give the pinned frame counts
+  python3 -c "from megatron_dsv.data.footage import FOOTAGE, check_video
+for n in FOOTAGE: check_video(n)
+print(len(FOOTAGE), 'footage videos decode to their pinned frame counts')" || { echo "footage: a video does not decode here"; exit 2; }
+  local run="timeout 575 python3 benchmarks/bench_sparsity_emergence.py --out-dir $out --samples 72 --val-samples 12 --workers 4"
   $run --tag=-32k-footage --layers 6 --save-dir runs/sparsity \
-    --arm "$footage_arm,res=256,stage1=1500,minutes=${MINUTES:-8.2},label=footage-dsv-qklr10-S32K-64clips-6layers" \
+    --arm "$footage_arm,res=256,stage1=1500,minutes=${MINUTES:-8.0},label=footage-dsv-qklr10-S32K-72clips-6layers" \
     > "$out/footage-32k.log" 2>&1 &
   $run --tag=-8k-footage --save-dir runs/sparsity \
-    --arm "$footage_arm,res=128,stage1=3000,minutes=${MINUTES:-8.2},label=footage-dsv-qklr10-S8K-64clips" \
+    --arm "$footage_arm,res=128,stage1=3000,minutes=${MINUTES:-8.0},label=footage-dsv-qklr10-S8K-72clips" \
     > "$out/footage-8k.log" 2>&1 &
-  [ -n "${RESUME:-}" ] || timeout 585 python3 benchmarks/bench_quality.py --out-dir "$out" --samples 64 --workers 4 \
-    --samples-out "$out/samples" \
+  [ -n "${RESUME:-}" ] || timeout 575 python3 benchmarks/bench_quality.py --out-dir "$out" --samples 72 --val-samples 12 \
+    --workers 4 --samples-out "$out/samples" \
     --arm "data=footage,frames=32,res=128,steps=2000,stage1=1000,qk_lr=10,minutes=3.0" > "$out/quality-footage.log" 2>&1 &
   wait; }
 gputests() {  # build + tests end by 560 s, inside the device's 600 s beside 585 s arms

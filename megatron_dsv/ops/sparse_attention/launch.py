@@ -127,6 +127,9 @@ def _even_keys(TK: int, BS: int) -> bool:
     return BS == 0 or TK % BS == 0
 
 
+INT32_KEYS_BELOW = 2**31 - 1  # the inverse map's sort keys are int32 below this many (batch, head, block) keys
+
+
 def build_inverse_map(kv_indices: torch.Tensor, kv_counts: torch.Tensor, nkb: int):
     """CSR map key block -> query groups, per (batch, head), groups ascending.
 
@@ -147,14 +150,14 @@ def build_inverse_map(kv_indices: torch.Tensor, kv_counts: torch.Tensor, nkb: in
     B, H, NG, KM = kv_indices.shape
     dev = kv_indices.device
     n_keys = B * H * nkb
-    key_dtype = torch.int32 if n_keys < 2**31 - 1 else torch.int64
+    key_dtype = torch.int32 if n_keys < INT32_KEYS_BELOW else torch.int64
     pad = torch.arange(KM, device=dev, dtype=torch.int32) >= kv_counts[:, :, None, None]
     base = torch.arange(B * H, device=dev, dtype=key_dtype).view(B, H, 1, 1) * nkb
     key = kv_indices.to(key_dtype) + base  # a new tensor: the lists stay untouched
     key.masked_fill_(pad, n_keys)
     del pad
     # flat order is (b, h, g, j): a stable sort keeps each key block's groups ascending
-    key_sorted, order = torch.sort(key.view(-1), stable=True)
+    key_sorted, order = torch.sort(key.reshape(-1), stable=True)
     del key
     bounds = torch.arange(n_keys + 1, device=dev, dtype=key_dtype)
     inv_ptr = torch.searchsorted(key_sorted, bounds).to(torch.int32)
