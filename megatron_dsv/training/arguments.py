@@ -73,6 +73,10 @@ def add_video_dit_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g = parser.add_argument_group(title="video data")
     g.add_argument("--data-path", default=None,
                    help="Folder of latent shards (.safetensors/.npy); default: synthetic videos.")
+    g.add_argument("--valid-data-path", default=None,
+                   help="Folder of held-out latent shards for --eval-iters. Default: held-out synthetic videos "
+                        "(another seed) when training on synthetic ones; with --data-path and no --valid-data-path "
+                        "there is no validation (the training shards are not held out).")
     g.add_argument("--data-seed", type=int, default=None, help="Seed of the synthetic videos (default: --seed).")
     g.add_argument("--num-workers", type=_non_negative_int, default=0,
                    help="DataLoader worker processes that prepare the next batches (0: in the training process).")
@@ -138,6 +142,11 @@ def _add_logging_checkpoint_args(parser):
     g.add_argument("--output-dir", default="outputs/default",
                    help="Run folder: checkpoints (unless --save), samples, TensorBoard (unless set).")
     g.add_argument("--log-interval", type=_positive_int, default=10)
+    g.add_argument("--eval-interval", type=_positive_int, default=1000,
+                   help="Validation loss every N iterations, and after the last one (Megatron-LM's flag).")
+    g.add_argument("--eval-iters", type=_non_negative_int, default=2,
+                   help="Global batches per validation (the same held-out batches, noise and timesteps every "
+                        "time: the values form a curve); 0 turns validation off.")
     g.add_argument("--tensorboard-dir", default=None, help="TensorBoard event folder (needs tensorboard).")
     g.add_argument("--save", default=None, help="Checkpoint folder (default: <output-dir>/checkpoints).")
     g.add_argument("--no-save", action="store_true", help="Write no checkpoint.")
@@ -199,6 +208,8 @@ def validate_args(args: argparse.Namespace, parser: Optional[argparse.ArgumentPa
         fail(f"--qk-norm-lr-mult must be > 0, got {args.qk_norm_lr_mult}")
     if args.data_path is not None and not os.path.isdir(args.data_path):
         fail(f"--data-path must be an existing folder of latent shards, got {args.data_path!r}")
+    if args.valid_data_path is not None and not os.path.isdir(args.valid_data_path):
+        fail(f"--valid-data-path must be an existing folder of latent shards, got {args.valid_data_path!r}")
     if args.load is not None and not os.path.isdir(args.load):
         fail(f"--load must be an existing checkpoint folder, got {args.load!r}")
     if args.lr_decay_iters is None:

@@ -14,7 +14,9 @@ from typing import Dict, Iterator, List
 
 import torch
 
-__all__ = ["GlobalBatchSampler", "collate", "build_dataset", "step_batches"]
+__all__ = ["GlobalBatchSampler", "collate", "build_dataset", "build_valid_dataset", "step_batches"]
+
+VALID_SEED_OFFSET = 1_000_003  # held-out synthetic videos: data seed + this (another stream of the same family)
 
 
 class GlobalBatchSampler:
@@ -110,22 +112,43 @@ def step_batches(dataset, sampler: GlobalBatchSampler, consumed: int, num_worker
 def build_dataset(args, model_cfg):
     """Latent shards when --data-path is set, else synthetic videos shaped for ``model_cfg``."""
     if args.data_path is not None:
-        from megatron_dsv.data import LatentShardDataset
+        return _shards(args.data_path, "--data-path", model_cfg)
+    return _synthetic(model_cfg, args.synthetic_samples, args.data_seed, args.synthetic_background)
 
-        dataset = LatentShardDataset(args.data_path)
-        channels, want = dataset.sample_shape[0], int(model_cfg.in_channels)
-        if channels != want:
-            raise ValueError(f"--data-path {args.data_path!r} holds {channels}-channel latents "
-                             f"{tuple(dataset.sample_shape)} but the model takes in_channels = {want}: train with "
-                             f"--model-override in_channels={channels}, or rewrite the shards with "
-                             f"tools/make_latent_shards.py --channels {want} (tools/render_videos.py --channels {want})")
-        return dataset
+
+def build_valid_dataset(args, model_cfg):
+    """The held-out set of --eval-iters, or None: --valid-data-path's shards; held-out synthetic videos
+    (``--eval-iters`` global batches of them, seed ``data seed + VALID_SEED_OFFSET``) when training on
+    synthetic ones; None when training on --data-path without --valid-data-path, or with --eval-iters 0."""
+    if not args.eval_iters:
+        return None
+    if args.valid_data_path is not None:
+        return _shards(args.valid_data_path, "--valid-data-path", model_cfg)
+    if args.data_path is not None:
+        return None
+    return _synthetic(model_cfg, args.eval_iters * args.global_batch_size, args.data_seed + VALID_SEED_OFFSET,
+                      args.synthetic_background)
+
+
+def _shards(path: str, flag: str, model_cfg):
+    from megatron_dsv.data import LatentShardDataset
+
+    dataset = LatentShardDataset(path)
+    channels, want = dataset.sample_shape[0], int(model_cfg.in_channels)
+    if channels != want:
+        raise ValueError(f"{flag} {path!r} holds {channels}-channel latents "
+                         f"{tuple(dataset.sample_shape)} but the model takes in_channels = {want}: train with "
+                         f"--model-override in_channels={channels}, or rewrite the shards with "
+                         f"tools/make_latent_shards.py --channels {want} (tools/render_videos.py --channels {want})")
+    return dataset
+
+
+def _synthetic(model_cfg, samples: int, seed: int, background: str):
     from megatron_dsv.data import SyntheticVideoDataset
 
     c, t, h, w = latent_shape(model_cfg)
-    return SyntheticVideoDataset(args.synthetic_samples, channels=c, frames=t, height=h, width=w,
-                                 num_classes=max(1, int(model_cfg.num_classes)), seed=args.data_seed,
-                                 background=args.synthetic_background)
+    return SyntheticVideoDataset(samples, channels=c, frames=t, height=h, width=w,
+                                 num_classes=max(1, int(model_cfg.num_classes)), seed=seed, background=background)
 
 
 def latent_shape(model_cfg) -> tuple:

@@ -7,7 +7,7 @@ from typing import Dict, Optional
 
 from megatron_dsv.training.dsv_hooks import per_layer_sparsity
 
-__all__ = ["format_iteration_line", "format_layer_lines", "TensorBoardWriter"]
+__all__ = ["format_iteration_line", "format_layer_lines", "format_validation_lines", "TensorBoardWriter"]
 
 
 def format_iteration_line(iteration: int, train_iters: int, stats: Dict[str, float],
@@ -33,6 +33,16 @@ def format_iteration_line(iteration: int, train_iters: int, stats: Dict[str, flo
         parts.append(f"dsv stage: {int(stats['dsv_stage'])}")
         parts.append(f"dsv sparsity: {stats.get('dsv_sparsity', 0.0):.2f}")
     return " | ".join(parts) + " |"
+
+
+def format_validation_lines(iteration: int, loss: float, samples: int, ms: float) -> list:
+    """Megatron-LM's validation block: the line between two rules, e.g.
+
+    `` validation loss at iteration 300 | loss: 1.234567E+00 | samples: 16 | elapsed time (ms): 12.3 |``"""
+    line = (f" validation loss at iteration {iteration} | loss: {loss:.6E} | samples: {samples} | "
+            f"elapsed time (ms): {ms:.1f} |")
+    rule = "-" * len(line)
+    return [rule, line, rule]
 
 
 def format_layer_lines(dsv_values: Dict[str, float], per_line: int = 8) -> list:

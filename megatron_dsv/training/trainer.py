@@ -14,7 +14,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -23,9 +23,11 @@ from megatron_dsv.arguments import dsv_config_from_args
 from megatron_dsv.training import dsv_hooks
 from megatron_dsv.training.arguments import model_overrides_from_args
 from megatron_dsv.training.checkpointing import TRACKER_FILE, has_checkpoint, load_checkpoint, save_checkpoint
-from megatron_dsv.training.data import GlobalBatchSampler, build_dataset, latent_shape, step_batches
+from megatron_dsv.training.data import (GlobalBatchSampler, build_dataset, build_valid_dataset, collate,
+                                        latent_shape, step_batches)
 from megatron_dsv.training.distributed import DistEnv, initialize_distributed, is_rank0
-from megatron_dsv.training.logging_utils import TensorBoardWriter, format_iteration_line, format_layer_lines
+from megatron_dsv.training.logging_utils import (TensorBoardWriter, format_iteration_line, format_layer_lines,
+                                                 format_validation_lines)
 from megatron_dsv.training.optim import build_optimizer, build_scheduler, unwrap, wrap_model
 
 __all__ = ["TrainResult", "train", "build_model", "print_rank0"]
@@ -43,6 +45,7 @@ class TrainResult:
     samples: Optional[str] = None
     dsv_stages: List[int] = field(default_factory=list)
     signalled: bool = False  # stopped by --exit-signal-handler
+    valid_losses: List[Tuple[int, float]] = field(default_factory=list)  # (iteration, validation loss)
     model: Optional[torch.nn.Module] = field(default=None, repr=False)
 
 
@@ -117,6 +120,35 @@ def train_step(loss_model, ddp_model, optimizer, micro_batches, consumed: int, a
     return float(mean), float(grad_norm) if grad_norm is not None else float("nan"), bool(ok)
 
 
+@torch.no_grad()
+def evaluate(loss_model, ddp_model, valid, sampler: GlobalBatchSampler, args, env: DistEnv) -> float:
+    """Global-mean flow-matching loss over ``--eval-iters`` held-out global batches.
+
+    The same batches, noise and timesteps every time (noise from the negative positions of the training
+    noise stream, which training never reaches), the model in eval mode: DSV layers run as they would at
+    inference (stage 2: the dispatcher's sparse lists; no predictor statistics, no profile), and no
+    training state, RNG or data position moves, so a run's losses do not depend on its validations."""
+    from megatron_dsv.models.video_dit import flow_matching_loss
+
+    ddp_model.eval()
+    total = torch.zeros((), dtype=torch.float32, device=env.device)
+    count = 0
+    for k in range(args.eval_iters):
+        rank_start = k * args.global_batch_size + env.dp_rank * (args.global_batch_size // env.dp_size)
+        for m, idx in enumerate(sampler.local_micro_batches(k * args.global_batch_size)):
+            batch = {key: value.to(env.device) for key, value in collate([valid[i] for i in idx]).items()}
+            gen = _noise_generator(args.seed, -(rank_start + m * args.micro_batch_size + 1), env.device)
+            total += flow_matching_loss(loss_model, batch["latents"], batch["label"], generator=gen,
+                                        text=batch.get("text"), text_mask=batch.get("text_mask")).float()
+            count += 1
+    ddp_model.train()
+    mean = total / count
+    if env.dp_size > 1:
+        dist.all_reduce(mean, group=env.pg_collection.dp)
+        mean /= env.dp_size
+    return float(mean)
+
+
 def _train_state(args, cfg, dsv_config, iteration: int, consumed: int) -> dict:
     return {"consumed_samples": consumed, "args": vars(args), "model_config": dataclasses.asdict(cfg),
             "dsv_config": dsv_config.to_dict() if dsv_config is not None else None, "iteration": iteration}
@@ -172,7 +204,12 @@ def train(args) -> TrainResult:
                                  env.dp_size, args.seed, consumed_samples=result.consumed_samples)
     _print_banner(args, env, cfg, model, sampler)
     batches = step_batches(dataset, sampler, result.consumed_samples, args.num_workers)
-    _loop(args, env, cfg, dsv_config, ddp_model, optimizer, scheduler, batches, result)
+    valid = build_valid_dataset(args, cfg)
+    if valid is None and args.eval_iters and args.data_path is not None:
+        print_rank0(" > no --valid-data-path: no validation (the --data-path shards are not held out)")
+    validation = None if valid is None else (valid, GlobalBatchSampler(
+        len(valid), args.micro_batch_size, args.global_batch_size, env.dp_rank, env.dp_size, args.seed, shuffle=False))
+    _loop(args, env, cfg, dsv_config, ddp_model, optimizer, scheduler, batches, result, validation)
     if result.checkpoint is None and args.save and result.iteration > result.start_iteration:
         result.checkpoint = save_checkpoint(args.save, result.iteration, ddp_model, optimizer, scheduler,
                                             _train_state(args, cfg, dsv_config, result.iteration,
@@ -188,7 +225,7 @@ def train(args) -> TrainResult:
     return result
 
 
-def _loop(args, env, cfg, dsv_config, ddp_model, optimizer, scheduler, batches, result):
+def _loop(args, env, cfg, dsv_config, ddp_model, optimizer, scheduler, batches, result, validation=None):
     bare = unwrap(ddp_model)
     loss_model = ddp_model.module  # Float16Module on GPU bf16 (casts inputs), else the bare model
     tokens_per_sample = _tokens_per_sample(cfg)
@@ -222,6 +259,15 @@ def _loop(args, env, cfg, dsv_config, ddp_model, optimizer, scheduler, batches, 
             _log(result.iteration, args, window, bare, tokens_per_sample, result.consumed_samples,
                  optimizer.param_groups[0]["lr"], tb, dsv_config is not None)
             window = {"loss": [], "grad_norm": [], "time": 0.0, "skipped": 0}
+        if validation is not None and (result.iteration % args.eval_interval == 0
+                                       or result.iteration == args.train_iters):
+            start = time.perf_counter()
+            value = evaluate(loss_model, ddp_model, *validation, args, env)
+            result.valid_losses.append((result.iteration, value))
+            for line in format_validation_lines(result.iteration, value, args.eval_iters * args.global_batch_size,
+                                                1000.0 * (time.perf_counter() - start)):
+                print_rank0(line)
+            tb.scalars({"validation/loss": value}, result.iteration)
         stop = exit_signal.agreed()
         if _should_save(args, result.iteration) or (stop and args.save):
             result.checkpoint = save_checkpoint(args.save, result.iteration, ddp_model, optimizer, scheduler,

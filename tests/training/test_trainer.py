@@ -96,3 +96,47 @@ def test_resumed_run_logs_its_dsv_stage(tmp_path, capsys):
     run(tmp_path, "--train-iters", "4", "--dsv-stage-switch-steps", "2", "--load", str(ckpt), "--no-save",
         name="second")
     assert " > DSV resumes in stage 2 (sparse where the dispatcher says so)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dsv", [False, True], ids=["dense", "dsv-into-stage-2"])
+def test_validation_is_a_fixed_curve_that_leaves_training_alone(tmp_path, capsys, dsv):
+    """--eval-interval / --eval-iters: held-out batches, noise and timesteps fixed across evaluations and
+    runs; the training losses are those of a run without validation (bit for bit), also across a resume."""
+    flags = ["--train-iters", "7", "--dsv-stage-switch-steps", "4", "--no-save"] + ([] if dsv else ["--no-dsv"])
+    plain = run(tmp_path, *flags, "--eval-iters", "0", name="plain")
+    assert plain.valid_losses == []
+    evald = run(tmp_path, *flags, "--eval-interval", "3", "--eval-iters", "2", name="evald")
+    assert evald.losses == plain.losses
+    assert [it for it, _ in evald.valid_losses] == [3, 6, 7] and all(v == v for _, v in evald.valid_losses)
+    out = capsys.readouterr().out
+    assert re.search(r"^-+\n validation loss at iteration 6 \| loss: \d\.\d{6}E[-+]\d\d \| samples: 8 \| "
+                     r"elapsed time \(ms\): [\d.]+ \|\n-+$", out, re.M), out
+    again = run(tmp_path, *flags, "--eval-interval", "3", "--eval-iters", "2", name="again")
+    assert again.valid_losses == evald.valid_losses  # deterministic
+    # a resumed run validates exactly as the uninterrupted one
+    ckpt = str(tmp_path / "ckpt")
+    resume_flags = [f for f in flags if f != "--no-save"] + ["--eval-interval", "3", "--eval-iters", "2"]
+    first = run(tmp_path, *resume_flags, "--save", ckpt, "--exit-interval", "5", name="first")
+    second = run(tmp_path, *resume_flags, "--load", ckpt, "--save", ckpt, name="second")
+    assert first.valid_losses + second.valid_losses == evald.valid_losses
+    assert first.losses + second.losses == plain.losses
+
+
+def test_validation_data_flags(tmp_path, capsys):
+    import numpy as np
+
+    from megatron_dsv.data.shards import write_shard
+    from megatron_dsv.training.arguments import parse_args
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    write_shard(str(shards / "shard_00000.safetensors"), torch.randn(6, 4, 4, 8, 8).half(),
+                torch.from_numpy(np.arange(6) % 4))
+    trained = run(tmp_path, "--train-iters", "2", "--no-save", "--data-path", str(shards), name="noval")
+    assert trained.valid_losses == [] and "no --valid-data-path: no validation" in capsys.readouterr().out
+    valid = run(tmp_path, "--train-iters", "2", "--no-save", "--data-path", str(shards), "--valid-data-path",
+                str(shards), "--eval-iters", "1", name="val")
+    assert [it for it, _ in valid.valid_losses] == [2]
+    with pytest.raises(SystemExit):
+        parse_args(["--valid-data-path", str(tmp_path / "missing")])
+    assert "--valid-data-path must be an existing folder" in capsys.readouterr().err
