@@ -68,13 +68,15 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
-    """Synthetic videos (--mock-data or no --data-path) or latent shards (first --data-path entry)."""
+    """Synthetic videos (--mock-data or no --data-path) or latent shards (first --data-path entry; held-out
+    shards for Megatron's validation from the first --valid-data-path entry, if given)."""
     from megatron_dsv.data import LatentShardDataset, SyntheticVideoDataset
 
     args = get_args()
     if args.data_path and not args.mock_data:
-        print_rank_0(f"> latent shards from {args.data_path[0]} (validation/test: none)")
-        return LatentShardDataset(args.data_path[0]), None, None
+        valid_path = (getattr(args, "valid_data_path", None) or [None])[0]
+        print_rank_0(f"> latent shards from {args.data_path[0]} (validation: {valid_path or 'none'}; test: none)")
+        return LatentShardDataset(args.data_path[0]), LatentShardDataset(valid_path) if valid_path else None, None
     cfg = video_dit_config_from_args(args)
     c, (t, h, w) = cfg.in_channels, cfg.latent_grid
 
