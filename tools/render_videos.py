@@ -4,6 +4,7 @@
     pip install -e '.[video]'
     python tools/render_videos.py --source vizdoom --samples 256 --frames 32 --size 256 --out data/vizdoom
     python tools/fetch_footage.py && python tools/render_videos.py --source footage --out data/footage
+    python tools/render_videos.py --source footage --samples 24 --holdout data/footage --out data/footage-valid
 
 Writes ``shard_XXXXX.safetensors`` (fp16 latents ``[N, 16, T, H/4, W/4]`` + labels; the
 LatentShardDataset format), with ``--raw-frames`` also ``frames/shard_XXXXX.npy`` (uint8
@@ -43,13 +44,29 @@ def main(argv=None):
     ap.add_argument("--shard-size", type=int, default=16, help="clips per shard file")
     ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1), help="renderer processes")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--holdout", metavar="TRAIN_DIR", default=None,
+                    help="write validation clips (for the trainer's --valid-data-path), normalised with the channel "
+                         "statistics of the training shards in TRAIN_DIR: footage clips from each video's held-out "
+                         "end, which no training clip touches; game clips are episodes of their own, so give game "
+                         "validation shards another --seed too")
     ap.add_argument("--raw-frames", action="store_true", help="also keep the uint8 frames (frames/*.npy)")
     ap.add_argument("--gif", type=int, default=0, metavar="N", help="write preview.gif/png of the first N clips")
     args = ap.parse_args(argv)
+    stats = None
+    if args.holdout:
+        path = os.path.join(args.holdout, "render_info.json")
+        if not os.path.isfile(path):
+            ap.error(f"--holdout {args.holdout!r} holds no render_info.json (the training shards' folder, written by "
+                     f"this tool)")
+        with open(path) as f:
+            train_info = json.load(f)
+        if train_info.get("source") != args.source:
+            ap.error(f"--holdout {args.holdout!r} holds {train_info.get('source')!r} shards, not {args.source!r}")
+        stats = (train_info["channel_mean"], train_info["channel_std"])
     try:
         ds = RenderedVideoDataset(args.source, args.samples, frames=args.frames, height=args.size, width=args.size,
                                   channels=args.channels, factor=args.factor, frame_skip=args.frame_skip,
-                                  seed=args.seed)
+                                  seed=args.seed, holdout_from=0 if args.holdout else None, stats=stats)
     except (ImportError, ValueError) as err:
         ap.error(str(err))
     paths = write_rendered_shards(args.out, ds, args.shard_size, args.workers, args.raw_frames)
@@ -57,7 +74,8 @@ def main(argv=None):
     info = dict(source=args.source, scenarios=list(SOURCES[args.source]), samples=args.samples, frames=args.frames,
                 size=args.size, channels=args.channels, factor=args.factor,
                 frame_skip=DEFAULT_FRAME_SKIP[args.source] if args.frame_skip is None else args.frame_skip,
-                seed=args.seed, channel_mean=mean.flatten().tolist(), channel_std=std.flatten().tolist())
+                seed=args.seed, holdout_of=args.holdout, channel_mean=mean.flatten().tolist(),
+                channel_std=std.flatten().tolist())
     with open(os.path.join(args.out, "render_info.json"), "w") as f:
         json.dump(info, f, indent=1)
     if args.gif:

@@ -299,12 +299,14 @@ class RenderedVideoDataset(Dataset):
 
     ``holdout_from``: samples from this index on are validation clips (``render_clip(holdout=True)``:
     for ``footage`` they share no frame with the training clips before it); the calibration clips are
-    taken before it where there are any.
+    taken before it where there are any. ``stats``: ``(mean, std)`` per channel to normalise with instead
+    (a validation set takes its training set's, so both are on one scale).
     """
 
     def __init__(self, source: str, num_samples: int, frames: int = 32, height: int = 256, width: int = 256,
                  channels: int = 16, factor: int = 4, frame_skip: Optional[int] = None, seed: int = 0,
-                 cache: bool = True, normalize: bool = True, holdout_from: Optional[int] = None):
+                 cache: bool = True, normalize: bool = True, holdout_from: Optional[int] = None,
+                 stats: Optional[tuple] = None):
         _require(source)
         if not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
@@ -321,6 +323,12 @@ class RenderedVideoDataset(Dataset):
         self._cache: Optional[Dict[int, dict]] = {} if cache else None
         self.normalize = normalize
         self._stats: Optional[tuple] = None
+        if stats is not None:
+            mean, std = (torch.as_tensor(x, dtype=torch.float32).reshape(-1, 1, 1, 1) for x in stats)
+            if mean.shape[0] != channels or std.shape[0] != channels:
+                raise ValueError(f"stats must hold {channels} means and standard deviations, got "
+                                 f"{mean.shape[0]} and {std.shape[0]}")
+            self._stats = (mean, std)
 
     def channel_stats(self) -> tuple:
         """``(mean, std)``, float32 ``[channels, 1, 1, 1]`` each, of the calibration clips' raw latents."""

