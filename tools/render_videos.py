@@ -45,10 +45,10 @@ def main(argv=None):
     ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1), help="renderer processes")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--holdout", metavar="TRAIN_DIR", default=None,
-                    help="write validation clips (for the trainer's --valid-data-path), normalised with the channel "
-                         "statistics of the training shards in TRAIN_DIR: footage clips from each video's held-out "
-                         "end, which no training clip touches; game clips are episodes of their own, so give game "
-                         "validation shards another --seed too")
+                    help="write validation clips (for the trainer's --valid-data-path) with the settings and the "
+                         "channel statistics of the training shards in TRAIN_DIR: footage clips from each video's "
+                         "held-out end, which no training clip touches; game clips are episodes of their own, so "
+                         "game validation shards need another --seed")
     ap.add_argument("--raw-frames", action="store_true", help="also keep the uint8 frames (frames/*.npy)")
     ap.add_argument("--gif", type=int, default=0, metavar="N", help="write preview.gif/png of the first N clips")
     args = ap.parse_args(argv)
@@ -58,10 +58,19 @@ def main(argv=None):
         if not os.path.isfile(path):
             ap.error(f"--holdout {args.holdout!r} holds no render_info.json (the training shards' folder, written by "
                      f"this tool)")
+        if os.path.realpath(args.holdout) == os.path.realpath(args.out):
+            ap.error("--holdout names the training shards' folder: give the validation shards another --out")
         with open(path) as f:
             train_info = json.load(f)
-        if train_info.get("source") != args.source:
-            ap.error(f"--holdout {args.holdout!r} holds {train_info.get('source')!r} shards, not {args.source!r}")
+        frame_skip = DEFAULT_FRAME_SKIP[args.source] if args.frame_skip is None else args.frame_skip
+        mine = dict(source=args.source, scenarios=list(SOURCES[args.source]), frames=args.frames, size=args.size,
+                    channels=args.channels, factor=args.factor, frame_skip=frame_skip)
+        differ = {k: (train_info.get(k), v) for k, v in mine.items() if train_info.get(k) != v}
+        if differ:
+            ap.error(f"--holdout {args.holdout!r} was rendered with other settings (training, here): {differ}")
+        if args.source != "footage" and args.seed == train_info.get("seed"):
+            ap.error(f"--holdout: {args.source} clips are episodes seeded by (--seed, index): the same --seed "
+                     f"{args.seed} would repeat the training clips; give the validation shards another --seed")
         stats = (train_info["channel_mean"], train_info["channel_std"])
     try:
         ds = RenderedVideoDataset(args.source, args.samples, frames=args.frames, height=args.size, width=args.size,

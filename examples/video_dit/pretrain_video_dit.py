@@ -28,6 +28,15 @@ from megatron_dsv.arguments import add_dsv_args, dsv_config_from_args
 from megatron_dsv.training.arguments import add_video_dit_model_args, model_overrides_from_args
 
 _LAST_DSV_STEP = {"iteration": 0}
+_EVAL_GENERATORS = {}
+
+
+def _eval_generator(device, seed: int) -> torch.Generator:
+    """One noise stream per device for Megatron's evaluations, seeded once per process."""
+    key = str(device)
+    if key not in _EVAL_GENERATORS:
+        _EVAL_GENERATORS[key] = torch.Generator(device=device).manual_seed(seed + 1_000_003)
+    return _EVAL_GENERATORS[key]
 
 
 def extra_args_provider(parser):
@@ -68,15 +77,20 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
-    """Synthetic videos (--mock-data or no --data-path) or latent shards (first --data-path entry; held-out
-    shards for Megatron's validation from the first --valid-data-path entry, if given)."""
-    from megatron_dsv.data import LatentShardDataset, SyntheticVideoDataset
+    """Synthetic videos (--mock-data or no data path) or latent shards: the first --data-path entry, or
+    Megatron's separate paths (--train-data-path, and --valid-data-path for its validation, repeated to the
+    samples its evaluations read; Megatron-LM takes one style or the other, not both)."""
+    from megatron_dsv.data import CycledDataset, LatentShardDataset, SyntheticVideoDataset
 
     args = get_args()
-    if args.data_path and not args.mock_data:
+    train_path = (args.data_path or getattr(args, "train_data_path", None) or [None])[0]
+    if train_path and not args.mock_data:
         valid_path = (getattr(args, "valid_data_path", None) or [None])[0]
-        print_rank_0(f"> latent shards from {args.data_path[0]} (validation: {valid_path or 'none'}; test: none)")
-        return LatentShardDataset(args.data_path[0]), LatentShardDataset(valid_path) if valid_path else None, None
+        valid = None
+        if valid_path and train_val_test_num_samples[1]:
+            valid = CycledDataset(LatentShardDataset(valid_path), train_val_test_num_samples[1])
+        print_rank_0(f"> latent shards from {train_path} (validation: {valid_path or 'none'}; test: none)")
+        return LatentShardDataset(train_path), valid, None
     cfg = video_dit_config_from_args(args)
     c, (t, h, w) = cfg.in_channels, cfg.latent_grid
 
@@ -131,7 +145,10 @@ def forward_step(data_iterator, model):
     labels = batch["label"].to(device, non_blocking=True)
     text = batch["text"].to(device, non_blocking=True) if "text" in batch else None
     text_mask = batch["text_mask"].to(device, non_blocking=True) if "text_mask" in batch else None
-    loss = flow_matching_loss(model, latents, labels, text=text, text_mask=text_mask)
+    # Megatron's evaluation (model in eval mode) draws its noise from a stream of its own, so validation
+    # leaves the training RNG where it was
+    gen = None if model.training else _eval_generator(latents.device, args.seed)
+    loss = flow_matching_loss(model, latents, labels, generator=gen, text=text, text_mask=text_mask)
     return loss, partial(loss_func)
 
 

@@ -7,7 +7,7 @@ Trainer-facing API (see ``hooks.py``): :func:`dsv_layers`, :func:`dsv_on_step_en
 
 from megatron_dsv.attention.core_attention import DSVCoreAttention
 from megatron_dsv.attention.grouping import cube_order_coords, cube_order_permutation, from_cube_order, to_cube_order
-from megatron_dsv.attention.hooks import dsv_layers, dsv_metrics, dsv_on_step_end, dsv_stage
+from megatron_dsv.attention.hooks import dsv_eval_forward, dsv_layers, dsv_metrics, dsv_on_step_end, dsv_stage
 
-__all__ = ["DSVCoreAttention", "dsv_layers", "dsv_on_step_end", "dsv_metrics", "dsv_stage",
+__all__ = ["DSVCoreAttention", "dsv_layers", "dsv_on_step_end", "dsv_metrics", "dsv_stage", "dsv_eval_forward",
            "cube_order_permutation", "cube_order_coords", "to_cube_order", "from_cube_order"]

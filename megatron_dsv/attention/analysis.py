@@ -34,7 +34,7 @@ import torch
 from megatron_dsv.attention.core_attention import DSVCoreAttention
 from megatron_dsv.attention.dispatcher import density_budgets, head_budgets
 from megatron_dsv.attention.grouping import cube_order_coords
-from megatron_dsv.attention.hooks import dsv_layers
+from megatron_dsv.attention.hooks import dsv_eval_forward, dsv_layers
 from megatron_dsv.attention.profiler import _RecallCurve, profile_stats, smallest_k_reaching
 from megatron_dsv.config import DSVConfig
 # The oracle's validation and chunked softmax / critical-set pass: the same definition of a
@@ -68,23 +68,15 @@ def _capture(model, latents, timesteps, labels, text=None, text_mask=None, force
         hidden = module._hidden.detach().clone() if module._hidden is not None else None
         captured[module.layer_number] = (q, k, hidden)
 
-    # what an eval forward touches: the metrics' host copies (last_k, last_sparse); the mode; force_dense
-    saved = [(layer, layer.last_k.clone(), layer.last_sparse, layer.force_dense) for layer in layers]
-    modes = [(m, m.training) for m in model.modules()]
     handles = [layer.register_forward_pre_hook(hook, with_kwargs=True) for layer in layers]
     try:
-        model.eval()
-        for layer in layers:
-            layer.force_dense = layer.force_dense or force_dense
-        model(latents, timesteps, labels, text=text, text_mask=text_mask)
+        with dsv_eval_forward(model):
+            for layer in layers:
+                layer.force_dense = layer.force_dense or force_dense
+            model(latents, timesteps, labels, text=text, text_mask=text_mask)
     finally:
         for h in handles:
             h.remove()
-        for layer, last_k, last_sparse, dense in saved:
-            layer.last_k.copy_(last_k)
-            layer.last_sparse, layer.force_dense = last_sparse, dense
-        for m, mode in modes:
-            m.training = mode  # per module: model.train(mode) would flatten mixed modes
     return captured
 
 

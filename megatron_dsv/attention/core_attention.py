@@ -383,17 +383,20 @@ class DSVCoreAttention(MegatronModule):
 
     def _plan_cp(self, S: int, sparse: bool, tokens: torch.Tensor):
         """The layer's CP plan for this step's decision (planned again whenever the decision is new,
-        i.e. after every profile update; logged when it changes; kept in the ``cp_plan_state`` buffer)."""
+        i.e. after every profile update; logged when it changes; kept in the ``cp_plan_state`` buffer).
+        An eval forward (validation, analysis) plans for itself, costed forward-only, and leaves the
+        training plan, its log and its checkpointed state alone."""
         from megatron_dsv.parallel.cp_attention import encode_plan, plan_for_layer
 
-        key = ("cp_plan", S, sparse, tuple(tokens.tolist()))
+        key = ("cp_plan", S, sparse, tuple(tokens.tolist()), self.training)
         if key not in self._decisions:
             plan = plan_for_layer(self, S, sparse, tokens)
-            if self.cp_plan is None or plan.describe() != self.cp_plan.describe():
-                if dist.get_rank() == 0:
-                    print(f" [dsv layer {self.layer_number}] CP plan: {plan.describe()}", flush=True)
-            self.cp_plan = plan
-            self.cp_plan_state.copy_(encode_plan(plan, self.num_heads).to(self.cp_plan_state.device))
+            if self.training:
+                if self.cp_plan is None or plan.describe() != self.cp_plan.describe():
+                    if dist.get_rank() == 0:
+                        print(f" [dsv layer {self.layer_number}] CP plan: {plan.describe()}", flush=True)
+                self.cp_plan = plan
+                self.cp_plan_state.copy_(encode_plan(plan, self.num_heads).to(self.cp_plan_state.device))
             self._decisions[key] = plan
         return self._decisions[key]
 

@@ -1,9 +1,10 @@
-"""The trainer-facing API of the DSV method: four functions, called by any training loop.
+"""The trainer-facing API of the DSV method: five functions, called by any training loop.
 
 * :func:`dsv_layers` — every :class:`DSVCoreAttention` of a (wrapped, chunked) model.
 * :func:`dsv_on_step_end` — once after each optimizer step, on every rank.
 * :func:`dsv_metrics` — flat ``{name: float}`` for the logger (this rank's layers).
 * :func:`dsv_stage` — 1 (dense, predictors learn) or 2 (sparse).
+* :func:`dsv_eval_forward` — a context for eval forwards (validation, analysis) that leave no trace.
 
 ``dsv_on_step_end`` does, in order: (0) the predictors' losses and gradients of the step, all layers
 in one batched pass from the statistics their forwards collected; (1) one all-reduce (sum) over the data-parallel
@@ -21,8 +22,9 @@ it, also a pipeline rank without DSV layers (it joins the world all-reduce).
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,7 +34,7 @@ from megatron_dsv.attention.predictor import adam_step_many, from_host, train_pr
 from megatron_dsv.attention.schedule import should_switch
 from megatron_dsv.attention.state import StepScalars
 
-__all__ = ["dsv_layers", "dsv_on_step_end", "dsv_metrics", "dsv_stage"]
+__all__ = ["dsv_layers", "dsv_on_step_end", "dsv_metrics", "dsv_stage", "dsv_eval_forward"]
 
 
 def dsv_layers(model) -> List[DSVCoreAttention]:
@@ -48,6 +50,28 @@ def dsv_layers(model) -> List[DSVCoreAttention]:
                 seen.add(id(m))
                 layers.append(m)
     return layers
+
+
+@contextlib.contextmanager
+def dsv_eval_forward(model) -> Iterator[List[DSVCoreAttention]]:
+    """Every module of ``model`` in eval mode inside the block (each module's own mode restored after,
+    so mixed modes survive), and the DSV layers' metric copies (``last_k``, ``last_sparse``) and
+    ``force_dense`` restored: an eval forward (validation, analysis) leaves the training's metrics,
+    state and next step as they were. An eval forward samples no queries, profiles nothing, collects no
+    predictor statistics and plans its own CP layout (:meth:`DSVCoreAttention._plan_cp`). Yields the
+    DSV layers."""
+    layers = dsv_layers(model)
+    saved = [(layer, layer.last_k.clone(), layer.last_sparse, layer.force_dense) for layer in layers]
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        model.eval()
+        yield layers
+    finally:
+        for layer, last_k, last_sparse, dense in saved:
+            layer.last_k.copy_(last_k)
+            layer.last_sparse, layer.force_dense = last_sparse, dense
+        for m, mode in modes:
+            m.training = mode
 
 
 def _default_dp_group():

@@ -262,17 +262,18 @@ def _download(info: FootageFile, into: str) -> str:
         plain = ["apt-get", "download", "--quiet", info.package]
         tries = ([plain[:-1] + [f"{info.package}={info.version}"]] if info.version else []) + [plain]
     suffix = ".whl" if info.registry == "pypi" else ".deb"
+    failures = []
     for attempt in range(2):
         for cmd in tries:
             proc = subprocess.run(cmd, cwd=into, capture_output=True, text=True)
             found = [f for f in os.listdir(into) if f.endswith(suffix)]
             if proc.returncode == 0 and found:
                 return os.path.join(into, found[0])
+            failures.append(f"`{' '.join(cmd)}` ({proc.returncode}): {proc.stderr.strip()[-800:]}")
         if attempt or info.registry != "debian" or not hasattr(os, "geteuid") or os.geteuid() != 0:
             break
         subprocess.run(["apt-get", "update", "-qq"], capture_output=True)  # a fresh image has no package lists
-    raise RuntimeError(f"downloading {info.package!r} with `{' '.join(tries[-1])}` failed ({proc.returncode}):\n"
-                       f"{proc.stderr[-2000:]}")
+    raise RuntimeError(f"downloading {info.package!r} failed:\n" + "\n".join(failures))
 
 
 def _unpack(archive: str, members: List[str], into: str) -> None:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-__all__ = ["LatentShardDataset", "write_shard", "SIDE_KEYS"]
+__all__ = ["LatentShardDataset", "CycledDataset", "write_shard", "SIDE_KEYS"]
 
 SIDE_KEYS = ("labels", "text", "text_mask")
 _SIDECAR_SUFFIXES = tuple(f".{k}.npy" for k in SIDE_KEYS)
@@ -163,3 +163,22 @@ class LatentShardDataset(Dataset):
         if "text_mask" in raw:
             item["text_mask"] = raw["text_mask"].bool()
         return item
+
+
+class CycledDataset(Dataset):
+    """``dataset`` repeated to ``length`` samples (sample ``i`` is ``dataset[i % len(dataset)]``): for a loop
+    that reads a fixed number of samples from a finite set, as Megatron-LM's validation does."""
+
+    def __init__(self, dataset, length: int):
+        if len(dataset) < 1 or length < 1:
+            raise ValueError(f"CycledDataset needs a non-empty dataset and length >= 1, got {len(dataset)} and "
+                             f"{length}")
+        self.dataset, self.length = dataset, int(length)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> dict:
+        if not 0 <= index < self.length:
+            raise IndexError(f"index {index} out of range for {self.length} samples")
+        return self.dataset[index % len(self.dataset)]

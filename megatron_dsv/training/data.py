@@ -116,14 +116,25 @@ def build_dataset(args, model_cfg):
     return _synthetic(model_cfg, args.synthetic_samples, args.data_seed, args.synthetic_background)
 
 
-def build_valid_dataset(args, model_cfg):
-    """The held-out set of --eval-iters, or None: --valid-data-path's shards; held-out synthetic videos
-    (``--eval-iters`` global batches of them, seed ``data seed + VALID_SEED_OFFSET``) when training on
-    synthetic ones; None when training on --data-path without --valid-data-path, or with --eval-iters 0."""
+def build_valid_dataset(args, model_cfg, train_dataset):
+    """The held-out set of --eval-iters, or None: --valid-data-path's shards (at least ``--eval-iters`` global
+    batches of samples shaped as ``train_dataset``'s); held-out synthetic videos (that many, seed ``data
+    seed + VALID_SEED_OFFSET``) when training on synthetic ones; None when training on --data-path without
+    --valid-data-path, or with --eval-iters 0."""
     if not args.eval_iters:
         return None
     if args.valid_data_path is not None:
-        return _shards(args.valid_data_path, "--valid-data-path", model_cfg)
+        valid = _shards(args.valid_data_path, "--valid-data-path", model_cfg)
+        need = args.eval_iters * args.global_batch_size
+        if len(valid) < need:
+            raise ValueError(f"--valid-data-path {args.valid_data_path!r} holds {len(valid)} samples; --eval-iters "
+                             f"{args.eval_iters} x --global-batch-size {args.global_batch_size} needs {need}: lower "
+                             f"--eval-iters or write more (tools/render_videos.py --holdout)")
+        shape, want = tuple(valid[0]["latents"].shape), tuple(train_dataset[0]["latents"].shape)
+        if shape != want:
+            raise ValueError(f"--valid-data-path {args.valid_data_path!r} holds latents {shape}, the training data "
+                             f"{want}: validate on clips of the training shape")
+        return valid
     if args.data_path is not None:
         return None
     return _synthetic(model_cfg, args.eval_iters * args.global_batch_size, args.data_seed + VALID_SEED_OFFSET,

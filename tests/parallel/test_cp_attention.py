@@ -83,7 +83,7 @@ def _check_cp_attention(rank, world):
 def _check_core_attention(rank, world):
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_dsv.attention import dsv_on_step_end
+    from megatron_dsv.attention import dsv_eval_forward, dsv_on_step_end
     from megatron_dsv.attention.core_attention import DSVCoreAttention
     from tests.attention.conftest import dsv_config, force_state, planted, tf_config
 
@@ -144,6 +144,15 @@ def _check_core_attention(rank, world):
         for layer in layers.values():
             layer.profiling = layer.predictor_training = False
         step("stage 2")
+        # an eval forward (validation) plans for itself: the training plan and its checkpointed state stay,
+        # also when it is the step's first forward (the step end cleared the layer's cached decisions)
+        for layer in layers.values():
+            dsv_on_step_end(layer, 2)
+        plan, state = cp.cp_plan, cp.cp_plan_state.clone()
+        with dsv_eval_forward(cp), torch.no_grad():
+            out = cp(*[_shard(t, rank, world, dim=0).clone() for t in (q, k, v)], None)
+        assert torch.isfinite(out).all() and cp.training
+        assert cp.cp_plan is plan and torch.equal(cp.cp_plan_state, state), "an eval forward replaced the CP plan"
 
 
 @pytest.mark.parametrize("world", [2, 4])

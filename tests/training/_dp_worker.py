@@ -1,4 +1,4 @@
-"""Run by torchrun in test_distributed.py: train, then write this rank's losses as JSON."""
+"""Run by torchrun in test_distributed.py: train, then write this rank's losses (and validation losses) as JSON."""
 
 import json
 import os
@@ -13,4 +13,5 @@ if __name__ == "__main__":
     result = train(args)
     rank = int(os.environ.get("RANK", "0"))
     with open(os.path.join(out, f"losses_rank{rank}.json"), "w") as f:
-        json.dump({"losses": result.losses, "consumed_samples": result.consumed_samples}, f)
+        json.dump({"losses": result.losses, "consumed_samples": result.consumed_samples,
+                   "valid_losses": result.valid_losses}, f)

@@ -36,8 +36,10 @@ def _torchrun(out, flags):
 def test_two_process_gloo_data_parallel(tmp_path):
     out = tmp_path / "dp2"
     out.mkdir()
+    evals = ["--eval-interval", "2", "--eval-iters", "2"]
     stdout = _torchrun(out, [*SMALL, "--train-iters", "4", "--micro-batch-size", "2", "--global-batch-size", "4",
-                             "--output-dir", str(out), "--save", str(out / "ckpt"), "--dsv-stage-switch-steps", "2"])
+                             "--output-dir", str(out), "--save", str(out / "ckpt"), "--dsv-stage-switch-steps", "2",
+                             *evals])
     ranks = [json.load(open(out / f"losses_rank{r}.json")) for r in range(2)]
     assert ranks[0]["losses"] == ranks[1]["losses"] and len(ranks[0]["losses"]) == 4
     assert ranks[0]["consumed_samples"] == 16
@@ -46,8 +48,11 @@ def test_two_process_gloo_data_parallel(tmp_path):
     # One process, 2 micro batches of 2 (gradient accumulation): the same global batches and the same noise
     # per micro batch, so the same losses up to summation order.
     single = run(tmp_path, "--train-iters", "4", "--micro-batch-size", "2", "--global-batch-size", "4", "--no-save",
-                 "--dsv-stage-switch-steps", "2", name="dp1")
+                 "--dsv-stage-switch-steps", "2", *evals, name="dp1")
     assert single.losses == pytest.approx(ranks[0]["losses"], rel=1e-4)
+    # validation: each rank its half of the held-out batches, the mean over DP = one process's mean
+    assert ranks[0]["valid_losses"] == ranks[1]["valid_losses"] and [i for i, _ in single.valid_losses] == [2, 4]
+    assert [v for _, v in single.valid_losses] == pytest.approx([v for _, v in ranks[0]["valid_losses"]], rel=1e-4)
 
 
 def test_checkpoint_of_two_ranks_resumes_on_one(tmp_path):
@@ -71,13 +76,16 @@ def test_two_process_context_parallel_matches_one_process(tmp_path):
              "--dsv-sparsity-threshold", "0.3"]  # these tiny models sit at ~0.36: token lists run them sparse
     out = tmp_path / "cp2"
     out.mkdir()
-    stdout = _torchrun(out, [*SMALL, *flags, "--context-parallel-size", "2", "--output-dir", str(out), "--no-save"])
+    # validation after every step: under CP it plans its own layout and leaves the training's alone
+    stdout = _torchrun(out, [*SMALL, *flags, "--context-parallel-size", "2", "--output-dir", str(out), "--no-save",
+                             "--eval-interval", "1", "--eval-iters", "1"])
     assert "world 2 (dp 1, tp 1, cp 2)" in stdout
     assert "CP plan: hcp" in stdout  # the planner ran and logged its choice
     ranks = [json.load(open(out / f"losses_rank{r}.json")) for r in range(2)]
     assert ranks[0]["losses"] == ranks[1]["losses"] and len(ranks[0]["losses"]) == 6
-    single = run(tmp_path, *flags, "--no-save", name="cp1")
+    single = run(tmp_path, *flags, "--no-save", "--eval-iters", "0", name="cp1")
     assert single.losses == pytest.approx(ranks[0]["losses"], rel=1e-4)
+    assert len(ranks[0]["valid_losses"]) == 6 and ranks[0]["valid_losses"] == ranks[1]["valid_losses"]
     sparse_steps = [line for line in stdout.splitlines() if line.startswith(" dsv layers") and " sparse" in line]
     assert sparse_steps, "stage 2 must run some layers sparse under CP:\n" + stdout[-3000:]
 

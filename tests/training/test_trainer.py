@@ -140,3 +140,36 @@ def test_validation_data_flags(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--valid-data-path", str(tmp_path / "missing")])
     assert "--valid-data-path must be an existing folder" in capsys.readouterr().err
+
+
+def test_validation_runs_the_model_as_at_inference(tmp_path, monkeypatch):
+    """Inside a validation: every DSV layer in eval mode, stage 2's layers sparse where the dispatcher says
+    so, no draw from torch's global generator, and the same value when repeated at the same weights."""
+    from megatron_dsv.attention import DSVCoreAttention
+    from megatron_dsv.training import trainer
+
+    seen = []
+    real = trainer.evaluate
+
+    def spy(loss_model, ddp_model, *args, **kwargs):
+        hooks = [m.register_forward_hook(lambda mod, i, o: seen.append((mod.training, mod.last_sparse)))
+                 for m in ddp_model.modules() if isinstance(m, DSVCoreAttention)]
+        rng = torch.get_rng_state()
+        try:
+            value = real(loss_model, ddp_model, *args, **kwargs)
+        finally:
+            for h in hooks:
+                h.remove()
+        assert torch.equal(rng, torch.get_rng_state())
+        assert real(loss_model, ddp_model, *args, **kwargs) == value
+        return value
+
+    monkeypatch.setattr(trainer, "evaluate", spy)
+    # the CP tests' shape: these tiny models sit at ~0.36 sparsity; token lists at a 0.3 threshold run them sparse
+    flags = ["--hidden-size", "128", "--model-override", "head_dim=64", "--model-override", "latent_height=16",
+             "--model-override", "latent_width=16", "--micro-batch-size", "2", "--dsv-granularity", "token",
+             "--dsv-sparsity-threshold", "0.3", "--dsv-profile-interval", "1", "--dsv-stage-switch-steps", "3"]
+    result = run(tmp_path, *flags, "--train-iters", "6", "--eval-interval", "1", "--eval-iters", "1", "--no-save")
+    assert len(result.valid_losses) == 6 and seen
+    assert not any(training for training, _ in seen)
+    assert any(sparse for _, sparse in seen), "stage 2's validation ran no layer sparse"
