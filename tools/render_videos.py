@@ -52,6 +52,10 @@ def main(argv=None):
     ap.add_argument("--raw-frames", action="store_true", help="also keep the uint8 frames (frames/*.npy)")
     ap.add_argument("--gif", type=int, default=0, metavar="N", help="write preview.gif/png of the first N clips")
     args = ap.parse_args(argv)
+    # what render_info.json records and a --holdout render must share with its training shards
+    settings = dict(source=args.source, scenarios=list(SOURCES[args.source]), frames=args.frames, size=args.size,
+                    channels=args.channels, factor=args.factor,
+                    frame_skip=DEFAULT_FRAME_SKIP[args.source] if args.frame_skip is None else args.frame_skip)
     stats = None
     if args.holdout:
         path = os.path.join(args.holdout, "render_info.json")
@@ -62,10 +66,7 @@ def main(argv=None):
             ap.error("--holdout names the training shards' folder: give the validation shards another --out")
         with open(path) as f:
             train_info = json.load(f)
-        frame_skip = DEFAULT_FRAME_SKIP[args.source] if args.frame_skip is None else args.frame_skip
-        mine = dict(source=args.source, scenarios=list(SOURCES[args.source]), frames=args.frames, size=args.size,
-                    channels=args.channels, factor=args.factor, frame_skip=frame_skip)
-        differ = {k: (train_info.get(k), v) for k, v in mine.items() if train_info.get(k) != v}
+        differ = {k: (train_info.get(k), v) for k, v in settings.items() if train_info.get(k) != v}
         if differ:
             ap.error(f"--holdout {args.holdout!r} was rendered with other settings (training, here): {differ}")
         if args.source != "footage" and args.seed == train_info.get("seed"):
@@ -74,17 +75,14 @@ def main(argv=None):
         stats = (train_info["channel_mean"], train_info["channel_std"])
     try:
         ds = RenderedVideoDataset(args.source, args.samples, frames=args.frames, height=args.size, width=args.size,
-                                  channels=args.channels, factor=args.factor, frame_skip=args.frame_skip,
+                                  channels=args.channels, factor=args.factor, frame_skip=settings["frame_skip"],
                                   seed=args.seed, holdout_from=0 if args.holdout else None, stats=stats)
     except (ImportError, ValueError) as err:
         ap.error(str(err))
     paths = write_rendered_shards(args.out, ds, args.shard_size, args.workers, args.raw_frames)
     mean, std = ds.channel_stats()
-    info = dict(source=args.source, scenarios=list(SOURCES[args.source]), samples=args.samples, frames=args.frames,
-                size=args.size, channels=args.channels, factor=args.factor,
-                frame_skip=DEFAULT_FRAME_SKIP[args.source] if args.frame_skip is None else args.frame_skip,
-                seed=args.seed, holdout_of=args.holdout, channel_mean=mean.flatten().tolist(),
-                channel_std=std.flatten().tolist())
+    info = dict(settings, samples=args.samples, seed=args.seed, holdout_of=args.holdout,
+                channel_mean=mean.flatten().tolist(), channel_std=std.flatten().tolist())
     with open(os.path.join(args.out, "render_info.json"), "w") as f:
         json.dump(info, f, indent=1)
     if args.gif:

