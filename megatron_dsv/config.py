@@ -125,6 +125,18 @@ class DSVConfig:
     Default G = 128: on the H200 (S=64K, 90% sparse, benchmarks/results/sparse_attention-h200-*.json)
     the block-level forward at G=128 is 1.9x / 3.0x faster than at G=64 / 32 and the backward
     1.1x / 1.5x, and 4x4x8 is the most compact 128-token cube (neighbours share critical keys)."""
+    local_radius: Tuple[int, int, int] = _knob(
+        (0, 0, 0), "Local + predicted lists: every query cube always keeps the keys of the cubes within "
+        "(rt, rh, rw) cubes of it, and the predictor's top-k fills the rest of its budget (0 0 0: off, "
+        "predicted lists alone).")
+    """Always-on 3D neighbourhood of each query cube, in cubes per axis (DESIGN.md: the strongest peers
+    pair their top-k branch with an always-on local one).
+
+    The budget counts both parts: each head keeps at least the neighbourhood (every head's budget is
+    floored at the largest neighbourhood), and the estimator ranks the neighbourhood's items above all
+    others, so the top-k fills what is left. The profiler's recall curve ranks the same way, so the
+    'recall' rule sizes the lists that run. Needs the token grid (the video DiT sets it on every
+    forward) and a grid divisible by the cube; the CUDA estimator does not take it (Triton's does)."""
     granularity: str = _knob("block", "KV list granularity: 'token' (the paper) or 'block' (contiguous KV blocks).",
                              choices=GRANULARITIES)
     """Whether KV lists name single key tokens or contiguous key blocks."""
@@ -148,6 +160,7 @@ class DSVConfig:
 
     def __post_init__(self):
         self.query_group_shape = tuple(int(x) for x in self.query_group_shape)
+        self.local_radius = tuple(self.local_radius)
         self._check_choices()
         self._check_ranges()
 
@@ -156,6 +169,11 @@ class DSVConfig:
     def group_size(self) -> int:
         """G: tokens per query group (the cube volume)."""
         return math.prod(self.query_group_shape)
+
+    @property
+    def uses_local(self) -> bool:
+        """True when lists are local + predicted (``local_radius`` not all zero)."""
+        return any(self.local_radius)
 
     @property
     def block_size(self) -> int:
@@ -203,6 +221,8 @@ class DSVConfig:
              "query_group_shape", "three positive ints (t, h, w)")
         need(self.group_size in SUPPORTED_GROUP_SIZES, "query_group_shape",
              f"a cube whose volume is one of {list(SUPPORTED_GROUP_SIZES)}")
+        need(len(self.local_radius) == 3 and all(isinstance(x, int) and x >= 0 for x in self.local_radius),
+             "local_radius", "three ints >= 0 (rt, rh, rw), in cubes")
         need(self.kv_block_size in SUPPORTED_KV_BLOCKS, "kv_block_size", f"one of {list(SUPPORTED_KV_BLOCKS)}")
 
     def to_dict(self) -> dict:

@@ -48,6 +48,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_dsv.attention import _ops
 from megatron_dsv.attention.dispatcher import SpeedupTable, density_budgets, head_budgets, plan_layer
+from megatron_dsv.attention.neighbourhood import local_item_lists
 from megatron_dsv.attention.predictor import LowRankPredictor, all_reduce_many
 from megatron_dsv.attention.profiler import profile_stats, recall_density
 from megatron_dsv.attention.schedule import is_profile_step, profile_thinning, sampled_queries, trains_predictor
@@ -176,6 +177,9 @@ class DSVCoreAttention(MegatronModule):
         self.predictor_training = True
         self.profiling = True
         self.force_dense = False
+        # (T, H, W) of the patch tokens: set by the model on every forward (the video DiT does); needed by
+        # local + predicted lists (DSVConfig.local_radius) only
+        self.token_grid = None
         self._decisions = {}
         self.cp_plan = None  # the LayerPlan in use under context parallelism (cp_plan buffer: its checkpoint)
         self._sync_host()
@@ -402,17 +406,33 @@ class DSVCoreAttention(MegatronModule):
 
     def decide(self, S: int):
         """``(sparse, budgets, tokens)`` for sequence length S (cached until the state changes)."""
-        key = (S, self.training, self.force_dense)
+        key = (S, self.training, self.force_dense, self.token_grid)
         if key not in self._decisions:
             cfg = self.dsv_config
             ok, budgets, tokens = plan_layer(self._sparsity_cpu, self._density_cpu, S, cfg, self.speedup_table,
-                                             self.training)
+                                             self.training, self._local_tokens(S))
             sparse = (self.stage_host == 2 and self.profiled_host and self.kernel_ok and S >= cfg.group_size and ok
                       and not self.force_dense)
             if not sparse:
                 tokens = torch.full_like(tokens, S)
             self._decisions[key] = (sparse, budgets, tokens.float())
         return self._decisions[key]
+
+    def _local_items(self, S: int, device) -> Optional[torch.Tensor]:
+        """The local part of local + predicted lists (``[NG, F]`` items, -1 padded), or None when off."""
+        cfg = self.dsv_config
+        if not cfg.uses_local:
+            return None
+        if self.token_grid is None or math.prod(self.token_grid) != S:
+            raise ValueError(f"DSVConfig.local_radius (--dsv-local-radius) {cfg.local_radius} needs the token grid "
+                             f"(T, H, W) of this sequence of {S} tokens on DSVCoreAttention.token_grid (the video DiT "
+                             f"sets it on every forward); got {self.token_grid}")
+        return local_item_lists(self.token_grid, cfg.query_group_shape, cfg.local_radius, cfg.block_size, device)
+
+    def _local_tokens(self, S: int) -> int:
+        """Keys of the largest neighbourhood (the floor of every budget under local + predicted lists)."""
+        local = self._local_items(S, "cpu")
+        return 0 if local is None else min(S, local.shape[1] * max(1, self.dsv_config.block_size))
 
     @torch.no_grad()
     def _estimate(self, q, k, hidden, budgets, projected=None):
@@ -421,7 +441,7 @@ class DSVCoreAttention(MegatronModule):
         # budgets stay on the host: the estimator needs Kmax there, and a device copy read back
         # would cost two stream syncs per layer
         return _ops.run_estimate_topk(self.topk_backend, q_lr, k_lr, budgets.cpu(), cfg.group_size, cfg.block_size,
-                                      cfg.group_proxy, cfg.block_score)
+                                      cfg.group_proxy, cfg.block_score, self._local_items(k_lr.shape[2], q_lr.device))
 
     @torch.no_grad()
     def _profile(self, q, k, hidden, qidx, budgets, projected=None, seq_group=None):
@@ -440,12 +460,13 @@ class DSVCoreAttention(MegatronModule):
             projected = self.predictor.project(q, k, hidden, dtype=q.dtype)
         recall_rule = cfg.budget_rule == "recall"
         curve_args = dict(q_lr=projected[0], k_lr=projected[1], group_size=cfg.group_size,
-                          block_size=cfg.block_size, proxy=cfg.group_proxy,
-                          block_score=cfg.block_score) if recall_rule else None
+                          block_size=cfg.block_size, proxy=cfg.group_proxy, block_score=cfg.block_score,
+                          forced=self._local_items(S, k.device)) if recall_rule else None
         stats = dict(theta=cfg.theta, softmax_scale=self.softmax_scale, query_index=qidx)
+        floor = self._local_tokens(S)
         if budgets is None and self.profiled_host:
-            budgets = (density_budgets(self._density_cpu, S, cfg) if recall_rule
-                       else head_budgets(self._sparsity_cpu, S, cfg))[0]
+            budgets = (density_budgets(self._density_cpu, S, cfg, floor) if recall_rule
+                       else head_budgets(self._sparsity_cpu, S, cfg, floor))[0]
         if budgets is not None:  # the lists are known before the pass: one pass measures everything
             lists = self._estimate(q, k, hidden, budgets, projected)
             sparsity, curve, recall = profile_stats(q, k, **stats, curve=curve_args,
@@ -457,8 +478,8 @@ class DSVCoreAttention(MegatronModule):
         measured = sparsity.float().mean(0)
         density = self._recall_density(curve, S) if recall_rule else 1.0 - measured
         if budgets is None:
-            budgets = (density_budgets(density.cpu(), S, cfg) if recall_rule
-                       else head_budgets(measured.cpu(), S, cfg))[0]
+            budgets = (density_budgets(density.cpu(), S, cfg, floor) if recall_rule
+                       else head_budgets(measured.cpu(), S, cfg, floor))[0]
             lists = self._estimate(q, k, hidden, budgets, projected)
             recall = profile_stats(q, k, **stats, lists=(lists[0], lists[1], cfg.group_size, cfg.block_size))[2]
             if seq_group is not None:

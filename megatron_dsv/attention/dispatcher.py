@@ -127,23 +127,25 @@ def _interp(x: float, xs: List[float], ys: List[float]) -> float:
     return ys[-1]
 
 
-def head_budgets(sparsity: torch.Tensor, S: int, cfg: DSVConfig) -> Tuple[torch.Tensor, torch.Tensor]:
+def head_budgets(sparsity: torch.Tensor, S: int, cfg: DSVConfig, min_tokens: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-head budgets from per-head sparsity ``[H]``.
 
     Returns ``(budgets, tokens)``: ``budgets`` int64 ``[H]`` in the ops' units (tokens, or key
     blocks at block granularity) and ``tokens`` int64 ``[H]`` = keys each query attends.
+    ``min_tokens``: a floor beside ``k_min`` (local + predicted lists: the largest neighbourhood).
     """
-    return _budgets(1.0 - sparsity.double().clamp(0.0, 1.0), S, cfg)
+    return _budgets(1.0 - sparsity.double().clamp(0.0, 1.0), S, cfg, min_tokens)
 
 
-def density_budgets(density: torch.Tensor, S: int, cfg: DSVConfig) -> Tuple[torch.Tensor, torch.Tensor]:
+def density_budgets(density: torch.Tensor, S: int, cfg: DSVConfig, min_tokens: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-head budgets from per-head budget densities ``[H]`` (``K_h / S``); as :func:`head_budgets`."""
-    return _budgets(density.double().clamp(0.0, 1.0), S, cfg)
+    return _budgets(density.double().clamp(0.0, 1.0), S, cfg, min_tokens)
 
 
-def _budgets(dens: torch.Tensor, S: int, cfg: DSVConfig) -> Tuple[torch.Tensor, torch.Tensor]:
+def _budgets(dens: torch.Tensor, S: int, cfg: DSVConfig, min_tokens: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     # -1e-6*S absorbs fp32 sparsity error (0.9f gives density 0.100000024: one more token at S=1000)
-    k = torch.maximum(torch.ceil(dens * S - 1e-6 * S), torch.full_like(dens, float(cfg.k_min))).clamp(max=S).long()
+    floor = float(max(cfg.k_min, min_tokens))
+    k = torch.maximum(torch.ceil(dens * S - 1e-6 * S), torch.full_like(dens, floor)).clamp(max=S).long()
     if cfg.block_size > 0:
         blocks = (k + cfg.block_size - 1) // cfg.block_size
         n_blocks = -(-S // cfg.block_size)
@@ -153,34 +155,35 @@ def _budgets(dens: torch.Tensor, S: int, cfg: DSVConfig) -> Tuple[torch.Tensor, 
 
 
 def choose_sparse(sparsity: torch.Tensor, S: int, cfg: DSVConfig, table: SpeedupTable,
-                  training: bool = True) -> bool:
+                  training: bool = True, min_tokens: int = 0) -> bool:
     """The dispatcher's rule for one layer under budget_rule 'sparsity', given its smoothed
     per-head sparsity ``[H]``."""
     mean = float(sparsity.float().mean())
     if mean < cfg.sparsity_threshold:
         return False
-    _, tokens = head_budgets(sparsity, S, cfg)
+    _, tokens = head_budgets(sparsity, S, cfg, min_tokens)
     effective = 1.0 - float(tokens.double().mean()) / S  # after k_min and block rounding
     return table.speedup(S, effective, training) > 1.0
 
 
 def choose_sparse_density(density: torch.Tensor, S: int, cfg: DSVConfig, table: SpeedupTable,
-                          training: bool = True) -> bool:
+                          training: bool = True, min_tokens: int = 0) -> bool:
     """The dispatcher's rule for one layer under budget_rule 'recall', given its smoothed
     per-head budget density ``[H]``: the budgets themselves must be sparse enough and faster."""
-    _, tokens = density_budgets(density, S, cfg)
+    _, tokens = density_budgets(density, S, cfg, min_tokens)
     effective = 1.0 - float(tokens.double().mean()) / S
     return effective >= cfg.sparsity_threshold and table.speedup(S, effective, training) > 1.0
 
 
 def plan_layer(sparsity: torch.Tensor, density: torch.Tensor, S: int, cfg: DSVConfig, table: SpeedupTable,
-               training: bool = True) -> Tuple[bool, torch.Tensor, torch.Tensor]:
-    """``(sparse, budgets, tokens)`` of one layer under ``cfg.budget_rule`` (host tensors ``[H]``)."""
+               training: bool = True, min_tokens: int = 0) -> Tuple[bool, torch.Tensor, torch.Tensor]:
+    """``(sparse, budgets, tokens)`` of one layer under ``cfg.budget_rule`` (host tensors ``[H]``);
+    ``min_tokens`` floors every budget (local + predicted lists: the neighbourhood always fits)."""
     match cfg.budget_rule:
         case "recall":
-            budgets, tokens = density_budgets(density, S, cfg)
-            return choose_sparse_density(density, S, cfg, table, training), budgets, tokens
+            budgets, tokens = density_budgets(density, S, cfg, min_tokens)
+            return choose_sparse_density(density, S, cfg, table, training, min_tokens), budgets, tokens
         case "sparsity":
-            budgets, tokens = head_budgets(sparsity, S, cfg)
-            return choose_sparse(sparsity, S, cfg, table, training), budgets, tokens
+            budgets, tokens = head_budgets(sparsity, S, cfg, min_tokens)
+            return choose_sparse(sparsity, S, cfg, table, training, min_tokens), budgets, tokens
     raise ValueError(f"DSVConfig.budget_rule must be one of recall, sparsity; got {cfg.budget_rule!r}")

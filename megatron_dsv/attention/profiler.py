@@ -14,6 +14,7 @@ from typing import Optional, Tuple
 import torch
 
 from megatron_dsv.config import DSVConfig
+from megatron_dsv.ops.topk_estimation.common import check_forced, forced_mask
 from megatron_dsv.ops.topk_estimation.naive import block_view, group_proxies, reduce_blocks
 # the oracle's accumulator protocol (``add(pos, crit, cmass)`` / ``result(q, n)``) and its one pass
 from megatron_dsv.ops.topk_estimation.oracle import _check, _Counts, _ListRecall, _one_pass, _sparsity_of
@@ -24,7 +25,8 @@ __all__ = ["recall_curve", "profile_stats", "smallest_k_reaching", "budget_for_r
 class _RecallCurve:
     """Mean recall of the estimator's lists at every list length (float64 [B, H, n_items])."""
 
-    def __init__(self, q, q_lr, k_lr, group_size: int, block_size: int, proxy: str, block_score: str):
+    def __init__(self, q, q_lr, k_lr, group_size: int, block_size: int, proxy: str, block_score: str,
+                 forced: Optional[torch.Tensor] = None):
         B, H, S, _ = q.shape
         if (not isinstance(q_lr, torch.Tensor) or not isinstance(k_lr, torch.Tensor)
                 or tuple(q_lr.shape[:3]) != (B, H, S) or q_lr.shape != k_lr.shape):
@@ -43,11 +45,16 @@ class _RecallCurve:
         self.proxies = group_proxies(q_lr, group_size, proxy)  # [B, H, NG, r]: the estimator's own proxies
         n_items = S if block_size == 0 else -(-S // block_size)
         self.total = torch.zeros(B, H, n_items, dtype=torch.float64, device=q.device)
+        # forced items (local + predicted lists) rank first, as in the estimator
+        self.n_items = n_items
+        self.forced = None if forced is None else check_forced(forced, self.proxies.shape[2], n_items, q.device)
 
     def add(self, pos, crit, cmass):
         mass = _item_mass(cmass, self.block_size).double()  # [B, H, n, n_items]
         scores = _ranking_scores(self.proxies[:, :, pos // self.group_size], self.k_lr, self.block_size,
                                  self.block_score)
+        if self.forced is not None:
+            scores.masked_fill_(forced_mask(self.forced[pos // self.group_size], self.n_items), float("inf"))
         # stable descending sort: among equal scores the lower index comes first, as in the estimator
         order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
         cum = torch.cumsum(torch.gather(mass, -1, order), dim=-1)
@@ -73,9 +80,11 @@ def _item_mass(cmass: torch.Tensor, block_size: int) -> torch.Tensor:
 
 def recall_curve(q, k, q_lr, k_lr, group_size: int, block_size: int = 0, theta: float = 0.9,
                  softmax_scale: Optional[float] = None, query_index: Optional[torch.Tensor] = None,
-                 proxy: str = "mean", block_score: str = "max", chunk_elems: int = 1 << 24) -> torch.Tensor:
+                 proxy: str = "mean", block_score: str = "max", chunk_elems: int = 1 << 24,
+                 forced: Optional[torch.Tensor] = None) -> torch.Tensor:
     """float64 [B, H, n_items]: entry k-1 = mean over (sampled) queries of the share of the query's
-    theta-critical mass inside its group's best k items by low-rank score.
+    theta-critical mass inside its group's best k items by low-rank score (``forced`` [NG, F] items,
+    DSV's local part, first, as ``estimate_topk(..., forced=...)`` ranks them).
 
     The ranking is the estimator's (``estimate_topk`` with the same ``proxy`` / ``block_score``):
     higher score first, lower index wins ties; so entry k-1 equals ``critical_mass_recall`` of
@@ -86,7 +95,7 @@ def recall_curve(q, k, q_lr, k_lr, group_size: int, block_size: int = 0, theta: 
     non-decreasing and ends at exactly 1.
     """
     qi = _check(q, k, theta, query_index)
-    acc = _RecallCurve(q, q_lr, k_lr, group_size, block_size, proxy, block_score)
+    acc = _RecallCurve(q, q_lr, k_lr, group_size, block_size, proxy, block_score, forced)
     return _one_pass(q, k, theta, softmax_scale, qi, chunk_elems, [acc])[0]
 
 
@@ -97,14 +106,15 @@ def profile_stats(q, k, theta: float, softmax_scale: Optional[float], query_inde
     ``(head_sparsity [B, H], recall_curve or None, critical_mass_recall or None)``.
 
     ``curve``: the keyword arguments of :func:`recall_curve` after ``k`` (``q_lr``, ``k_lr``,
-    ``group_size``, ``block_size``, ``proxy``, ``block_score``); ``lists``: ``(kv_indices, kv_counts,
+    ``group_size``, ``block_size``, ``proxy``, ``block_score``, ``forced``); ``lists``: ``(kv_indices, kv_counts,
     group_size, block_size)`` as for ``critical_mass_recall``. Each result equals its function's.
     """
     qi = _check(q, k, theta, query_index)
     accs = [_Counts()]
     if curve is not None:
         accs.append(_RecallCurve(q, curve["q_lr"], curve["k_lr"], curve["group_size"], curve["block_size"],
-                                 curve.get("proxy", "mean"), curve.get("block_score", "max")))
+                                 curve.get("proxy", "mean"), curve.get("block_score", "max"),
+                                 curve.get("forced")))
     if lists is not None:
         accs.append(_ListRecall(q, *lists))
     out = _one_pass(q, k, theta, softmax_scale, qi, chunk_elems, accs)

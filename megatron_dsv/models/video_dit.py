@@ -123,6 +123,8 @@ class VideoDiT(MegatronModule):
             text_mask: optional ``[B, L]`` bool, True = real token (padding is False).
         """
         token_grid = self._check_inputs(latents, timesteps, labels, text, text_mask)
+        for core in self._dsv_cores():  # local + predicted lists lay their neighbourhoods on this grid
+            core.token_grid = tuple(token_grid)
         dc = self.dit_config
         tokens = to_cube_order(patchify(latents, dc.patch), token_grid, self.cube, dim=1)
         x = self.patch_embed(tokens.to(self.patch_embed.weight.dtype)).transpose(0, 1).contiguous()
@@ -136,6 +138,14 @@ class VideoDiT(MegatronModule):
         x = self._cp_gather(self.final_linear(modulate(self.final_norm(x), shift, scale)))
         x = from_cube_order(x.transpose(0, 1), token_grid, self.cube, dim=1)
         return unpatchify(x, token_grid, dc.patch, dc.in_channels)
+
+    def _dsv_cores(self):
+        """This model's DSV core attentions (found once)."""
+        if getattr(self, "_dsv_core_list", None) is None:
+            from megatron_dsv.attention.core_attention import DSVCoreAttention
+
+            self._dsv_core_list = [m for m in self.modules() if isinstance(m, DSVCoreAttention)]
+        return self._dsv_core_list
 
     def _cp_size(self) -> int:
         return 1 if self.cp_group is None else self.cp_group.size()

@@ -29,6 +29,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_dsv.attention.neighbourhood import (Triple, _geometry, _lists_cpu, kept_fraction,  # noqa: F401
+                                                 radius_for_fraction, window_block_lists)
 from megatron_dsv.models.dense_core_attention import check_core_attention_args
 from megatron_dsv.ops.sparse_attention import SUPPORTED_HEAD_DIMS, sparse_attention, sparse_attention_naive
 from megatron_dsv.ops.sparse_attention.op import requested_backend
@@ -37,7 +39,6 @@ __all__ = ["WindowConfig", "WindowCoreAttention", "window_block_lists", "kept_fr
            "get_window_layer_spec"]
 
 WINDOW_BLOCK_SIZES = (64, 128)  # the sparse kernel's KV block sizes (also valid query group sizes)
-Triple = Tuple[int, int, int]
 
 
 @dataclass
@@ -62,97 +63,6 @@ class WindowConfig:
                              f"({self.block_size}), got {self.cube}")
         if len(self.radius) != 3 or min(self.radius) < 0:
             raise ValueError(f"WindowConfig.radius must be three ints >= 0 (rt, rh, rw) in cubes, got {self.radius}")
-
-
-def _geometry(token_grid: Sequence[int], cube: Sequence[int]) -> Tuple[Triple, Triple, Triple]:
-    """(grid, cube, cube grid); ValueError unless every grid side is a positive multiple of the cube side."""
-    grid, cube = tuple(int(x) for x in token_grid), tuple(int(x) for x in cube)
-    if len(cube) != 3 or min(cube) < 1:
-        raise ValueError(f"cube must be three positive ints (t, h, w), got {cube}")
-    if len(grid) != 3 or min(grid) < 1 or any(g % c for g, c in zip(grid, cube)):
-        # a partial edge cube would not be a whole KV block of the kernel
-        raise ValueError(f"token_grid must be three positive ints (T, H, W), each a multiple of cube {cube}; "
-                         f"got {grid}")
-    return grid, cube, tuple(g // c for g, c in zip(grid, cube))
-
-
-def _radius(radius: Sequence[int]) -> Triple:
-    radius = tuple(int(x) for x in radius)
-    if len(radius) != 3 or min(radius) < 0:
-        raise ValueError(f"radius must be three ints >= 0 (rt, rh, rw) in cubes, got {radius}")
-    return radius
-
-
-@lru_cache(maxsize=32)
-def _lists_cpu(ncubes: Triple, radius: Triple) -> Tuple[torch.Tensor, torch.Tensor]:
-    # a radius past the grid names the same cubes as n - 1: clamp, so candidates stay few
-    radius = tuple(min(r, n - 1) for r, n in zip(radius, ncubes))
-    coords = torch.cartesian_prod(*(torch.arange(n) for n in ncubes)).view(-1, 1, 3)  # [nG, 1, 3] raster order
-    offsets = torch.cartesian_prod(*(torch.arange(-r, r + 1) for r in radius)).view(1, -1, 3)  # [1, nC, 3]
-    nbr = coords + offsets  # offsets are lexicographic, so valid neighbour ids come out ascending
-    valid = ((nbr >= 0) & (nbr < torch.tensor(ncubes))).all(-1)
-    ids = (nbr[..., 0] * ncubes[1] + nbr[..., 1]) * ncubes[2] + nbr[..., 2]
-    counts = valid.sum(-1)
-    # move the valid entries to the front, keeping their order; padding is -1 (never read)
-    order = torch.argsort((~valid).to(torch.int8), dim=-1, stable=True)[:, :int(counts.max())]
-    idx = torch.where(valid.gather(1, order), ids.gather(1, order), -1)
-    return idx.to(torch.int32), counts.to(torch.int32)
-
-
-@lru_cache(maxsize=32)
-def _lists_on(ncubes: Triple, radius: Triple, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
-    idx, counts = _lists_cpu(ncubes, radius)
-    return idx.to(device), counts.to(device)
-
-
-def window_block_lists(token_grid: Sequence[int], cube: Sequence[int], radius: Sequence[int],
-                       device=None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """KV-cube lists of every query cube.
-
-    Returns ``(kv_indices, kv_counts)``: int32 ``[nG, Kmax]`` and ``[nG]``, ``nG = nT*nH*nW``
-    cubes in raster order of the cube grid; row g holds, ascending, the ids of the cubes within
-    ``radius`` of cube g on every axis (g itself included), then -1 padding. Cached per
-    (grid, cube, radius, device): treat the tensors as read-only.
-    """
-    _, _, ncubes = _geometry(token_grid, cube)
-    return _lists_on(ncubes, _radius(radius), torch.device(device if device is not None else "cpu"))
-
-
-def _axis_coverage(n: int, r: int) -> float:
-    """Mean over the n cubes of one axis of the fraction of that axis inside the window."""
-    return sum(min(i + r, n - 1) - max(i - r, 0) + 1 for i in range(n)) / (n * n)
-
-
-def kept_fraction(token_grid: Sequence[int], cube: Sequence[int], radius: Sequence[int]) -> float:
-    """Mean over queries of the fraction of keys attended (1 - sparsity), to match DSV's density.
-
-    The window is a product of per-axis windows over a product grid, so the mean factorises by axis.
-    """
-    _, _, ncubes = _geometry(token_grid, cube)
-    return math.prod(_axis_coverage(n, r) for n, r in zip(ncubes, _radius(radius)))
-
-
-def radius_for_fraction(token_grid: Sequence[int], cube: Sequence[int], target: float) -> Triple:
-    """The first radius on a balanced growth path whose :func:`kept_fraction` is >= ``target``.
-
-    Search: start at (0, 0, 0); while the kept fraction is below ``target``, add one cube of
-    radius to the axis whose window side in tokens, ``(2 r_a + 1) * cube_a``, is smallest (the
-    earliest of t, h, w on ties), skipping axes the window already spans. Each step keeps
-    the window as close to a token-space cube as the cube grid allows and strictly raises
-    the fraction, so the path ends at full attention (1.0) and the answer is the smallest
-    radius on it (not a search over every (rt, rh, rw)).
-    """
-    _, cube, ncubes = _geometry(token_grid, cube)
-    if not 0.0 < float(target) <= 1.0:
-        raise ValueError(f"target must be in (0, 1], got {target!r}")
-    radius = [0, 0, 0]
-    while kept_fraction(token_grid, cube, radius) < target:
-        open_axes = [a for a in range(3) if radius[a] < ncubes[a] - 1]
-        if not open_axes:  # float round-off at target ~ 1.0: the window is already everything
-            break
-        axis = min(open_axes, key=lambda a: ((2 * radius[a] + 1) * cube[a], a))
-        radius[axis] += 1
-    return tuple(radius)
 
 
 @lru_cache(maxsize=32)

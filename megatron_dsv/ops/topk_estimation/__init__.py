@@ -7,6 +7,9 @@
   budgets: int, or int tensor (heads,) or (batch, heads): items per query group (tokens when
     block_size == 0, key blocks of block_size in {64, 128} otherwise, of seqlen_k), clipped to what
     exists.
+  forced: optional int tensor (num_groups, F), -1 padded, shared by every batch and head: items each
+    group keeps before any other (DSV's local + predicted lists: the always-on neighbourhood); the
+    budget counts them. Naive and triton backends ("auto" on CUDA then takes triton's "keys" method).
   Returns idx int32 (batch, heads, ceil(seqlen / group_size), Kmax): for each query group, the
     counts[b, h] best items by proxy . key (ties: lower index), ascending, then -1 padding;
     and counts int32 (batch, heads).
@@ -77,10 +80,15 @@ def _backend_and_reason(device, requested=None):
 
 
 def estimate_topk(q_lr, k_lr, budgets, group_size, block_size=0, proxy="mean", block_score="max", *,
-                  backend=None):
+                  backend=None, forced=None):
     """Per query group, the top-k keys (or key blocks) by low-rank score; see the module docstring.
     ``backend`` forces one of {cuda, triton, naive} (None or "auto": the module's rule)."""
     backend, reason = _backend_and_reason(getattr(q_lr, "device", "cpu"), backend)
+    if forced is not None and backend == "cuda":
+        if not reason.startswith("auto"):
+            raise ValueError("estimate_topk: `forced` items (DSVConfig.local_radius) are not supported by the "
+                             "cuda backend; use backend 'triton' or 'naive' (or 'auto')")
+        backend, reason = "triton", "auto: forced items (local + predicted lists) run on Triton's 'keys' method"
     if (backend, reason) not in _LOGGED:
         _LOGGED.add((backend, reason))
         (_log.warning if backend == "triton" and reason.startswith("auto") else _log.info)(
@@ -94,4 +102,6 @@ def estimate_topk(q_lr, k_lr, budgets, group_size, block_size=0, proxy="mean", b
             fn = estimate_topk_naive
         case _:  # pragma: no cover - topk_backend validates
             raise ValueError(f"unknown topk backend {backend!r}")
+    if forced is not None:
+        return fn(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score, forced=forced)
     return fn(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score)

@@ -13,6 +13,8 @@ backend can be compared exactly with ``naive.py``:
   last bit differently, so only exact ties at that level can break differently.
 - block score: max (default) or log-sum-exp of the block's token scores.
 - order: higher score first, equal scores broken by the lower index.
+- forced items (``forced``, DSV's local + predicted lists): a group's listed items rank above every
+  other item (as if their score were +inf), lower index first among them; the budget counts them.
 """
 
 from __future__ import annotations
@@ -116,3 +118,29 @@ def _budget_counts(budgets, B, H, num_items, device) -> torch.Tensor:
     if bool((b < 0).any()):
         _fail("budgets", f"entries must be >= 0, got min {int(b.min())}")
     return b.clamp(max=num_items).to(torch.int32).contiguous()
+
+
+def check_forced(forced, num_groups: int, num_items: int, device) -> torch.Tensor:
+    """Validated forced items: int64 ``[num_groups, F]`` on ``device`` (entries in [0, num_items), or -1
+    padding), from an integer tensor of that shape shared by every batch and head (or ``[1, F]`` for all
+    groups). Every backend ranks a group's forced items first (see the module docstring)."""
+    if not isinstance(forced, torch.Tensor) or forced.dim() != 2:
+        _fail("forced", f"must be an integer tensor [num_groups, F] (-1 padded), got "
+                        f"{tuple(getattr(forced, 'shape', ())) or type(forced).__name__}")
+    if forced.dtype.is_floating_point or forced.dtype == torch.bool or forced.is_complex():
+        _fail("forced", f"must have an integer dtype, got {forced.dtype}")
+    if forced.shape[0] not in (1, num_groups):
+        _fail("forced", f"must have one row per query group ({num_groups}) or one row for all, got "
+                        f"{tuple(forced.shape)}")
+    f = forced.to(device=device, dtype=torch.int64)
+    if f.numel() and bool(((f < -1) | (f >= num_items)).any()):
+        _fail("forced", f"entries must be item ids in [0, {num_items}) or -1 padding, got min {int(f.min())}, "
+                        f"max {int(f.max())}")
+    return f.expand(num_groups, -1)
+
+
+def forced_mask(rows: torch.Tensor, num_items: int) -> torch.Tensor:
+    """Bool ``[n, num_items]``: True at the forced items of ``rows`` (int64 ``[n, F]``, -1 padded)."""
+    mask = torch.zeros(rows.shape[0], num_items + 1, dtype=torch.bool, device=rows.device)
+    mask.scatter_(1, torch.where(rows >= 0, rows, num_items), True)  # padding -> spare column, dropped
+    return mask[:, :num_items]

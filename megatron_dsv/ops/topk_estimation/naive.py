@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_problem
+from .common import check_forced, check_problem, forced_mask
 
 __all__ = ["estimate_topk_naive", "group_proxies", "item_scores"]
 
@@ -86,12 +86,15 @@ def select_topk_sorted(s: torch.Tensor, K: int) -> torch.Tensor:
 
 
 def estimate_topk_naive(q_lr, k_lr, budgets, group_size, block_size=0, proxy="mean",
-                        block_score="max", chunk_elems: int = 1 << 24):
+                        block_score="max", chunk_elems: int = 1 << 24, forced=None):
     """Same contract as :func:`estimate_topk`; chunked over groups, one (b, h) at a time.
 
     q_lr [B, H, Sq, r], k_lr [B, H, Sk, r] -> idx int32 [B, H, ceil(Sq / G), Kmax], counts int32 [B, H].
+    ``forced`` [NG, F]: items ranked first in every group (their score read as +inf).
     """
     P = check_problem(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score)
+    if forced is not None:
+        forced = check_forced(forced, P.num_groups, P.num_items, q_lr.device)
     idx = torch.full((P.B, P.H, P.num_groups, P.kmax), -1, dtype=torch.int32, device=q_lr.device)
     counts = P.counts
     counts_cpu = counts.cpu()
@@ -105,5 +108,7 @@ def estimate_topk_naive(q_lr, k_lr, budgets, group_size, block_size=0, proxy="me
             for g0 in range(0, P.num_groups, chunk):
                 g1 = min(P.num_groups, g0 + chunk)
                 s = item_scores(proxies[b, h, g0:g1], k_lr[b, h], block_size, block_score)
+                if forced is not None:
+                    s.masked_fill_(forced_mask(forced[g0:g1], P.num_items), float("inf"))
                 idx[b, h, g0:g1, :K] = select_topk_sorted(s, K)
     return idx, counts

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check_problem
+from .common import check_forced, check_problem, forced_mask
 from .naive import group_proxies
 
 __all__ = ["estimate_topk_triton", "resolve_method", "sample_plan", "sample_positions", "METHODS"]
@@ -363,7 +363,8 @@ def sample_positions(n_items: int, sample_size: int = 1024) -> torch.Tensor:
 
 def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="mean", block_score="max",
                          BG: int = 16, BN: int = 0, method: str = "auto", *, sample_size: int = 1024,
-                         z: float = 4.0, capacity: int = 0, stats: dict | None = None, chunk_elems: int = 1 << 25):
+                         z: float = 4.0, capacity: int = 0, stats: dict | None = None, chunk_elems: int = 1 << 25,
+                         forced=None):
     """Same contract as :func:`estimate_topk`, on Triton (GPU, or CPU under TRITON_INTERPRET=1).
     q_lr [B, H, Sq, r], k_lr [B, H, Sk, r]: Sk may differ from Sq.
 
@@ -382,11 +383,17 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     standard deviations), ``capacity`` (candidate buffer per group; 0 = :func:`sample_plan`'s, a
     smaller value forces overflow in tests). Extra memory of "sample": B*H*NG*capacity*8 bytes.
     ``stats``: a dict that receives ``fallback_groups`` (a host sync; for tests and benchmarks).
+    ``forced`` [NG, F] (local + predicted lists): items ranked first in their group; method "keys" only
+    (its keys buffer takes the top key), which "auto" then picks for token lists too.
     """
-    method = resolve_method(method, block_size)
+    method = "keys" if forced is not None and method == "auto" else resolve_method(method, block_size)
+    if forced is not None and method != "keys":
+        raise ValueError(f"estimate_topk_triton: `forced` items need method 'keys' (or 'auto'), got {method!r}")
     if chunk_elems < 1:
         raise ValueError(f"estimate_topk_triton: `chunk_elems` must be >= 1, got {chunk_elems}")
     P = check_problem(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score)
+    if forced is not None:
+        forced = check_forced(forced, P.num_groups, P.num_items, q_lr.device)
     out = torch.full((P.B, P.H, P.num_groups, P.kmax), -1, dtype=torch.int32, device=q_lr.device)
     if stats is not None:
         stats["fallback_groups"] = 0
@@ -405,6 +412,8 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
             keys = torch.empty(P.B * P.H, n, P.num_items, dtype=torch.int32, device=q_lr.device)
             _tk_keys[(triton.cdiv(n, BG), triton.cdiv(P.num_items, BN), P.B * P.H)](
                 proxies, k, keys, P.Sk, P.num_items, P.num_groups, g0, n, **meta)
+            if forced is not None:  # the top ordered key: above every score, ties by lower index
+                keys.masked_fill_(forced_mask(forced[g0:g0 + n], P.num_items), torch.iinfo(torch.int32).max)
             rows[:, g0:g0 + n] = _select_from_keys(keys, counts, P.kmax)
         return out, counts
     grid = (triton.cdiv(P.num_groups, BG), P.B * P.H)

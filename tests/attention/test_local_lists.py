@@ -1,0 +1,134 @@
+"""Local + predicted lists (DSVConfig.local_radius): the neighbourhood geometry against a brute-force
+scan of token coordinates, the layer's lists (every query cube keeps its neighbourhood, the budget
+counts it, the floor makes it fit), the recall curve that ranks the neighbourhood first (it equals the
+oracle's recall of the lists actually built at every budget), clear errors, and a video DiT that
+trains in stage 2 with them."""
+
+import pytest
+import torch
+
+from megatron_dsv.attention import _ops, dsv_metrics, dsv_on_step_end
+from megatron_dsv.attention.grouping import cube_order_coords
+from megatron_dsv.attention.neighbourhood import local_item_lists
+from megatron_dsv.attention.profiler import recall_curve
+from megatron_dsv.attention.schedule import sampled_queries
+from megatron_dsv.config import DSVConfig
+
+from .conftest import as_megatron, force_state, planted
+
+
+@pytest.mark.parametrize("grid,cube,radius,bs", [
+    ((4, 8, 16), (2, 4, 8), (0, 1, 1), 64),
+    ((4, 8, 16), (2, 4, 4), (1, 0, 1), 64),   # 32-token cubes, two per 64-key block
+    ((4, 8, 16), (2, 4, 8), (1, 1, 0), 0),    # token lists
+    ((2, 8, 8), (1, 4, 8), (0, 2, 2), 128),   # 32-token cubes, a 128-key block holds four
+], ids=["blk64-G64", "blk64-G32", "tok-G64", "blk128-G32-radius-past-grid"])
+def test_local_items_match_token_coordinates(grid, cube, radius, bs):
+    coords = cube_order_coords(grid, cube)  # [S, 3] (t, h, w) of each cube-major token
+    S = coords.shape[0]
+    G = int(torch.tensor(cube).prod())
+    cid = torch.div(coords, torch.tensor(cube), rounding_mode="floor")  # cube coordinates per token
+    items = local_item_lists(grid, cube, radius, bs)
+    assert items.shape[0] == S // G
+    for g in range(S // G):
+        near = ((cid - cid[g * G]).abs() <= torch.tensor(radius)).all(-1)  # tokens of neighbour cubes
+        toks = near.nonzero().squeeze(-1)
+        want = sorted(set((toks // bs).tolist())) if bs else toks.tolist()
+        row = items[g][items[g] >= 0].tolist()
+        assert row == want, g
+
+
+def test_layer_lists_keep_the_neighbourhood(make_layer, fast_table):
+    grid, cube = (4, 8, 16), (2, 4, 8)  # 512 tokens, 8 cubes of 64
+    layer = make_layer(query_group_shape=cube, granularity="block", kv_block_size=64, k_min=1,
+                       local_radius=(0, 0, 1), budget_rule="sparsity", sparsity_threshold=0.5,
+                       speedup_table=fast_table)
+    layer.token_grid = grid
+    force_state(layer, stage=2, sparsity=0.95)  # (1 - s) S = 26 tokens: one block, below the neighbourhood
+    sparse, budgets, tokens = layer.decide(512)
+    local = local_item_lists(grid, cube, (0, 0, 1), 64)
+    assert sparse and budgets.tolist() == [local.shape[1]] * 2 and tokens.tolist() == [64 * local.shape[1]] * 2
+    q, k = planted()
+    idx, counts = layer._estimate(q, k, None, budgets + 2)
+    for g in range(local.shape[0]):
+        assert set(local[g][local[g] >= 0].tolist()) <= set(idx[0, 0, g, :int(counts[0, 0])].tolist())
+    # the layer runs on them: output equals the naive op on the same lists
+    layer.eval()
+    v = torch.randn_like(k)
+    out = layer(as_megatron(q), as_megatron(k), as_megatron(v), None)
+    lists = layer._estimate(q, k, None, budgets)
+    ref = _ops.sparse_attention_naive(q, k, v, *lists, 64, 64, layer.softmax_scale)
+    assert torch.allclose(out, ref.permute(2, 0, 1, 3).reshape(512, 1, -1), atol=1e-5)
+
+
+def test_recall_curve_ranks_the_neighbourhood_first(make_layer):
+    grid, cube = (4, 8, 16), (2, 4, 8)
+    layer = make_layer(query_group_shape=cube, granularity="block", kv_block_size=64, local_radius=(1, 0, 0))
+    layer.token_grid = grid
+    q, k = planted()
+    q_lr, k_lr = layer.predictor.project(q, k, None, dtype=q.dtype)
+    forced = layer._local_items(512, "cpu")
+    qidx = sampled_queries(512, 8, 0, "cpu")
+    curve = recall_curve(q, k, q_lr, k_lr, 64, 64, 0.9, None, qidx, forced=forced)
+    plain = recall_curve(q, k, q_lr, k_lr, 64, 64, 0.9, None, qidx)
+    assert not torch.allclose(curve, plain)
+    for K in (1, 2, 3, 5, 8):
+        lists = _ops.estimate_topk_naive(q_lr, k_lr, K, 64, 64, forced=forced)
+        rec = _ops.critical_mass_recall(q, k, *lists, 64, 64, 0.9, None, qidx)
+        assert torch.allclose(curve[..., K - 1], rec.double(), atol=1e-6), K
+
+
+def test_profile_and_stage2_with_local_lists(make_layer, fast_table):
+    """A recall-rule profile measures the lists that run (local first); the budget never drops below
+    the neighbourhood; metrics stay finite."""
+    layer = make_layer(query_group_shape=(2, 4, 8), granularity="block", kv_block_size=64, k_min=1,
+                       local_radius=(0, 1, 1), recall_target=0.5, sparsity_threshold=0.0, speedup_table=fast_table)
+    layer.token_grid = (4, 8, 16)
+    force_state(layer, stage=2, sparsity=0.9, density=0.1)
+    q, k = planted()
+    layer.train()
+    out = layer(as_megatron(q), as_megatron(k), as_megatron(torch.randn_like(k)), None)
+    dsv_on_step_end(layer, 1)
+    m = dsv_metrics(layer)
+    assert torch.isfinite(out).all() and layer.last_sparse
+    floor = layer._local_tokens(512)
+    assert floor == 64 * 4 and layer.decide(512)[2].min() >= floor
+    assert 0.0 < m["dsv/layer1/recall"] <= 1.0
+
+
+def test_local_radius_errors(make_layer):
+    with pytest.raises(ValueError, match="local_radius"):
+        DSVConfig(local_radius=(1, -1, 0))
+    layer = make_layer(query_group_shape=(2, 4, 8), granularity="block", kv_block_size=64, local_radius=(0, 0, 1))
+    with pytest.raises(ValueError, match="needs the token grid"):
+        layer._local_items(512, "cpu")
+    layer.token_grid = (4, 8, 8)
+    with pytest.raises(ValueError, match="needs the token grid"):
+        layer._local_items(512, "cpu")
+    with pytest.raises(ValueError, match="multiple of cube"):
+        local_item_lists((4, 8, 12), (2, 4, 8), (0, 0, 1), 64)
+
+
+def test_video_dit_trains_with_local_lists(megatron_cpu, fast_table):
+    """The video DiT hands its token grid to every DSV layer; stage 2 runs sparse with local lists."""
+    from megatron_dsv.models.dit_config import VideoDiTConfig
+    from megatron_dsv.models.video_dit import build_video_dit
+
+    cfg = VideoDiTConfig.from_preset("tiny", layers=2, latent_frames=4, latent_height=16, latent_width=16)
+    dsv = DSVConfig(query_group_shape=(2, 4, 8), kv_block_size=64, local_radius=(0, 0, 1), k_min=1,
+                    budget_rule="sparsity", sparsity_threshold=0.0, stage_switch_rule="steps", stage_switch_steps=1,
+                    profile_interval=1, kernel_backend="naive", topk_backend="naive", predictor_query_stride=8,
+                    speedup_table=fast_table)
+    torch.manual_seed(0)
+    model = build_video_dit(cfg, dsv_config=dsv)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(1, cfg.in_channels, 4, 16, 16)
+    for step in range(3):
+        loss = model(x, torch.tensor([0.5]), torch.tensor([1])).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        dsv_on_step_end(model, step + 1)
+    cores = model._dsv_cores()
+    assert len(cores) == 2 and all(c.token_grid == (4, 8, 8) for c in cores)
+    assert all(c.last_sparse for c in cores) and torch.isfinite(loss)
