@@ -1,23 +1,25 @@
 #!/usr/bin/env python
-"""Apply (or revert) the DSV patch set to a Megatron-LM checkout pinned at tag core_v0.16.1.
+"""Apply (or revert) the DSV patch set to a Megatron-LM checkout at a pinned tag.
 
     python tools/apply_patches.py /path/to/Megatron-LM            # apply
     python tools/apply_patches.py /path/to/Megatron-LM --check    # say what would happen, change nothing
     python tools/apply_patches.py /path/to/Megatron-LM --revert   # back to the pristine tag
 
-The patches (patches/megatron-lm/core_v0.16.1/NNNN-*.patch, applied in name order) only call
-into megatron_dsv; patches/README.md says what each one does. Before touching anything the
-tool checks that HEAD is the pinned commit and that no tracked file differs from it, except
-when the tree is exactly the patched state (then applying again does nothing and --revert
-restores the tag). ``git apply --check`` of the whole series runs before ``git apply``, and
-git applies a series atomically: a failure leaves the tree as it was. Untracked files are
-ignored (they do not affect the patched files).
+Pinned tags (``PINNED``): core_v0.16.1 and core_v0.19.0, one series each in
+patches/megatron-lm/<tag>/NNNN-*.patch, applied in name order. The tag is found from the
+checkout's HEAD commit (``--tag`` insists on one). The patches only call into megatron_dsv;
+patches/README.md says what each one does. Before touching anything the tool checks that HEAD
+is a pinned commit and that no tracked file differs from it, except when the tree is exactly the
+patched state (then applying again does nothing and --revert restores the tag). ``git apply
+--check`` of the whole series runs before ``git apply``, and git applies a series atomically: a
+failure leaves the tree as it was. Untracked files are ignored (they do not affect the patched
+files).
 
 Exit codes:
     0  done, or nothing to do (already applied / nothing to revert)
     1  a git command failed unexpectedly
-    2  bad usage: not a git work tree, no patches found (argparse errors also exit 2)
-    3  wrong Megatron-LM version (HEAD is not the pinned commit)
+    2  bad usage: not a git work tree, no patches found, unknown --tag (argparse errors also exit 2)
+    3  wrong Megatron-LM version (HEAD is not a pinned commit, or not the one --tag names)
     4  dirty tree: tracked files differ from both the pinned commit and the patched state
     5  the patches do not apply (git apply --check failed)
 """
@@ -32,14 +34,21 @@ import sys
 import tempfile
 from typing import List, Optional, Sequence
 
+# tag -> commit of every Megatron-LM release the patch sets target (the first is the default pin)
+PINNED = {
+    "core_v0.16.1": "55ac7082517c3878ae653c07c09c534b8aed49f6",
+    "core_v0.19.0": "5be9626709af2722333bf54797c954c09edeada3",
+}
 PINNED_TAG = "core_v0.16.1"
-PINNED_COMMIT = "55ac7082517c3878ae653c07c09c534b8aed49f6"
+PINNED_COMMIT = PINNED[PINNED_TAG]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PATCH_DIR = os.path.join(ROOT, "patches", "megatron-lm", PINNED_TAG)
+PATCH_ROOT = os.path.join(ROOT, "patches", "megatron-lm")
+PATCH_DIR = os.path.join(PATCH_ROOT, PINNED_TAG)
 
 EXIT_OK, EXIT_GIT, EXIT_USAGE, EXIT_VERSION, EXIT_DIRTY, EXIT_APPLY = 0, 1, 2, 3, 4, 5
 
-__all__ = ["PINNED_TAG", "PINNED_COMMIT", "PATCH_DIR", "patch_files", "touched_files", "main"]
+__all__ = ["PINNED", "PINNED_TAG", "PINNED_COMMIT", "PATCH_DIR", "patch_dir_for", "patch_files", "touched_files",
+           "main"]
 
 
 class ToolError(Exception):
@@ -56,6 +65,11 @@ def _git(repo: str, *args: str, env: Optional[dict] = None, check: bool = True) 
     if check and proc.returncode != 0:
         raise ToolError(EXIT_GIT, f"'git {' '.join(args)}' failed in {repo}:\n{proc.stderr.strip()}")
     return proc
+
+
+def patch_dir_for(tag: str) -> str:
+    """The folder of ``tag``'s series (patches/megatron-lm/<tag>)."""
+    return os.path.join(PATCH_ROOT, tag)
 
 
 def patch_files(patch_dir: str = PATCH_DIR) -> List[str]:
@@ -82,15 +96,22 @@ def _toplevel(path: str) -> str:
     return proc.stdout.strip()
 
 
-def _check_version(repo: str) -> None:
+def _check_version(repo: str, tag: Optional[str] = None) -> str:
+    """The pinned tag whose commit is HEAD (``tag``: that one only); a ToolError otherwise."""
+    if tag is not None and tag not in PINNED:
+        raise ToolError(EXIT_USAGE, f"--tag must be one of {', '.join(PINNED)}; got {tag!r}")
+    wanted = {tag: PINNED[tag]} if tag else dict(PINNED)
     head = _git(repo, "rev-parse", "HEAD", check=False).stdout.strip()
-    if head == PINNED_COMMIT:
-        return
+    for name, commit in wanted.items():
+        if head == commit:
+            return name
     described = _git(repo, "describe", "--tags", "--always", check=False).stdout.strip() or "no commit"
+    expected = " or ".join(f"{name} (commit {commit})" for name, commit in wanted.items())
+    first = next(iter(wanted))
     raise ToolError(EXIT_VERSION,
                     f"wrong Megatron-LM version in {repo}: found {described} (commit {head or '?'}), "
-                    f"expected {PINNED_TAG} (commit {PINNED_COMMIT}).\n"
-                    f"  fix: git -C {repo} fetch --tags && git -C {repo} checkout {PINNED_TAG}")
+                    f"expected {expected}.\n"
+                    f"  fix: git -C {repo} fetch --tags && git -C {repo} checkout {first}")
 
 
 def _changed_files(repo: str) -> List[str]:
@@ -116,8 +137,8 @@ def _is_patched_state(repo: str, patches: Sequence[str]) -> bool:
         return _git(repo, "diff", "--quiet", env=env, check=False).returncode == 0
 
 
-def _dirty_error(repo: str, changed: List[str], revert: bool) -> ToolError:
-    wanted = "the patched state (the series applied, nothing else)" if revert else f"a clean {PINNED_TAG} tree"
+def _dirty_error(repo: str, changed: List[str], revert: bool, tag: str) -> ToolError:
+    wanted = "the patched state (the series applied, nothing else)" if revert else f"a clean {tag} tree"
     listing = "\n".join(f"    {name}" for name in changed)
     return ToolError(EXIT_DIRTY, f"dirty tree in {repo}: {'--revert' if revert else 'applying'} needs {wanted}; "
                                  f"these tracked files differ:\n{listing}\n"
@@ -138,60 +159,69 @@ def _describe_series(patches: Sequence[str]) -> str:
     return "\n".join(f"    {os.path.basename(p)}: {', '.join(touched_files(p))}" for p in patches)
 
 
-def run(repo_dir: str, revert: bool = False, check: bool = False, patch_dir: str = PATCH_DIR) -> str:
-    """Do the work; returns the report to print, raises :class:`ToolError` on refusal."""
+def run(repo_dir: str, revert: bool = False, check: bool = False, patch_dir: Optional[str] = None,
+        tag: Optional[str] = None) -> str:
+    """Do the work; returns the report to print, raises :class:`ToolError` on refusal.
+
+    ``patch_dir`` defaults to the series of the tag HEAD is pinned at; ``tag`` insists on one tag.
+    """
+    repo = _toplevel(repo_dir)
+    tag = _check_version(repo, tag)
+    patch_dir = patch_dir or patch_dir_for(tag)
     patches = patch_files(patch_dir)
     if not patches:
         raise ToolError(EXIT_USAGE, f"no NNNN-*.patch files in {patch_dir}")
-    repo = _toplevel(repo_dir)
-    _check_version(repo)
     changed = _changed_files(repo)
     patched = bool(changed) and _is_patched_state(repo, patches)
     if changed and not patched:
-        raise _dirty_error(repo, changed, revert)
+        raise _dirty_error(repo, changed, revert, tag)
     series = _describe_series(patches)
     if not revert and patched:
-        return f"{repo}: already patched ({len(patches)} patches on {PINNED_TAG}); nothing to do"
+        return f"{repo}: already patched ({len(patches)} patches on {tag}); nothing to do"
     if revert and not changed:
-        return f"{repo}: clean {PINNED_TAG} tree; nothing to revert"
+        return f"{repo}: clean {tag} tree; nothing to revert"
     _git_apply(repo, patches, reverse=revert, check_only=True)
     verb = "revert" if revert else "apply"
     if check:
-        return f"{repo}: {PINNED_TAG}; the {len(patches)} patches would {verb} cleanly (--check: nothing changed):\n{series}"
+        return f"{repo}: {tag}; the {len(patches)} patches would {verb} cleanly (--check: nothing changed):\n{series}"
     _git_apply(repo, patches, reverse=revert, check_only=False)
     if revert and _changed_files(repo):
-        raise ToolError(EXIT_GIT, f"reverted, but tracked files still differ from {PINNED_TAG}: "
+        raise ToolError(EXIT_GIT, f"reverted, but tracked files still differ from {tag}: "
                                   f"{', '.join(_changed_files(repo))}")
     if not revert and not _is_patched_state(repo, patches):
         raise ToolError(EXIT_GIT, f"applied, but {repo} does not match the patched state")
     done = "reverted" if revert else "applied"
-    return f"{repo}: {done} {len(patches)} patches on {PINNED_TAG}:\n{series}"
+    return f"{repo}: {done} {len(patches)} patches on {tag}:\n{series}"
 
 
 def build_parser() -> argparse.ArgumentParser:
+    pins = ", ".join(f"{tag} (commit {commit[:12]})" for tag, commit in PINNED.items())
     parser = argparse.ArgumentParser(
         prog="apply_patches.py",
-        description=f"Apply the megatron_dsv patch set to a Megatron-LM checkout at tag {PINNED_TAG} "
-                    f"(commit {PINNED_COMMIT[:12]}), or revert it.",
+        description=f"Apply the megatron_dsv patch set to a Megatron-LM checkout at a pinned tag ({pins}), "
+                    "or revert it. The tag is read from the checkout's HEAD.",
         epilog="exit codes: 0 done or nothing to do; 1 git failed unexpectedly; 2 bad usage (not a git "
-               "work tree, no patches); 3 wrong Megatron-LM version; 4 dirty tree (tracked files differ from "
-               "both the tag and the patched state; listed); 5 the patches do not apply cleanly.",
+               "work tree, no patches, unknown --tag); 3 wrong Megatron-LM version; 4 dirty tree (tracked files "
+               "differ from both the tag and the patched state; listed); 5 the patches do not apply cleanly.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("megatron_lm_dir", metavar="MEGATRON_LM_DIR",
-                        help=f"Megatron-LM git clone with {PINNED_TAG} checked out")
+                        help=f"Megatron-LM git clone with one of {', '.join(PINNED)} checked out")
     parser.add_argument("--revert", action="store_true",
                         help="remove the patches (the tree must be exactly in the patched state)")
     parser.add_argument("--check", action="store_true",
                         help="verify version, tree state and 'git apply --check'; change nothing")
-    parser.add_argument("--patch-dir", default=PATCH_DIR,
-                        help="folder of NNNN-*.patch files (default: %(default)s)")
+    parser.add_argument("--tag", default=None,
+                        help=f"insist on this pinned tag (one of {', '.join(PINNED)}; default: the one HEAD is at)")
+    parser.add_argument("--patch-dir", default=None,
+                        help=f"folder of NNNN-*.patch files (default: {PATCH_ROOT}/<tag>)")
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        print(run(args.megatron_lm_dir, revert=args.revert, check=args.check, patch_dir=args.patch_dir))
+        print(run(args.megatron_lm_dir, revert=args.revert, check=args.check, patch_dir=args.patch_dir,
+                  tag=args.tag))
     except ToolError as e:
         print(f"apply_patches.py: error: {e}", file=sys.stderr)
         return e.code

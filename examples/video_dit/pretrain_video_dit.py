@@ -1,6 +1,8 @@
 """Pretrain the video DiT (optionally with DSV attention) through Megatron-LM's ``pretrain()``.
 
-Run from a Megatron-LM core_v0.16.1 checkout with megatron_dsv installed (see train_torchrun.sh):
+Run from a Megatron-LM core_v0.16.1 or core_v0.19.0 checkout with megatron_dsv installed; the launcher
+``pretrain_video_dit.sh`` (beside this file) patches the tree and adds the flags a machine without
+Transformer Engine or apex needs:
 
     torchrun --nproc-per-node 8 pretrain_video_dit.py --use-dsv-attention --preset 2.7b \\
         --num-layers 32 --hidden-size 2048 --num-attention-heads 16 --kv-channels 128 \\
@@ -13,6 +15,10 @@ optimizer, checkpoints (DSV state travels in the model's sharded_state_dict) and
 override the preset; ``--seq-length`` only feeds Megatron's FLOP counter (tokens per video).
 ``--mock-data`` or no ``--data-path``: synthetic videos; ``--data-path DIR``: latent shards in DIR
 (use ``--dataloader-type cyclic`` to loop over a finite shard set).
+Without ``--eval-interval`` Megatron-LM core_v0.16.1 stops in ``get_train_valid_test_num_samples``
+(its default is None): this script defaults it to 1000, Megatron's long-standing default. Megatron's
+default ``--transformer-impl transformer_engine`` falls back to local layers, with a note, where
+Transformer Engine does not import.
 """
 
 from __future__ import annotations
@@ -72,6 +78,13 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         overrides.update(recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
                          recompute_num_layers=args.recompute_num_layers)
     use_te = getattr(args, "transformer_impl", "local") == "transformer_engine"
+    if use_te:
+        from megatron_dsv.models.specs import have_transformer_engine
+
+        if not have_transformer_engine():
+            print_rank_0("> transformer_engine does not import: the video DiT uses megatron.core's local layers "
+                         "(pass --transformer-impl local to say so)")
+            use_te = False
     return build_video_dit(cfg, dsv_config=dsv_config, use_te=use_te, pg_collection=pg_collection,
                            dtype=args.params_dtype, **overrides)
 
@@ -109,7 +122,8 @@ def _dsv_step_end(model, args):
     """Unpatched Megatron-LM has no after-optimizer-step hook: the first forward of iteration k closes
     step k. A tree with our patch set (patches/megatron-lm) runs the hook right after the optimizer
     step; the layers' step counter then already shows it, and nothing is done here."""
-    from megatron_dsv.attention import dsv_layers, dsv_on_step_end
+    from megatron_dsv.attention import dsv_layers
+    from megatron_dsv.training.megatron_lm import dsv_train_step_end
 
     iteration = int(getattr(args, "curr_iteration", 0) or 0)
     layers = dsv_layers(model)
@@ -119,8 +133,8 @@ def _dsv_step_end(model, args):
     if iteration > _LAST_DSV_STEP["iteration"]:
         from megatron.core import parallel_state
 
-        dsv_on_step_end(model, iteration,
-                        dp_group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        dsv_train_step_end(model, iteration, args,
+                           dp_group=parallel_state.get_data_parallel_group(with_context_parallel=True))
         _LAST_DSV_STEP["iteration"] = iteration
 
 
@@ -157,4 +171,4 @@ if __name__ == "__main__":
     train_valid_test_datasets_provider.is_distributed = True
     pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
              extra_args_provider=extra_args_provider,
-             args_defaults={"tokenizer_type": "NullTokenizer", "vocab_size": 1})
+             args_defaults={"tokenizer_type": "NullTokenizer", "vocab_size": 1, "eval_interval": 1000})
