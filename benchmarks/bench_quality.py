@@ -1,142 +1,468 @@
-"""Quality at equal training: full attention vs DSV vs a 3D local-window baseline, same data and steps.
+"""The quality-speed frontier: which attention lists keep full attention's validation loss, at what speed.
 
-One data arm (``--arm``, the ``benchmarks/video_runs.py`` syntax; its ``attn`` key is ignored)
-trains three times from the same initial weights on the same clips in the same order: full
-attention (cuDNN first on a GPU), DSV (two stages, library defaults; stage 2 from ``stage1``), and
-window attention keeping about the same fraction of keys as DSV's budgets did at the end
-(``--window-frac``, default 0.1: the paper's regime). Each is validated every ``--val-every`` steps
-on held-out clips at fixed noise and timesteps.
+Every *arm* (a named list design, :data:`FRONTIER`) trains the same video DiT on the same clips
+(``--arm`` gives the data keys of ``benchmarks/video_runs.py``; ``--data-seed`` fixes the clips and the
+held-out set) once per seed (``--seeds``: a seed is one draw of initial weights and data order, shared by
+every arm, so differences are paired). Validation evaluates an EMA of the weights (``--ema-decay``) on
+``--val-samples`` held-out clips x 5 fixed timesteps with fixed noise, every ``--val-every`` steps.
 
-Writes ``benchmarks/results/quality-<gpu>-<yyyymmdd>.json`` (one ``final`` row: ``val_loss_full``,
-``val_loss_dsv``, ``val_loss_window`` at ``steps``, the last validation step all three arms reached (an
-arm stopped early by its ``minutes`` budget is never compared against longer ones; ``val_loss_last`` and
-``steps_per_arm`` hold each arm's own end), ``seed``; and DSV's state at its own end: ``recall``,
-``sparse_layer_fraction`` (share of stage-2 layer-steps DSV ran sparse), ``sparsity_mean``,
-``budget_density``; plus ``curve`` rows per arm and validation), a PNG of the validation curves, and
-(``--samples-out``) GIF / PNG grids of a few videos sampled from each model.
+Phases (each resumable; a GPU session runs them over several calls):
 
-    PYTHONPATH=. python benchmarks/bench_quality.py --quick                      # CPU check
-    PYTHONPATH=. python benchmarks/bench_quality.py --arm data=vizdoom,frames=32,res=128,steps=1500
+* ``--launch``: one process per (arm, seed), all at once on the one GPU (their step times are therefore
+  not speed figures), each saving its run (``--save-dir``) and its curve at every validation, stopping at
+  ``steps`` or after its ``minutes``; a later ``--launch`` resumes them;
+* ``--time``: each arm's step time **alone on the GPU**, from its trained checkpoint (seed 0): its own
+  per-head budgets and lists as training left them, at the arm's length and every ``--time-lengths``
+  (DSV arms: stage 2 as trained, and stage 1 = the same model with every layer kept dense);
+* ``--report``: per arm the final validation loss at the last step every run reached, its difference to
+  full attention as mean +- standard error over seeds (paired), kept fraction, share of stage-2
+  layer-steps sparse, recall, step time alone, and the time to reach full attention's final loss on the
+  measured step times (loss curve x step time); writes ``quality-frontier-<gpu>-<date>.json`` and PNGs
+  (loss vs step, loss vs wall-clock, the frontier: delta vs kept fraction).
+
+    PYTHONPATH=. python benchmarks/bench_quality.py --quick                       # CPU check, all phases
+    PYTHONPATH=. python benchmarks/bench_quality.py --launch --arm data=vizdoom,frames=16,res=256,steps=4000 \
+        --seeds 0,1 --save-dir runs/frontier --heads 8 --head-dim 64 --layers 4
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
+import json
+import math
 import os
+import subprocess
 import sys
+import time
+from typing import Dict, List, Optional
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import init_dist, write_results  # noqa: E402
-from benchmarks.video_runs import add_run_args, parse_arm, tokens_of, train_arm  # noqa: E402
+from benchmarks.video_runs import add_run_args, parse_arm, tokens_of  # noqa: E402
 
+# name -> arm keys over the data arm. "control" is DSV that never leaves stage 1 (dense attention through
+# DSV's path, predictors and profiler running): it must come out at 0 within the error.
+FRONTIER: Dict[str, str] = {
+    "full": "attn=full",
+    "control": "attn=dsv,stage1=1000000000",
+    "default": "attn=dsv",
+    "recall90": "attn=dsv,rule=recall,recall=0.9",
+    "recall80": "attn=dsv,rule=recall,recall=0.8",
+    "paper": "attn=dsv,rule=sparsity",
+    "local": "attn=dsv,rule=sparsity,local=0.1.1",
+    "local_recall90": "attn=dsv,rule=recall,recall=0.9,local=0.1.1",
+    "window": "attn=window",
+}
+DEFAULT_ARMS = "full,control,paper,local,local_recall90,window"
 QUICK_ARM = "data=synthetic,frames=4,res=64,steps=8,stage1=4,minutes=2"
 
 
-def _sample_grid(model, clips, arm, path_prefix, n=2, steps=10):
-    """GIF + PNG of ``n`` videos sampled from ``model`` (labels of the first validation clips)."""
-    from megatron_dsv.models.sampling import sample_videos, write_gif_and_grid
-
-    labels = clips.labels[clips.n_train:clips.n_train + n]
-    g = torch.Generator(device=clips.latents.device).manual_seed(7)
-    latents = sample_videos(model, labels, grid=tuple(clips.latents.shape[2:]), steps=steps, generator=g)
-    if clips.decoder is not None:  # DCT latents -> RGB frames -> [B, 3, T, H, W] in [-1, 1] for the writer
-        frames = torch.stack([torch.from_numpy(clips.decoder(x)) for x in latents])
-        latents = frames.permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0
-    return write_gif_and_grid(latents, path_prefix, min_side=64)
+def arm_of(name: str, base: str, args) -> dict:
+    """The full arm dict of frontier arm ``name`` over the data keys ``base``."""
+    if name not in FRONTIER:
+        raise ValueError(f"unknown frontier arm {name!r}; allowed: {sorted(FRONTIER)}")
+    keys = f"{base},{FRONTIER[name]}"
+    if name == "window":
+        keys += f",window_frac={args.window_frac}"
+    return parse_arm(keys)
 
 
-def equal_step_losses(curves):
-    """``(step, {attn: val_loss})`` at the last validation step every arm reached: arms stopped by their
-    minutes budget at different steps are compared at equal training, never a longer run against a shorter."""
-    if not curves:
-        raise ValueError("equal_step_losses: `curves` is empty (no arm trained)")
-    common = set.intersection(*({s for s, _ in pts} for pts in curves.values()))
+def _curve_path(args, name: str, seed: int) -> str:
+    return os.path.join(args.save_dir, "curves", f"{name}-s{seed}.json")
+
+
+# ---------------------------------------------------------------- train (one arm, one seed)
+def train_one(name: str, args) -> dict:
+    """Train arm ``name`` at ``args.seed`` (resuming its run), writing its curve file at every validation."""
+    from benchmarks.video_runs import train_arm
+
+    arm = arm_of(name, args.arm, args)
+    path = _curve_path(args, name, args.seed)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    curve = dict(json.load(open(path))["curve"]) if os.path.exists(path) else {}
+
+    def on_val(step, loss):
+        curve[int(step)] = float(loss)
+        _write_json(path, dict(name=name, seed=args.seed, arm=_plain(arm), curve=sorted(curve.items())))
+
+    model, _, summary = train_arm(arm, args, on_val=on_val)
+    record = dict(name=name, seed=args.seed, arm=_plain(arm), curve=sorted(curve.items()), summary=summary,
+                  kept_fraction=kept_fraction(model, arm, summary))
+    _write_json(path, record)
+    print(f"== {name} seed {args.seed}: {summary['steps']} steps, val loss {summary['val_loss']:.4f}", flush=True)
+    return record
+
+
+def kept_fraction(model, arm: dict, summary: dict) -> float:
+    """Mean fraction of keys a query attends at the run's end: 1 for full attention, the window's fraction,
+    DSV's budgets where its layers ran sparse (a dense layer keeps every key)."""
+    from megatron_dsv.attention import dsv_layers
+
+    if arm["attn"] == "full":
+        return 1.0
+    if arm["attn"] == "window":
+        from megatron_dsv.models.window_attention import kept_fraction as window_kept
+
+        core = next(m for m in model.modules() if type(m).__name__ == "WindowCoreAttention")
+        return window_kept(core.token_grid, core.window_config.cube, core.window_config.radius)
+    layers = dsv_layers(model)
+    S = tokens_of(arm)
+    fractions = []
+    for layer in layers:
+        sparse, _, tokens = layer.decide(S)
+        fractions.append(float(tokens.mean()) / S if sparse and layer.stage_host == 2 else 1.0)
+    return sum(fractions) / len(fractions)
+
+
+def prepare_clips(args) -> None:
+    """Render the study's clips once, into ``--clips-cache``, before the workers start (they load them)."""
+    from benchmarks.video_runs import Clips
+    from megatron_dsv.models.dit_config import VideoDiTConfig
+
+    channels = VideoDiTConfig.from_preset(args.preset).in_channels
+    Clips.for_arm(parse_arm(args.arm), args, channels, torch.device("cpu"), torch.float32)
+    Clips._cache.clear()
+
+
+def launch(names: List[str], seeds: List[int], argv: List[str], args) -> None:
+    """One worker process per (arm, seed), concurrently; waits for all, then prints each log's tail."""
+    prepare_clips(args)
+    logs = os.path.join(args.save_dir, "logs")
+    os.makedirs(logs, exist_ok=True)
+    base = [a for a in argv if a not in ("--launch", "--time", "--report")]
+    procs = []
+    for name in names:
+        for seed in seeds:
+            log = open(os.path.join(logs, f"{name}-s{seed}.log"), "a")
+            cmd = [sys.executable, os.path.abspath(__file__), *base, "--worker", name, "--seed", str(seed)]
+            procs.append((name, seed, log, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
+            time.sleep(args.stagger)
+    failed = []
+    for name, seed, log, proc in procs:
+        if proc.wait() != 0:
+            failed.append(f"{name}-s{seed}")
+        log.close()
+    for name, seed, _, _ in procs:
+        with open(os.path.join(logs, f"{name}-s{seed}.log")) as f:
+            tail = f.read().splitlines()[-2:]
+        print(f"[{name} s{seed}] " + " / ".join(tail), flush=True)
+    if failed:
+        raise SystemExit(f"workers failed: {failed} (logs in {logs})")
+
+
+# ---------------------------------------------------------------- step time alone
+def time_arms(names: List[str], args) -> dict:
+    """Each arm's step time alone, from its seed-0 run: ``{name: {S: {"stage2": ms, "stage1": ms}}}``."""
+    lengths = sorted({tokens_of(parse_arm(args.arm)), *[int(s) for s in args.time_lengths.split(",") if s]})
+    out = {}
+    for name in names:
+        out[name] = {}
+        for S in lengths:
+            out[name][str(S)] = time_arm(name, S, args)
+            print(f"[time] {name} S={S}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in out[name][str(S)].items()),
+                  flush=True)
+    _write_json(os.path.join(args.save_dir, "timing.json"), out)
+    return out
+
+
+def time_arm(name: str, S: int, args) -> dict:
+    """ms per training step of arm ``name`` at S tokens (frames scaled), from its trained run."""
+    from benchmarks.common import MainWeightsAdamW, flow_matching_step, sync
+    from benchmarks.video_runs import build_model, load_run, run_path
+    from megatron_dsv.attention import dsv_layers, dsv_on_step_end
+
+    arm = arm_of(name, args.arm, args)
+    per_frame = (arm["res"] // 8) ** 2
+    if S % per_frame:
+        raise ValueError(f"--time-lengths: {S} tokens is not a whole number of {arm['res']}px frames ({per_frame})")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    timed = dict(arm, frames=S // per_frame)
+    model, cfg = build_model(timed, args, device, dtype)
+    opt = MainWeightsAdamW(model.parameters(), lr=1e-9, weight_decay=0.0)  # the study's optimizer; lr moves nothing
+    path = run_path(arm, argparse.Namespace(save_dir=args.save_dir, seed=0))
+    if path and os.path.exists(path):
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        model.load_state_dict(state["model"])
+    layers = dsv_layers(model)
+    g = torch.Generator(device=device).manual_seed(0)
+    latents = torch.randn(args.batch, cfg.in_channels, *cfg.latent_grid, generator=g, device=device).to(dtype)
+    labels = torch.zeros(args.batch, dtype=torch.long, device=device)
+    model.train()
+
+    def steps(n):
+        for _ in range(n):
+            flow_matching_step(model, opt, latents, labels, g)
+            if layers:
+                dsv_on_step_end(model, layers[0].step_host + 1)
+
+    result = {}
+    kinds = ["stage2", "stage1"] if layers and layers[0].stage_host == 2 else ["step"]
+    for kind in kinds:
+        for layer in layers:
+            layer.force_dense = kind == "stage1"
+            layer._decisions = {}
+        steps(args.time_warmup)
+        sync()
+        t0 = time.perf_counter()
+        steps(args.time_steps)
+        sync()
+        result[kind] = 1e3 * (time.perf_counter() - t0) / args.time_steps
+    if "step" in result:
+        result = {"stage2": result["step"], "stage1": result["step"]}
+    del model, opt
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+# ---------------------------------------------------------------- report
+def load_records(args) -> Dict[str, Dict[int, dict]]:
+    records: Dict[str, Dict[int, dict]] = {}
+    for path in sorted(glob.glob(os.path.join(args.save_dir, "curves", "*.json"))):
+        rec = json.load(open(path))
+        rec["curve"] = [(int(s), float(v)) for s, v in rec["curve"]]
+        records.setdefault(rec["name"], {})[int(rec["seed"])] = rec
+    if "full" not in records:
+        raise ValueError(f"no curves of arm 'full' under {args.save_dir}/curves: run --launch first")
+    return records
+
+
+def equal_step(records: Dict[str, Dict[int, dict]]) -> int:
+    """The last validation step every run (every arm, every seed) reached."""
+    sets = [{s for s, _ in rec["curve"]} for runs in records.values() for rec in runs.values()]
+    common = set.intersection(*sets) if sets else set()
     if not common:
-        raise ValueError(f"the arms {sorted(curves)} share no validation step; raise `minutes` or lower `--val-every`")
-    step = max(common)
-    return step, {attn: dict(pts)[step] for attn, pts in curves.items()}
+        raise ValueError("the runs share no validation step; raise `minutes` or lower --val-every")
+    return max(common)
 
 
-def plot(curves, path, title):
+def mean_se(xs: List[float]):
+    n = len(xs)
+    mean = sum(xs) / n
+    if n < 2:
+        return mean, float("nan")
+    var = sum((x - mean) ** 2 for x in xs) / (n - 1)
+    return mean, math.sqrt(var / n)
+
+
+def wall_clock(curve, arm: dict, timing: Optional[dict]) -> Optional[List[tuple]]:
+    """(seconds of training, val loss) per validation point, from the arm's measured step times alone:
+    stage-1 steps at its stage-1 time, stage-2 steps at its trained stage-2 time."""
+    if not timing:
+        return None
+    ms1, ms2 = timing["stage1"], timing["stage2"]
+    stage1 = arm["stage1"] if arm["attn"] == "dsv" else 0
+    return [((min(s, stage1) * ms1 + max(0, s - stage1) * ms2) / 1e3, v) for s, v in curve]
+
+
+def time_to_reach(points: List[tuple], target: float) -> Optional[float]:
+    """First time (linear between validation points) at which the loss is <= target; None if never."""
+    prev = None
+    for t, v in points:
+        if v <= target:
+            if prev is None or prev[1] == v:
+                return t
+            (t0, v0) = prev
+            return t0 + (t - t0) * (v0 - target) / (v0 - v)
+        prev = (t, v)
+    return None
+
+
+def report(args, names: List[str]) -> List[dict]:
+    records = load_records(args)
+    timing_path = os.path.join(args.save_dir, "timing.json")
+    timing = json.load(open(timing_path)) if os.path.exists(timing_path) else {}
+    step = equal_step({n: r for n, r in records.items() if n in names})
+    S = tokens_of(parse_arm(args.arm))
+    full_seeds = records["full"]
+    full_at = {seed: dict(rec["curve"])[step] for seed, rec in full_seeds.items()}
+    full_mean = sum(full_at.values()) / len(full_at)
+    full_time = None
+    rows = []
+    for name in names:
+        runs = records.get(name)
+        if not runs:
+            continue
+        arm = runs[min(runs)]["arm"]
+        at = {seed: dict(rec["curve"])[step] for seed, rec in runs.items()}
+        paired = [100.0 * (at[s] / full_at[s] - 1.0) for s in at if s in full_at]
+        delta, delta_se = mean_se(paired) if paired else (float("nan"), float("nan"))
+        loss, loss_se = mean_se(list(at.values()))
+        summaries = [rec.get("summary", {}) for rec in runs.values()]
+        t_arm = (timing.get(name) or {}).get(str(S))
+        mean_curve = _mean_curve([rec["curve"] for rec in runs.values()], step)
+        wc = wall_clock(mean_curve, arm, t_arm)
+        reach = time_to_reach(wc, full_mean) if wc else None
+        if name == "full" and wc:
+            full_time = wc[-1][0]
+        row = dict(bench="quality_frontier", kind="arm", name=name, data=arm["data"], S=S, steps=step,
+                   seeds=sorted(at), attn=arm["attn"], budget_rule=arm.get("rule"), recall_target=arm.get("recall"),
+                   local_radius=arm.get("local"), granularity=arm.get("gran"), stage1=arm.get("stage1"),
+                   window_frac=arm.get("window_frac") if arm["attn"] == "window" else None,
+                   library_default=(name == "default"),
+                   val_loss=loss, val_loss_se=loss_se, val_loss_per_seed=at,
+                   delta_vs_full_pct=delta, delta_vs_full_se_pct=delta_se,
+                   kept_fraction=_mean([r.get("kept_fraction") for r in runs.values()]),
+                   sparse_layer_fraction=_mean([s.get("sparse_layer_fraction") for s in summaries]),
+                   recall=_mean([s.get("recall") for s in summaries]),
+                   sparsity_mean=_mean([s.get("sparsity_mean") for s in summaries]),
+                   budget_density=_mean([s.get("budget_density") for s in summaries]),
+                   ms_step_alone=(t_arm or {}).get("stage2"), ms_step_alone_stage1=(t_arm or {}).get("stage1"),
+                   ms_step_alone_by_S={k: v for k, v in (timing.get(name) or {}).items()},
+                   time_to_full_loss_s=reach, curve=mean_curve, wall_clock=wc)
+        rows.append(row)
+    for row in rows:
+        t = row["time_to_full_loss_s"]
+        row["time_to_full_loss_ratio"] = t / full_time if t is not None and full_time else None
+    return rows
+
+
+def _mean_curve(curves, upto: int):
+    steps = sorted(set.intersection(*({s for s, _ in c} for c in curves)))
+    return [(s, sum(dict(c)[s] for c in curves) / len(curves)) for s in steps if s <= upto]
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None and x == x]
+    return sum(xs) / len(xs) if xs else None
+
+
+def plot(rows: List[dict], prefix: str, title: str) -> List[str]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for attn, pts in curves.items():
-        ax.plot([s for s, _ in pts], [v for _, v in pts], marker="o", ms=3, label=attn)
-    ax.set_xlabel("training step")
-    ax.set_ylabel("validation flow-matching loss (held-out clips)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend()
+    written = []
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for row in rows:
+        label = f"{row['name']} ({row['delta_vs_full_pct']:+.2f}%)"
+        axes[0].plot(*zip(*row["curve"]), marker="o", ms=3, label=label)
+        if row["wall_clock"]:
+            axes[1].plot(*zip(*row["wall_clock"]), marker="o", ms=3, label=label)
+    axes[0].set_xlabel("training step")
+    axes[1].set_xlabel("training time alone on the GPU (s, measured step times)")
+    for ax in axes:
+        ax.set_ylabel("validation loss (EMA weights, held-out clips)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        ax.set_yscale("log")
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(prefix + "_curves.png", dpi=120)
     plt.close(fig)
+    written.append(prefix + "_curves.png")
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for row in rows:
+        if row["kept_fraction"] is None:
+            continue
+        se = row["delta_vs_full_se_pct"]
+        ax.errorbar(row["kept_fraction"], row["delta_vs_full_pct"], yerr=None if se != se else se, fmt="o", capsize=3)
+        ax.annotate(row["name"], (row["kept_fraction"], row["delta_vs_full_pct"]), fontsize=7,
+                    textcoords="offset points", xytext=(4, 4))
+    ax.axhline(0.0, color="k", lw=0.8)
+    ax.set_xlabel("kept fraction of keys at the end (1 = full attention)")
+    ax.set_ylabel("validation loss vs full attention (%, mean +- se over seeds)")
+    ax.set_title(title, fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(prefix + "_frontier.png", dpi=120)
+    plt.close(fig)
+    written.append(prefix + "_frontier.png")
+    return written
+
+
+# ---------------------------------------------------------------- plumbing
+def _plain(arm: dict) -> dict:
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in arm.items()}
+
+
+def _write_json(path: str, obj) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_args(ap)
+    ap.add_argument("--arm", default=None, help="the data keys every arm shares (video_runs.py syntax)")
+    ap.add_argument("--arms", default=DEFAULT_ARMS, help=f"frontier arms, comma-separated, of {sorted(FRONTIER)}")
+    ap.add_argument("--seeds", default="0,1", help="seeds (init + data order), comma-separated")
+    ap.add_argument("--window-frac", type=float, default=0.2, help="kept fraction of keys of the window arm")
+    ap.add_argument("--launch", action="store_true", help="train every (arm, seed) as concurrent processes")
+    ap.add_argument("--worker", default=None, help="train one arm at --seed (what --launch runs)")
+    ap.add_argument("--time", action="store_true", help="time each arm alone from its trained run")
+    ap.add_argument("--time-lengths", default="32768", help="more lengths (tokens) for --time, comma-separated")
+    ap.add_argument("--time-steps", type=int, default=30)
+    ap.add_argument("--time-warmup", type=int, default=5)
+    ap.add_argument("--report", action="store_true", help="write the frontier JSON and plots")
+    ap.add_argument("--stagger", type=float, default=2.0, help="seconds between worker starts")
+    ap.add_argument("--quick", action="store_true", help="CPU check: tiny model, every phase in-process")
+    return ap
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_run_args(ap)
-    ap.add_argument("--arm", default=None, help="the data arm (video_runs.py syntax)")
-    ap.add_argument("--window-frac", type=float, default=0.1, help="kept fraction of keys of the window baseline")
-    ap.add_argument("--samples-out", default=None, help="folder for sampled GIF / PNG grids (none if unset)")
-    ap.add_argument("--quick", action="store_true", help="CPU check: tiny model, a few steps")
-    args = ap.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
     if args.quick:
         args.preset, args.layers, args.samples, args.val_samples = "tiny", 2, 4, 2
         args.profile_every, args.log_every, args.val_every, args.warmup = 2, 4, 4, 2
         args.arm = args.arm or QUICK_ARM
-    if args.arm is None:
-        ap.error("give --arm (or --quick)")
+        args.time_lengths, args.time_steps, args.time_warmup = "", 2, 1
+        args.save_dir = args.save_dir or os.path.join(args.out_dir or ".", "frontier-quick")
+    if args.arm is None or args.save_dir is None:
+        raise SystemExit("bench_quality: give --arm and --save-dir (or --quick)")
+    names = [n for n in args.arms.split(",") if n]
+    for n in names:
+        if n not in FRONTIER:
+            raise SystemExit(f"bench_quality: unknown arm {n!r} in --arms; allowed: {sorted(FRONTIER)}")
+    if "full" not in names:
+        raise SystemExit("bench_quality: --arms must include 'full' (every difference is to it)")
+    seeds = [int(s) for s in args.seeds.split(",") if s]
+    args.clips_cache = args.clips_cache or os.path.join(args.save_dir, "clips")
+    if args.data_seed is None:
+        args.data_seed = 0
     init_dist()
-    base = parse_arm(args.arm)
-    curves, summaries, rows = {}, {}, []
-    for attn in ("full", "dsv", "window"):
-        arm = dict(base, attn=attn, window_frac=args.window_frac, label=f"{base['data']}-{attn}-S{tokens_of(base)}")
-        curves[attn] = []
-        model, clips, summary = train_arm(arm, args, on_val=lambda s, v, c=curves[attn]: c.append((s, v)))
-        summaries[attn] = summary
-        rows += [dict(bench="quality", kind="curve", attn=attn, step=s, val_loss=v) for s, v in curves[attn]]
-        print(f"== {attn}: {summary['steps']} steps, val loss {summary['val_loss']:.4f}, "
-              f"{summary['ms_step']:.1f} ms/step", flush=True)
-        if args.samples_out:
-            print("wrote", *_sample_grid(model, clips, arm, os.path.join(args.samples_out, f"quality-{attn}")))
-        del model
-    dsv = summaries["dsv"]
-    step, val = equal_step_losses(curves)
-    if len({s["steps"] for s in summaries.values()}) > 1:
-        print(f"warning: the arms stopped at different steps ({ {a: s['steps'] for a, s in summaries.items()} }, "
-              f"their minutes budgets); the final row compares them at step {step}, the last validation all reached")
-    final = dict(bench="quality", kind="final", data=base["data"], S=tokens_of(base), frames=base["frames"],
-                 res=base["res"], preset=args.preset, layers=args.layers, lr=base["lr"], seed=args.seed,
-                 samples=args.samples, steps=step,
-                 steps_per_arm={a: s["steps"] for a, s in summaries.items()}, stage1=base["stage1"],
-                 val_loss_full=val["full"], val_loss_dsv=val["dsv"], val_loss_window=val["window"],
-                 val_loss_last={a: s["val_loss"] for a, s in summaries.items()}, window_frac=args.window_frac,
-                 dsv_vs_full_pct=100.0 * (val["dsv"] / val["full"] - 1.0),
-                 window_vs_full_pct=100.0 * (val["window"] / val["full"] - 1.0),
-                 recall=dsv["recall"], sparse_layer_fraction=dsv["sparse_layer_fraction"],
-                 sparsity_mean=dsv["sparsity_mean"], budget_density=dsv["budget_density"],
-                 ms_step_full=summaries["full"]["ms_step"], ms_step_dsv=dsv["ms_step"],
-                 ms_step_window=summaries["window"]["ms_step"])
-    rows.append(final)
-    path = write_results("quality", rows, args.out_dir)
-    try:
-        plot(curves, str(path).replace(".json", ".png"),
-             f"{base['data']}, {tokens_of(base)} tokens, {args.preset} x {args.layers} layers; "
-             f"DSV sparse layer-steps {final['sparse_layer_fraction']:.2f}")
-    except ImportError as err:
-        print(f"no plot ({err}): pip install -e '.[plots]'")
-    print(f"val loss: full {final['val_loss_full']:.4f} | dsv {final['val_loss_dsv']:.4f} "
-          f"({final['dsv_vs_full_pct']:+.2f}%) | window {final['val_loss_window']:.4f} "
-          f"({final['window_vs_full_pct']:+.2f}%) | DSV sparse layer-steps {final['sparse_layer_fraction']:.2f}, "
-          f"sparsity {final['sparsity_mean']:.3f}, recall {final['recall']:.3f}")
-    print("wrote", path)
+    if args.worker:
+        train_one(args.worker, args)
+        return
+    if args.quick:
+        for name in names:
+            for seed in seeds:
+                args.seed = seed
+                train_one(name, args)
+        args.seed = 0
+    elif args.launch:
+        launch(names, seeds, argv, args)
+    if args.time or args.quick:
+        time_arms(names, args)
+    if args.report or args.quick:
+        rows = report(args, names)
+        S = rows[0]["S"]
+        path = write_results("quality-frontier", rows, args.out_dir)
+        title = (f"{rows[0]['data']}, {S} tokens, {args.preset} layer shape"
+                 f"{f' ({args.heads}x{args.head_dim})' if args.heads else ''} x {args.layers} layers, "
+                 f"seeds {seeds}, EMA {args.ema_decay}, step {rows[0]['steps']}")
+        try:
+            print("wrote", *plot(rows, str(path).replace(".json", ""), title))
+        except ImportError as err:
+            print(f"no plot ({err}): pip install -e '.[plots]'")
+        print(f"{'arm':16s} {'val loss':>10s} {'vs full %':>14s} {'kept':>6s} {'sparse':>7s} {'recall':>7s} "
+              f"{'ms alone':>9s} {'t->full':>8s}")
+        for r in rows:
+            fmt = lambda x, f: "-" if x is None or x != x else format(x, f)  # noqa: E731
+            print(f"{r['name']:16s} {r['val_loss']:10.4f} {fmt(r['delta_vs_full_pct'], '+7.2f')} +-"
+                  f"{fmt(r['delta_vs_full_se_pct'], '4.2f')} {fmt(r['kept_fraction'], '6.3f')} "
+                  f"{fmt(r['sparse_layer_fraction'], '7.2f')} {fmt(r['recall'], '7.3f')} "
+                  f"{fmt(r['ms_step_alone'], '9.1f')} {fmt(r['time_to_full_loss_ratio'], '8.2f')}")
+        print("wrote", path)
 
 
 if __name__ == "__main__":

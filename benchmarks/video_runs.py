@@ -10,12 +10,18 @@ and ``res`` (clip length and square frame size in pixels; with the fixed 4x DCT 
 patch (1, 2, 2), tokens S = frames * (res / 8)^2), ``attn`` (``full``, ``dsv`` or ``window``),
 ``lr``, ``qk_norm`` (0/1), ``qk_lr`` (learning-rate multiplier of the QK-norm gains and biases, the
 parameters that set the attention logits' scale under QK-norm), ``rope`` (RoPE base), ``gran`` (DSV's KV list
-granularity, ``block`` or ``token``: ``DSVConfig.granularity``), ``steps`` and ``minutes`` (the run stops at
+granularity, ``block`` or ``token``: ``DSVConfig.granularity``), ``rule`` and ``recall`` (DSV's budget rule, ``recall`` or
+``sparsity``, and the recall rule's target: ``DSVConfig.budget_rule`` / ``recall_target``), ``local`` (DSV's local +
+predicted lists, the always-on radius in cubes as ``rt.rh.rw``, ``0.0.0`` = off: ``DSVConfig.local_radius``),
+``steps`` and ``minutes`` (the run stops at
 whichever comes first, so a run fits the device time), ``stage1`` (DSV's stage-1 steps; default
 half of ``steps``), ``window_frac`` (the window baseline's kept fraction of keys), ``label`` (a
 name for the plots; default built from the keys that differ from the defaults).
-Every arm with the same data keys trains on the same clips, in the same order, from the same
-initial weights (seeded), and is validated on the same held-out clips, noise and timesteps.
+Every arm with the same data keys trains on the same clips (``--data-seed``), in the same order and from the
+same initial weights (``--seed``: a seed is one draw of init and data order), and is validated on the same
+held-out clips, noise and timesteps; with ``--ema-decay`` > 0 (default 0.999) validation evaluates the
+exponential moving average of the weights (:class:`megatron_dsv.training.ema.ModelEMA`), as diffusion
+trainers evaluate and sample.
 """
 
 from __future__ import annotations
@@ -35,11 +41,13 @@ from megatron_dsv.attention.schedule import is_profile_step  # noqa: E402
 from megatron_dsv.config import DSVConfig  # noqa: E402
 
 ARM_DEFAULTS = dict(data="vizdoom", frames=32, res=256, attn="dsv", lr=3e-4, qk_norm=1, qk_lr=1.0, rope=10000.0,
-                    gran="block", steps=1000, minutes=3.0, stage1=None, window_frac=0.1, label=None)
+                    gran="block", rule="recall", recall=0.96, local="0.0.0", steps=1000, minutes=3.0, stage1=None,
+                    window_frac=0.1, label=None)
 _INT_KEYS = ("frames", "res", "qk_norm", "steps", "stage1")
-_FLOAT_KEYS = ("lr", "qk_lr", "rope", "minutes", "window_frac")
+_FLOAT_KEYS = ("lr", "qk_lr", "rope", "minutes", "window_frac", "recall")
 DATA_SOURCES = ("vizdoom", "ale", "footage", "synthetic")
 GRANULARITIES = ("block", "token")  # DSVConfig.granularity
+BUDGET_RULES = ("recall", "sparsity")  # DSVConfig.budget_rule
 ATTENTIONS = ("full", "dsv", "window")
 
 
@@ -59,6 +67,9 @@ def parse_arm(text: str) -> dict:
         raise ValueError(f"arm attn must be one of {ATTENTIONS}, got {arm['attn']!r}")
     if arm["gran"] not in GRANULARITIES:
         raise ValueError(f"arm gran must be one of {GRANULARITIES}, got {arm['gran']!r}")
+    if arm["rule"] not in BUDGET_RULES:
+        raise ValueError(f"arm rule must be one of {BUDGET_RULES}, got {arm['rule']!r}")
+    arm["local_radius"] = local_radius(arm["local"])
     if arm["res"] % 8:
         raise ValueError(f"arm res must be a multiple of 8 (4x downsampler, 2x2 patches), got {arm['res']}")
     if arm["qk_lr"] != 1.0 and not arm["qk_norm"]:
@@ -68,9 +79,24 @@ def parse_arm(text: str) -> dict:
     if arm["label"] is None:
         variants = [f"{k.replace('_', '')}{arm[k]:g}" for k in ("lr", "qk_norm", "qk_lr", "rope")
                     if arm[k] != ARM_DEFAULTS[k]]
-        variants += [f"{arm['gran']}lists"] if arm["gran"] != "block" and arm["attn"] == "dsv" else []
+        if arm["attn"] == "dsv":
+            variants += [f"{arm['gran']}lists"] if arm["gran"] != "block" else []
+            variants += ["paperrule"] if arm["rule"] == "sparsity" else []
+            variants += [f"recall{arm['recall']:g}"] if arm["rule"] == "recall" and arm["recall"] != 0.96 else []
+            variants += [f"local{arm['local']}"] if any(arm["local_radius"]) else []
+            variants += ["staysdense"] if arm["stage1"] >= arm["steps"] else []
+        if arm["attn"] == "window":
+            variants += [f"frac{arm['window_frac']:g}"]
         arm["label"] = "-".join([arm["data"], arm["attn"], *variants, f"S{_tokens_text(tokens_of(arm))}"])
     return arm
+
+
+def local_radius(text: str):
+    """``"0.1.1"`` -> ``(0, 1, 1)`` (the ``local`` arm key: DSVConfig.local_radius in cubes)."""
+    parts = str(text).split(".")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"arm local must be three ints >= 0 joined by dots (rt.rh.rw), got {text!r}")
+    return tuple(int(p) for p in parts)
 
 
 def tokens_of(arm: dict) -> int:
@@ -89,14 +115,48 @@ class Clips:
 
     def __init__(self, latents: torch.Tensor, labels: torch.Tensor, n_train: int, decoder):
         self.latents, self.labels, self.n_train, self.decoder = latents, labels, n_train, decoder
+        self.order_seed = 0
 
     @classmethod
     def for_arm(cls, arm: dict, args, channels: int, device, dtype) -> "Clips":
-        key = (arm["data"], arm["frames"], arm["res"], args.samples, args.val_samples, args.seed, channels)
+        key = (arm["data"], arm["frames"], arm["res"], args.samples, args.val_samples, _data_seed(args), channels)
         if key not in cls._cache:
             cls._cache.clear()  # one data set on the device at a time
-            cls._cache[key] = cls._render(arm, args, channels, device, dtype)
-        return cls._cache[key]
+            cls._cache[key] = cls._load_or_render(key, arm, args, channels, device, dtype)
+        clips = cls._cache[key]
+        clips.order_seed = args.seed
+        return clips
+
+    @classmethod
+    def _load_or_render(cls, key, arm, args, channels, device, dtype) -> "Clips":
+        """Rendered once per data key: with ``--clips-cache DIR`` the latents are kept there (tensors only,
+        loaded with ``weights_only``), so concurrent arms of one study render nothing twice."""
+        cache = getattr(args, "clips_cache", None)
+        if not cache:
+            return cls._render(arm, args, channels, device, dtype)
+        path = os.path.join(cache, "clips-" + "-".join(str(k) for k in key) + ".pt")
+        if not os.path.exists(path):
+            clips = cls._render(arm, args, channels, device, dtype)
+            os.makedirs(cache, exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            torch.save({"latents": clips.latents.cpu(), "labels": clips.labels.cpu(), "n_train": clips.n_train}, tmp)
+            os.replace(tmp, path)
+            return clips
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        print(f"loaded {state['latents'].shape[0]} {arm['data']} clips from {path}", flush=True)
+        return cls(state["latents"].to(device, dtype), state["labels"].to(device), int(state["n_train"]),
+                   cls._decoder(arm, args, channels))
+
+    @staticmethod
+    def _decoder(arm, args, channels):
+        if arm["data"] == "synthetic":
+            return None
+        from megatron_dsv.data.rendered import RenderedVideoDataset, decode_video
+
+        ds = RenderedVideoDataset(arm["data"], args.samples + args.val_samples, frames=arm["frames"],
+                                  height=arm["res"], width=arm["res"], channels=channels, frame_skip=args.frame_skip,
+                                  seed=_data_seed(args), holdout_from=args.samples)
+        return lambda latents: decode_video(ds.denormalize(latents))
 
     @classmethod
     def _render(cls, arm, args, channels, device, dtype) -> "Clips":
@@ -106,13 +166,14 @@ class Clips:
             from megatron_dsv.data.synthetic import SyntheticVideoDataset
 
             ds = SyntheticVideoDataset(n, channels=channels, frames=arm["frames"], height=arm["res"] // 4,
-                                       width=arm["res"] // 4, seed=args.seed, num_classes=8, background="texture")
+                                       width=arm["res"] // 4, seed=_data_seed(args), num_classes=8,
+                                       background="texture")
             items, decoder = [ds[i] for i in range(n)], None
         else:
             from megatron_dsv.data.rendered import RenderedVideoDataset, decode_video, render_dataset
 
             ds = RenderedVideoDataset(arm["data"], n, frames=arm["frames"], height=arm["res"], width=arm["res"],
-                                      channels=channels, frame_skip=args.frame_skip, seed=args.seed,
+                                      channels=channels, frame_skip=args.frame_skip, seed=_data_seed(args),
                                       holdout_from=args.samples)
             items = render_dataset(ds, workers=args.workers)
 
@@ -125,8 +186,28 @@ class Clips:
         return cls(latents, labels, args.samples, decoder)
 
     def batch_at(self, it: int, batch: int):
-        idx = [(it * batch + i) % self.n_train for i in range(batch)]
+        """Batch ``it``: the training clips in epochs, each epoch a permutation drawn from the run's seed
+        (seed 0 keeps the rendered order, as runs before seeds did)."""
+        idx = []
+        for pos in range(it * batch, (it + 1) * batch):
+            epoch, i = divmod(pos, self.n_train)
+            idx.append(int(self._epoch_order(epoch)[i]))
         return self.latents[idx], self.labels[idx]
+
+    def _epoch_order(self, epoch: int) -> torch.Tensor:
+        if self.order_seed == 0:
+            return torch.arange(self.n_train)
+        key = (self.order_seed, epoch)
+        if getattr(self, "_order_key", None) != key:
+            g = torch.Generator().manual_seed(self.order_seed * 1_000_003 + epoch)
+            self._order_key, self._order = key, torch.randperm(self.n_train, generator=g)
+        return self._order
+
+
+def _data_seed(args) -> int:
+    """The seed of the rendered clips: ``--data-seed``, else ``--seed`` (runs before the two were split)."""
+    data_seed = getattr(args, "data_seed", None)
+    return args.seed if data_seed is None else data_seed
 
 
 def build_model(arm: dict, args, device, dtype):
@@ -139,10 +220,13 @@ def build_model(arm: dict, args, device, dtype):
                 rope_theta=float(arm["rope"]), num_classes=len(_classes(arm)))
     if args.layers:
         over["layers"] = args.layers
+    if getattr(args, "heads", None):  # a narrower layer than the preset's: hidden = heads x head dim
+        over.update(heads=args.heads, head_dim=args.head_dim, hidden=args.heads * args.head_dim)
     cfg = VideoDiTConfig.from_preset(args.preset, **over)
     dsv = window = None
     if arm["attn"] == "dsv":
         dsv = DSVConfig(stage_switch_rule="steps", stage_switch_steps=arm["stage1"], granularity=arm["gran"],
+                        budget_rule=arm["rule"], recall_target=arm["recall"], local_radius=arm["local_radius"],
                         profile_interval=args.profile_every, profile_warmup_steps=10**9,
                         speedup_table=args.speedup_table if device.type == "cuda" else None)
     elif arm["attn"] == "window":
@@ -191,12 +275,29 @@ def val_loss(model, clips: Clips, batch: int, seed: int = 1234) -> float:
     return total / n
 
 
+def run_path(arm: dict, args):
+    """Where an arm's run is saved: ``<save_dir>/<label>[-s<seed>].pt`` (seed 0 keeps the old name)."""
+    if not args.save_dir:
+        return None
+    return os.path.join(args.save_dir, arm["label"] + (f"-s{args.seed}" if args.seed else "") + ".pt")
+
+
+def validate(model, ema, clips: "Clips", args) -> float:
+    """The validation loss of the run: on the EMA weights when the run keeps one, else on the live weights."""
+    batch = getattr(args, "val_batch", None) or args.batch
+    if ema is None:
+        return val_loss(model, clips, batch)
+    with ema.swap_in(model):
+        return val_loss(model, clips, batch)
+
+
 def train_arm(arm: dict, args, on_profile=None, on_val=None):
     """Train one arm (resumed from ``args.save_dir`` when its checkpoint is there); returns ``(model, clips, summary)``.
 
     ``on_profile(step, model)`` runs after every DSV profile step, ``on_val(step, loss)`` after every
-    validation (every ``args.val_every`` steps and at the end). AdamW on fp32 main weights, linear warm-up over
-    ``args.warmup`` steps, gradient clipping at 1, batch ``args.batch``.
+    validation (every ``args.val_every`` steps and at the end; on the EMA weights with ``args.ema_decay`` > 0).
+    AdamW on fp32 main weights, linear warm-up over ``args.warmup`` steps, gradient clipping at 1, batch
+    ``args.batch``.
     """
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -207,10 +308,11 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
     g = torch.Generator(device=device).manual_seed(args.seed)
     dsv = dsv_layers(model)
     cfg_dsv = dsv[0].dsv_config if dsv else None
-    path = os.path.join(args.save_dir, f"{arm['label']}.pt") if args.save_dir else None
+    ema = _ema(model, args)
+    path = run_path(arm, args)
     start, counters = 0, {"sparse_steps": 0, "layer_steps": 0}
     if path and os.path.exists(path):
-        start, counters = load_run(path, arm, model, opt, g)
+        start, counters = load_run(path, arm, model, opt, g, ema)
         print(f" [{arm['label']}] resumed at step {start} from {path}", flush=True)
     t_start, times, losses = time.perf_counter(), [], []
     step = start - 1
@@ -220,6 +322,8 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
         latents, labels = clips.batch_at(step, args.batch)
         t0 = time.perf_counter()
         loss = flow_matching_step(model, opt, latents, labels, g)
+        if ema is not None:
+            ema.update(model)
         if dsv:
             if dsv_stage(model) == 2:
                 counters["layer_steps"] += len(dsv)
@@ -235,14 +339,14 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
             _log_line(arm, step + 1, model, losses[-args.log_every:], times[-args.log_every:], args.batch,
                       tokens_of(arm))
         if on_val is not None and (step + 1) % args.val_every == 0:
-            on_val(step + 1, val_loss(model, clips, args.batch))
+            on_val(step + 1, validate(model, ema, clips, args))
         if time.perf_counter() - t_start > 60.0 * arm["minutes"]:
             print(f" [{arm['label']}] stopped at step {step + 1} by its {arm['minutes']} min budget", flush=True)
             break
     steps_done = step + 1
     if path:
-        save_run(path, arm, model, opt, g, steps_done, counters)
-    final_val = val_loss(model, clips, args.batch)
+        save_run(path, arm, model, opt, g, steps_done, counters, ema)
+    final_val = validate(model, ema, clips, args)
     if on_val is not None and steps_done % args.val_every:
         on_val(steps_done, final_val)
     summary = dict(steps=steps_done, val_loss=final_val, ms_step=1e3 * _median(times[1:] or times),
@@ -254,6 +358,16 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
                        recall=m["dsv/recall_mean"], budget_density=m["dsv/budget_density_mean"],
                        stage=int(m["dsv/stage"]))
     return model, clips, summary
+
+
+def _ema(model, args):
+    """The run's weight EMA (``args.ema_decay`` > 0), or None."""
+    decay = getattr(args, "ema_decay", 0.0) or 0.0
+    if decay <= 0:
+        return None
+    from megatron_dsv.training.ema import ModelEMA
+
+    return ModelEMA(model, decay)
 
 
 def qk_norm_parameters(model) -> List[torch.nn.Parameter]:
@@ -286,21 +400,25 @@ def _optimizer(model, arm: dict) -> MainWeightsAdamW:
     return MainWeightsAdamW(groups, lr=arm["lr"], weight_decay=0.0)
 
 
-_RESUME_KEYS = ("data", "frames", "res", "attn", "lr", "qk_norm", "qk_lr", "rope", "gran", "stage1", "window_frac")
+_RESUME_KEYS = ("data", "frames", "res", "attn", "lr", "qk_norm", "qk_lr", "rope", "gran", "rule", "recall", "local",
+                "stage1", "window_frac")
+_FORMATS = ("megatron_dsv.video_run.v2", "megatron_dsv.video_run.v3")  # v3: + the weight EMA
 
 
-def save_run(path: str, arm: dict, model, opt, g, step: int, counters: dict) -> None:
-    """Model (with its DSV state), optimizer, noise generator and step of a run, written atomically."""
+def save_run(path: str, arm: dict, model, opt, g, step: int, counters: dict, ema=None) -> None:
+    """Model (with its DSV state), optimizer, weight EMA, noise generator and step of a run, written atomically."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    state = {"format": "megatron_dsv.video_run.v2", "arm": {k: arm[k] for k in _RESUME_KEYS}, "step": step,
-             "counters": counters, "model": model.state_dict(), "optimizer": opt.state_dict(), "rng": g.get_state()}
+    state = {"format": _FORMATS[-1], "arm": {k: arm[k] for k in _RESUME_KEYS}, "step": step,
+             "counters": counters, "model": model.state_dict(), "optimizer": opt.state_dict(), "rng": g.get_state(),
+             "ema": None if ema is None else ema.state_dict()}
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)
     print(f" [{arm['label']}] saved step {step} to {path}", flush=True)
 
 
-def load_run(path: str, arm: dict, model, opt, g):
-    """Restore what :func:`save_run` wrote (tensors only: ``weights_only=True``); returns (step, counters)."""
+def load_run(path: str, arm: dict, model, opt, g, ema=None):
+    """Restore what :func:`save_run` wrote (tensors only: ``weights_only=True``); returns (step, counters).
+    A run saved without an EMA (format v2, or ``--ema-decay 0``) starts its EMA at the loaded weights."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # truncated file, not a checkpoint, pickled objects
@@ -309,10 +427,10 @@ def load_run(path: str, arm: dict, model, opt, g):
     if isinstance(state, dict) and state.get("format") == "megatron_dsv.video_run.v1":
         raise ValueError(f"{path!r} was written before fp32 main weights (format v1, bf16 AdamW); its optimizer "
                          "cannot continue exactly: delete it to start the arm afresh")
-    if not isinstance(state, dict) or state.get("format") != "megatron_dsv.video_run.v2":
-        raise ValueError(f"{path!r} is not a video-run checkpoint (format megatron_dsv.video_run.v2)")
+    if not isinstance(state, dict) or state.get("format") not in _FORMATS:
+        raise ValueError(f"{path!r} is not a video-run checkpoint (format one of {_FORMATS})")
     saved = dict(state["arm"])
-    for key in ("qk_lr", "gran"):  # written before the key existed
+    for key in ("qk_lr", "gran", "rule", "recall", "local"):  # written before the key existed
         saved.setdefault(key, ARM_DEFAULTS[key])
     differ = {k: (saved.get(k), arm[k]) for k in _RESUME_KEYS if saved.get(k) != arm[k]}
     if differ:
@@ -320,6 +438,12 @@ def load_run(path: str, arm: dict, model, opt, g):
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     g.set_state(state["rng"])
+    if ema is not None:
+        if state.get("ema") is None:
+            ema.reset(model)
+            print(f" {path}: saved without a weight EMA; the EMA starts at the loaded weights", flush=True)
+        else:
+            ema.load_state_dict(state["ema"])
     return int(state["step"]), dict(state["counters"])
 
 
@@ -352,6 +476,10 @@ def add_run_args(ap, preset="0.8b", layers=4, samples=64):
     """Arguments every arm of a run shares."""
     ap.add_argument("--preset", default=preset, help="model width: a VideoDiTConfig preset (layer shape)")
     ap.add_argument("--layers", type=int, default=layers, help="layers (fewer than the preset's, to fit device time)")
+    ap.add_argument("--heads", type=int, default=None,
+                    help="attention heads instead of the preset's, with --head-dim; hidden = heads x head dim "
+                         "(a narrower model reaches the attention-dominated regime at fewer tokens)")
+    ap.add_argument("--head-dim", type=int, default=64, help="head dim with --heads")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=100, help="linear learning-rate warm-up steps")
     ap.add_argument("--samples", type=int, default=samples, help="training clips (rendered once, cycled)")
@@ -364,7 +492,16 @@ def add_run_args(ap, preset="0.8b", layers=4, samples=64):
     ap.add_argument("--profile-every", type=int, default=25, help="DSV profile period (steps)")
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--val-every", type=int, default=250)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="initial weights and data order (one draw of a seed)")
+    ap.add_argument("--data-seed", type=int, default=None,
+                    help="the rendered clips (default: --seed); a study over seeds fixes it so every seed sees the "
+                         "same clips and held-out set")
+    ap.add_argument("--ema-decay", type=float, default=0.999,
+                    help="validate an EMA of the weights with this decay (0: the live weights); 0.999 averages about "
+                         "the last 1000 steps, a tenth to a quarter of the study's runs")
+    ap.add_argument("--val-batch", type=int, default=8, help="clips per validation forward")
+    ap.add_argument("--clips-cache", default=None,
+                    help="keep rendered clips in this folder (tensors only) so concurrent arms render once")
     ap.add_argument("--speedup-table", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                             "sparse_attention-h200-20261130.json"),
                     help="the dispatcher's measured kernel speedups (DSVConfig.speedup_table; GPU runs only)")

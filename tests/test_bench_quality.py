@@ -1,5 +1,7 @@
-"""bench_quality's final row compares the three arms at equal training."""
+"""The quality frontier's arithmetic: equal-step comparison, paired deltas over seeds, wall-clock from
+measured step times, the time to reach full attention's loss."""
 
+import math
 import os
 import sys
 
@@ -7,22 +9,47 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_quality import equal_step_losses  # noqa: E402
+from benchmarks.bench_quality import (FRONTIER, arm_of, build_parser, equal_step, mean_se, time_to_reach,  # noqa: E402
+                                      wall_clock)
 
 
-def test_equal_step_losses_takes_the_last_step_every_arm_reached():
-    # the DSV arm stopped at 1692 by its minutes budget; its last value must not be set against 2000-step runs
-    curves = {"full": [(250, 1.4), (1500, 1.03), (1750, 0.96), (2000, 0.955)],
-              "dsv": [(250, 1.5), (1500, 1.015), (1692, 0.978)],
-              "window": [(250, 1.44), (1500, 1.01), (1750, 0.94), (2000, 0.96)]}
-    step, val = equal_step_losses(curves)
-    assert step == 1500 and val == {"full": 1.03, "dsv": 1.015, "window": 1.01}
-    same = {a: [(250, 1.0), (500, v)] for a, v in (("full", 0.9), ("dsv", 0.8), ("window", 0.7))}
-    assert equal_step_losses(same) == (500, {"full": 0.9, "dsv": 0.8, "window": 0.7})
+def _rec(curve):
+    return {"curve": curve}
 
 
-def test_equal_step_losses_without_a_shared_step_names_the_fix():
+def test_equal_step_is_the_last_step_every_run_reached():
+    # a DSV seed stopped at 1692 by its minutes budget: its last value is never set against 2000-step runs
+    records = {"full": {0: _rec([(250, 1.4), (1500, 1.03), (2000, 0.955)]), 1: _rec([(250, 1.5), (1500, 1.0)])},
+               "dsv": {0: _rec([(250, 1.5), (1500, 1.015), (1692, 0.978)])}}
+    assert equal_step(records) == 1500
     with pytest.raises(ValueError, match="minutes"):
-        equal_step_losses({"full": [(250, 1.0)], "dsv": [(100, 1.1)], "window": [(250, 1.2)]})
-    with pytest.raises(ValueError, match="`curves` is empty"):
-        equal_step_losses({})
+        equal_step({"full": {0: _rec([(250, 1.0)])}, "dsv": {0: _rec([(100, 1.1)])}})
+
+
+def test_mean_se_and_time_to_reach():
+    mean, se = mean_se([1.0, 3.0])
+    assert mean == 2.0 and se == pytest.approx(1.0)  # std 1.414 / sqrt(2)
+    assert math.isnan(mean_se([2.0])[1])
+    pts = [(10.0, 2.0), (20.0, 1.0), (30.0, 0.5)]
+    assert time_to_reach(pts, 1.5) == pytest.approx(15.0)  # linear between validation points
+    assert time_to_reach(pts, 2.5) == 10.0 and time_to_reach(pts, 0.4) is None
+
+
+def test_wall_clock_charges_stage_one_and_two_at_their_own_times():
+    arm = {"attn": "dsv", "stage1": 100}
+    wc = wall_clock([(50, 2.0), (300, 1.0)], arm, {"stage1": 10.0, "stage2": 4.0})
+    assert wc == [(0.5, 2.0), (pytest.approx(1.8), 1.0)]  # 100 x 10 ms + 200 x 4 ms
+    assert wall_clock([(50, 2.0)], {"attn": "full"}, {"stage1": 8.0, "stage2": 8.0}) == [(0.4, 2.0)]
+    assert wall_clock([(50, 2.0)], arm, None) is None
+
+
+def test_frontier_arms_parse_with_their_settings():
+    args = build_parser().parse_args(["--arm", "data=synthetic,frames=4,res=64,steps=100", "--save-dir", "x"])
+    for name in FRONTIER:
+        arm_of(name, args.arm, args)
+    assert arm_of("control", args.arm, args)["stage1"] >= 100  # never leaves stage 1
+    local = arm_of("local", args.arm, args)
+    assert local["local_radius"] == (0, 1, 1) and local["rule"] == "sparsity"
+    assert arm_of("window", args.arm, args)["window_frac"] == 0.2
+    with pytest.raises(ValueError, match="unknown frontier arm"):
+        arm_of("nope", args.arm, args)

@@ -117,20 +117,23 @@ def test_bench_sparsity_emergence_merge_parts_and_lost_logs(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_bench_quality_quick_three_arms_same_data(tmp_path):
-    proc = _run_bench("bench_quality.py", tmp_path, "--samples-out", str(tmp_path / "samples"))
-    assert "== window:" in proc.stdout
-    (path,) = tmp_path.glob("quality-*.json")
+def test_bench_quality_quick_frontier_every_phase(tmp_path):
+    """--quick trains every frontier arm at two seeds on the same clips, times each arm alone from its run,
+    and writes the frontier JSON (one row per arm, paired deltas) and both plots."""
+    proc = _run_bench("bench_quality.py", tmp_path, "--arms", "full,control,local,window")
+    assert "== local seed 1:" in proc.stdout and "[time] window S=256" in proc.stdout
+    (path,) = tmp_path.glob("quality-frontier-*.json")
     rows = json.loads(path.read_text())["rows"]
-    final = [r for r in rows if r["kind"] == "final"][0]
-    for key in ("val_loss_full", "val_loss_dsv", "val_loss_window", "recall", "sparse_layer_fraction",
-                "sparsity_mean"):
-        assert final[key] == final[key], key  # present, not NaN
-    assert final["steps_per_arm"] == {"full": 8, "dsv": 8, "window": 8}
-    curves = {(r["attn"], r["step"]) for r in rows if r["kind"] == "curve"}
-    assert curves == {(a, s) for a in ("full", "dsv", "window") for s in (4, 8)}
-    assert sorted(p.name for p in (tmp_path / "samples").iterdir()) == sorted(
-        f"quality-{a}.{e}" for a in ("full", "dsv", "window") for e in ("gif", "png"))
+    assert [r["name"] for r in rows] == ["full", "control", "local", "window"]
+    for r in rows:
+        assert r["seeds"] == [0, 1] and r["steps"] == 8 and r["S"] == 256
+        assert r["val_loss"] > 0 and r["ms_step_alone"] > 0 and len(r["curve"]) == 2
+        assert r["delta_vs_full_se_pct"] == r["delta_vs_full_se_pct"]  # two seeds: a standard error
+    full = rows[0]
+    assert full["delta_vs_full_pct"] == 0.0 and full["kept_fraction"] == 1.0 and full["time_to_full_loss_ratio"] == 1.0
+    assert rows[2]["local_radius"] == "0.1.1" and 0 < rows[3]["kept_fraction"] < 1
+    for suffix in ("_curves.png", "_frontier.png"):
+        assert (tmp_path / (path.stem + suffix)).stat().st_size > 0
 
 
 def _run_args(tmp_path, *extra):
