@@ -429,7 +429,8 @@ def main(argv=None):
     args.clips_cache = args.clips_cache or os.path.join(args.save_dir, "clips")
     if args.data_seed is None:
         args.data_seed = 0
-    init_dist()
+    if args.worker or args.time or args.quick:  # the launcher itself holds no GPU context
+        init_dist()
     if args.worker:
         train_one(args.worker, args)
         return

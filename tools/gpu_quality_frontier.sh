@@ -23,7 +23,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 arm=${ARM:-data=vizdoom,frames=16,res=256,steps=4000,stage1=1000,qk_lr=10,lr=3e-4}
 read -r -a width <<< "${WIDTH:---heads 8 --head-dim 64 --layers 4}"
 common=(--arm "$arm" --seeds "${SEEDS:-0,1}" --save-dir runs/frontier --out-dir "$out" --samples 256
-        --val-samples 64 --val-every 500 --val-batch 8 --workers 4 "${width[@]}")
+        --val-samples 64 --val-every 500 --val-batch 8 --workers 15 "${width[@]}")
 [ -n "${ARMS:-}" ] && common+=(--arms "$ARMS")
 bench=(python3 benchmarks/bench_quality.py "${common[@]}")
 
