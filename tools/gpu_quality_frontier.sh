@@ -40,7 +40,8 @@ case "$phase" in
       echo "gpu tests exit $?"; tail -n 3 "$out/logs/gpu_tests.log"
     fi
     if [ "${MEGATRON_CHECK:-0}" = 1 ]; then
-      (timeout 420 bash tools/gpu_megatron_lm_check.sh "$out" > "$out/logs/megatron_lm_check.log" 2>&1;
+      read -r -a tags <<< "${MEGATRON_TAGS:-}"
+      (timeout 420 bash tools/gpu_megatron_lm_check.sh "$out" "${tags[@]}" > "$out/logs/megatron_lm_check.log" 2>&1;
        echo "megatron-lm check exit $?" >> "$out/logs/megatron_lm_check.log") &
     fi
     train "${MINUTES:-7.5}"
