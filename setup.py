@@ -4,7 +4,12 @@ Environment variables:
   DSV_SKIP_CUDA_BUILD=1    never build the CUDA extension (pure Python/Triton install).
   DSV_FORCE_CUDA_BUILD=1   fail the install if the extension cannot be built.
   DSV_CUDA_ARCHS="90"      semicolon-separated compute capabilities (default "90").
+  DSV_CUDA_CACHE=DIR       where built extensions are kept for reuse (default build/cuda-ext-cache; 0: off).
   CUDA_HOME                CUDA toolkit root (default: directory above `which nvcc`).
+
+A build is kept under a hash of csrc/, the compile and link commands and `nvcc --version`, and reused
+while none of them changes: `pip install -e .` followed by `tools/run_tests.sh` (which reinstalls
+with the test extras) compiles csrc/ once, not twice.
 
 The extension is bound with pybind11 over raw device pointers and a CUDA stream
 handle, so it links only against the CUDA runtime, never torch's C++ ABI.
@@ -12,6 +17,7 @@ A missing nvcc never fails the install unless DSV_FORCE_CUDA_BUILD=1.
 """
 
 import concurrent.futures
+import hashlib
 import os
 import shutil
 import subprocess
@@ -50,6 +56,27 @@ def _cuda_home():
     return None
 
 
+def _cache_dir():
+    """DSV_CUDA_CACHE, else build/cuda-ext-cache; None when DSV_CUDA_CACHE=0."""
+    value = os.environ.get("DSV_CUDA_CACHE", "")
+    if value.lower() in ("0", "false", "no", "off"):
+        return None
+    return Path(value) if value else ROOT / "build" / "cuda-ext-cache"
+
+
+def _build_key(commands, nvcc: str) -> str:
+    """Hash of every file in csrc/ (headers included), the commands (temporary paths stripped) and nvcc's version."""
+    digest = hashlib.sha256()
+    for path in sorted((ROOT / "csrc").rglob("*")):
+        if path.is_file():
+            digest.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    for cmd in commands:
+        digest.update("\0".join(cmd).encode() + b"\n")
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=False).stdout
+    digest.update(version.encode())
+    return digest.hexdigest()[:32]
+
+
 class NvccBuildExt(build_ext):
     """Compile csrc/*.cu with nvcc and csrc/*.cpp with the host compiler, link one module."""
 
@@ -79,6 +106,7 @@ class NvccBuildExt(build_ext):
                     f"-I{cuda_home / 'include'}", f"-I{ROOT / 'csrc'}"]
         build_tmp = Path(self.build_temp) / "csrc"
         build_tmp.mkdir(parents=True, exist_ok=True)
+        out = Path(self.get_ext_fullpath(ext.name))
         jobs = []
         for src in sorted(ext.sources):
             obj = build_tmp / (Path(src).name + ".o")
@@ -89,19 +117,49 @@ class NvccBuildExt(build_ext):
                 cmd = [os.environ.get("CXX", "c++"), "-c", src, "-o", str(obj), "-O3", "-std=c++17",
                        "-fPIC", "-fvisibility=hidden", *includes]
             jobs.append((cmd, str(obj)))
+        libdirs = [cuda_home / "lib64", cuda_home / "lib", cuda_home / "targets" / "x86_64-linux" / "lib"]
+        link = [os.environ.get("CXX", "c++"), "-shared", "-o", str(out), *[obj for _, obj in jobs],
+                *[f"-L{d}" for d in libdirs if d.exists()], "-lcudart"]
+        cached = self._cached_build(jobs, link, nvcc, build_tmp, out, pybind11)
+        if cached is not None and cached.is_file():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(cached, out)
+            print(f"[megatron_dsv] csrc/ and the build commands are unchanged: reusing the CUDA extension {cached}",
+                  file=sys.stderr)
+            return
         # one nvcc per translation unit, in parallel (the kernels are split by dtype for this)
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
             for cmd, _ in jobs:
                 print(" ".join(cmd))
             list(pool.map(lambda job: subprocess.check_call(job[0]), jobs))
-        objects = [obj for _, obj in jobs]
-        out = Path(self.get_ext_fullpath(ext.name))
         out.parent.mkdir(parents=True, exist_ok=True)
-        libdirs = [cuda_home / "lib64", cuda_home / "lib", cuda_home / "targets" / "x86_64-linux" / "lib"]
-        link = [os.environ.get("CXX", "c++"), "-shared", "-o", str(out), *objects,
-                *[f"-L{d}" for d in libdirs if d.exists()], "-lcudart"]
         print(" ".join(link))
         subprocess.check_call(link)
+        if cached is not None:
+            try:  # a cache that cannot be written only costs the next install a rebuild
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(out, cached.with_suffix(".tmp"))
+                os.replace(cached.with_suffix(".tmp"), cached)
+            except OSError as err:
+                print(f"[megatron_dsv] CUDA extension not cached ({err})", file=sys.stderr)
+
+    @staticmethod
+    def _cached_build(jobs, link, nvcc, build_tmp, out, pybind11):
+        """Where this exact build is (or will be) kept, or None without a cache. The key ignores the
+        temporary folders (pip builds in a fresh one each time) and names pybind11 by its version."""
+        cache = _cache_dir()
+        if cache is None:
+            return None
+        swaps = {str(build_tmp): "<tmp>", str(out): "<out>",
+                 pybind11.get_include(): f"<pybind11 {pybind11.__version__}>"}
+
+        def strip(arg):
+            for old, new in swaps.items():
+                arg = arg.replace(old, new)
+            return arg
+
+        commands = [[strip(a) for a in cmd] for cmd, _ in jobs] + [[strip(a) for a in link]]
+        return cache / f"{_build_key(commands, nvcc)}-{out.name}"
 
 
 def _extensions():

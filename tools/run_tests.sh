@@ -8,8 +8,11 @@
 #
 # The install (which compiles csrc/ when nvcc exists) is skipped when nothing it depends on
 # changed since the last one in this environment: a stamp in the environment holds a hash of
-# setup.py, pyproject.toml, csrc/ and the DSV_* build variables. DSV_SKIP_CUDA_BUILD=1 skips the
-# CUDA build; DSV_FORCE_REINSTALL=1 reinstalls anyway. As root on Debian/Ubuntu it also installs the
+# setup.py, pyproject.toml, csrc/ and the DSV_* build variables. DSV_FORCE_REINSTALL=1 reinstalls
+# anyway. A reinstall reuses an extension built from the same csrc/ and flags (setup.py keeps it in
+# build/cuda-ext-cache), so `pip install -e .` then this script compile csrc/ once. On a machine
+# without a GPU the CUDA build is skipped (DSV_SKIP_CUDA_BUILD=1 unless set; 0 builds it): the kernels
+# cannot run here and tests/ops/test_csrc_compiles.py compiles every source under csrc/ anyway. As root on Debian/Ubuntu it also installs the
 # system packages of the real-Slurm and shellcheck tests (slurm-wlm, munge, shellcheck; ~15 s, once);
 # elsewhere, or with DSV_NO_APT=1, those tests skip and say why.
 #   bash tools/run_tests.sh [pytest args]      bash tools/run_tests.sh --install-only
@@ -22,6 +25,15 @@ if [ -z "${VIRTUAL_ENV:-}" ]; then
   . .venv/bin/activate
 fi
 py="$VIRTUAL_ENV/bin/python"  # the environment's own interpreter, even when VIRTUAL_ENV is set without activation
+
+has_gpu() {
+  { nvidia-smi -L 2>/dev/null | grep -q '^GPU '; } || ls /dev/nvidia[0-9]* >/dev/null 2>&1
+}
+if [ -z "${DSV_SKIP_CUDA_BUILD+x}" ] && ! has_gpu; then
+  export DSV_SKIP_CUDA_BUILD=1
+  echo "no GPU here: megatron_dsv installs without the CUDA extension (tests/ops/test_csrc_compiles.py still" \
+       "compiles csrc/; DSV_SKIP_CUDA_BUILD=0 builds it)"
+fi
 
 install_key() {
   {
