@@ -9,17 +9,32 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import typing
 from typing import Optional
 
 from megatron_dsv.config import DSVConfig
 
-__all__ = ["add_dsv_args", "dsv_config_from_args", "flag_name"]
+__all__ = ["add_dsv_args", "dsv_config_from_args", "flag_name", "name_flags"]
 
 
 def flag_name(field_name: str) -> str:
     """'predictor_rank' -> '--dsv-predictor-rank'."""
     return "--dsv-" + field_name.replace("_", "-")
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(DSVConfig))
+
+
+def name_flags(message: str) -> str:
+    """A DSVConfig error as the user typed it: 'DSVConfig.theta must be ...' -> '--dsv-theta must be ...'.
+
+    ``DSVConfig.<field>`` and bare multi-word field names ('stage_switch_rule') become their flags."""
+    def flag(match):
+        return flag_name(match.group(1)) if match.group(1) in _FIELDS else match.group(0)
+
+    message = re.sub(r"DSVConfig\.(\w+)", flag, message)
+    return re.sub(r"\b([a-z]+(?:_[a-z0-9]+)+)\b", flag, message)
 
 
 def _base_type(tp):
@@ -46,7 +61,8 @@ def add_dsv_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     hints = typing.get_type_hints(DSVConfig)
     for f in dataclasses.fields(DSVConfig):
         tp = hints[f.name]
-        help_text = f.metadata.get("help", "") + f" (default: {f.default})"
+        # %(default)s: argparse prints the parser's default, so a trainer's own defaults (set_defaults) show
+        help_text = f.metadata.get("help", "").replace("%", "%%") + " (default: %(default)s)"
         kwargs = dict(dest="dsv_" + f.name, default=f.default, help=help_text)
         if "choices" in f.metadata:
             kwargs["choices"] = list(f.metadata["choices"])
@@ -61,7 +77,9 @@ def add_dsv_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def dsv_config_from_args(args: argparse.Namespace) -> Optional[DSVConfig]:
-    """DSVConfig from parsed args, or None when ``--use-dsv-attention`` is off."""
+    """DSVConfig from parsed args, or None when ``--use-dsv-attention`` is off.
+
+    An invalid value raises ``ValueError`` naming the ``--dsv-*`` flag (not the DSVConfig field)."""
     if not getattr(args, "use_dsv_attention", False):
         return None
     values = {}
@@ -70,4 +88,7 @@ def dsv_config_from_args(args: argparse.Namespace) -> Optional[DSVConfig]:
         if not hasattr(args, key):
             raise ValueError(f"args has no {key!r}: was add_dsv_args passed as extra_args_provider?")
         values[f.name] = getattr(args, key)
-    return DSVConfig(**values)
+    try:
+        return DSVConfig(**values)
+    except ValueError as err:
+        raise ValueError(name_flags(str(err))) from None

@@ -103,3 +103,12 @@ def test_missing_provider_is_reported():
 def test_validation_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"DSVConfig\.{field}"):
         DSVConfig(**kwargs)
+
+
+def test_config_errors_from_flags_name_the_flag():
+    with pytest.raises(ValueError, match=r"^--dsv-theta must be in \(0, 1\), got 1\.5$"):
+        dsv_config_from_args(_parse(["--use-dsv-attention", "--dsv-theta", "1.5"]))
+    with pytest.raises(ValueError, match=r"^--dsv-predictor-loss-cos-weight must be > 0 together with "
+                                         r"--dsv-predictor-loss-mse-weight"):
+        dsv_config_from_args(_parse(["--use-dsv-attention", "--dsv-predictor-loss-cos-weight", "0",
+                                     "--dsv-predictor-loss-mse-weight", "0"]))

@@ -12,9 +12,10 @@ import argparse
 import os
 from typing import List, Optional
 
-from megatron_dsv.arguments import add_dsv_args
+from megatron_dsv.arguments import add_dsv_args, dsv_config_from_args
 
-__all__ = ["build_parser", "parse_args", "add_video_dit_args", "add_video_dit_model_args", "validate_args",
+__all__ = ["ArgumentParser", "build_parser", "parse_args", "add_video_dit_args", "add_video_dit_model_args",
+           "validate_args",
            "model_overrides_from_args"]
 
 # The embedded default switches to stage 2 at this step so a short run shows both stages.
@@ -28,6 +29,26 @@ DEFAULT_STAGE_SWITCH_STEPS = 150
 # --dsv-budget-rule recall for the library defaults.
 DEMO_DSV_DEFAULTS = dict(dsv_sparsity_threshold=0.4, dsv_query_group_shape=(2, 4, 4), dsv_kv_block_size=64,
                          dsv_budget_rule="sparsity")
+
+
+# Averages the weights over the last ~1/(1 - decay) = 1000 optimizer steps: a fifth to a third of runs of a
+# few thousand steps, where the quality comparisons of this project sit (benchmarks/bench_quality.py).
+DEFAULT_EMA_DECAY = 0.999
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``error: --dsv-theta must be in (0, 1), got 1.5`` instead of the
+    80-line usage block first (``--help`` still prints it)."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (--help lists the flags)\n")
+
+
+def _ema_decay(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1) (0: no EMA), got {text!r}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -114,6 +135,13 @@ def _add_training_args(parser):
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0, help="Gradient-norm clip (0: off).")
+    g.add_argument("--ema-decay", type=_ema_decay, default=DEFAULT_EMA_DECAY,
+                   help="Decay of the fp32 exponential moving average of the trainable weights, updated after every "
+                        "optimizer step; validation and the sample GIF use it, checkpoints keep it. Default 0.999: an "
+                        "average over the last ~1000 steps, for runs of a few thousand steps (raise it for longer "
+                        "runs). Early in a run step n uses min(decay, (1 + n) / (10 + n)), so the average never "
+                        "reaches back to the random initialisation. DSV state and predictors are not averaged. "
+                        "Costs 4 bytes per parameter per rank; 0 turns it off.")
     prec = g.add_mutually_exclusive_group()
     prec.add_argument("--bf16", dest="precision", action="store_const", const="bf16",
                       help="bf16 parameters with fp32 main weights (default on GPU).")
@@ -158,7 +186,16 @@ def _add_logging_checkpoint_args(parser):
     g.add_argument("--no-load-optim", action="store_true", help="Load model weights only, not the optimizer.")
     g.add_argument("--no-load-rng", action="store_true", help="Do not restore RNG states.")
     g.add_argument("--override-opt-param-scheduler", action="store_true",
-                   help="On --load, take the LR schedule from these flags, not the checkpoint (e.g. longer runs).")
+                   help="On --load, take the LR schedule from these flags, not the checkpoint (e.g. a longer "
+                        "--train-iters). Without this or --use-checkpoint-opt_param-scheduler a mismatch is an error.")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   help="On --load, keep the checkpoint's LR schedule (--lr, --min-lr, --lr-warmup-iters, "
+                        "--lr-decay-iters, --lr-decay-style, --weight-decay) whatever these flags say.")
+    g.add_argument("--no-load-dsv-state", action="store_true",
+                   help="On --load, take the weights only: a DSV checkpoint's DSV state (predictors, sparsity, stage, "
+                        "counters) is dropped (a dense run of it) or restarted (stage 1, fresh predictors), and a "
+                        "dense checkpoint can start DSV. Without it, a checkpoint and a run that differ in "
+                        "--use-dsv-attention are refused.")
     g.add_argument("--exit-interval", type=_positive_int, default=None,
                    help="Stop (after saving) once the iteration count is a multiple of this.")
     g.add_argument("--exit-signal-handler", action="store_true",
@@ -173,7 +210,7 @@ def _add_logging_checkpoint_args(parser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m megatron_dsv.train",
         description="Train a video DiT with DSV sparse attention on megatron-core (no Megatron-LM needed). "
                     "With no flags: tiny preset, dense attention, synthetic videos, a few minutes on a CPU; "
@@ -187,8 +224,22 @@ def build_parser() -> argparse.ArgumentParser:
     # --use-dsv-attention (add_dsv_args) is the switch, as in Megatron-LM scripts; --no-dsv says "dense" explicitly.
     parser.add_argument("--no-dsv", dest="use_dsv_attention", action="store_false",
                         help="Dense attention (the default; cancels an earlier --use-dsv-attention).")
-    parser.set_defaults(use_dsv_attention=False, dsv_stage_switch_steps=DEFAULT_STAGE_SWITCH_STEPS, **DEMO_DSV_DEFAULTS)
+    demo = dict(dsv_stage_switch_steps=DEFAULT_STAGE_SWITCH_STEPS, **DEMO_DSV_DEFAULTS)
+    parser.set_defaults(use_dsv_attention=False, **demo)
+    _note_library_defaults(parser, demo)
     return parser
+
+
+def _note_library_defaults(parser, demo: dict) -> None:
+    """--help says where this trainer's default (the demo's) differs from the library's (DSVConfig)."""
+    import dataclasses
+
+    from megatron_dsv.config import DSVConfig
+
+    library = {"dsv_" + f.name: f.default for f in dataclasses.fields(DSVConfig)}
+    for action in parser._actions:
+        if action.dest in demo and action.help:
+            action.help += f" [the demo's; DSVConfig default: {library[action.dest]}]"
 
 
 def validate_args(args: argparse.Namespace, parser: Optional[argparse.ArgumentParser] = None) -> argparse.Namespace:
@@ -212,6 +263,8 @@ def validate_args(args: argparse.Namespace, parser: Optional[argparse.ArgumentPa
         fail(f"--valid-data-path must be an existing folder of latent shards, got {args.valid_data_path!r}")
     if args.load is not None and not os.path.isdir(args.load):
         fail(f"--load must be an existing checkpoint folder, got {args.load!r}")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        fail("--override-opt-param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other: pass one")
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.lr_warmup_iters is None:
@@ -226,7 +279,16 @@ def validate_args(args: argparse.Namespace, parser: Optional[argparse.ArgumentPa
         args.save = None
     if args.save_interval is None:
         args.save_interval = args.train_iters
+    _validate_dsv(args, fail)
     return args
+
+
+def _validate_dsv(args, fail) -> None:
+    """DSVConfig's checks at parse time, naming the --dsv-* flag (dsv_config_from_args translates)."""
+    try:
+        dsv_config_from_args(args)
+    except ValueError as err:
+        fail(str(err))
 
 
 def model_overrides_from_args(args: argparse.Namespace) -> dict:

@@ -4,7 +4,7 @@ Layout of ``--save DIR``::
 
     DIR/latest_checkpointed_iteration.txt      the newest complete iteration ("150")
     DIR/iter_0000150/                           dist_checkpointing files (model incl. DSV state,
-                                                optimizer), plus
+                                                optimizer, the EMA of the weights under ``ema.*``), plus
         train_state.json                        iteration, consumed samples, args, model/DSV config,
                                                 LR-scheduler state, and size + sha256 of every file
         rng/rank_00000.json                     per-rank RNG states (torch, cuda, python, numpy,
@@ -36,7 +36,8 @@ from megatron_dsv.training.distributed import barrier, is_rank0
 from megatron_dsv.training.optim import unwrap
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "resolve_checkpoint_dir", "has_checkpoint",
-           "verify_checkpoint", "read_train_state", "load_model_for_inference", "TRACKER_FILE", "STATE_FILE"]
+           "verify_checkpoint", "read_train_state", "load_model_for_inference", "check_scheduler", "check_dsv_state",
+           "dsv_state_keys", "TRACKER_FILE", "STATE_FILE"]
 
 FORMAT = "megatron_dsv.checkpoint/1"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -126,10 +127,17 @@ def _write_json_atomic(path: str, payload) -> None:
 
 
 # ---------------------------------------------------------------- save
-def _sharded_state(model, optimizer, is_loading: bool) -> dict:
-    state = {"model": unwrap(model).sharded_state_dict()}
+def _sharded_state(model, optimizer, is_loading: bool, ema=None, skip_model_keys=()) -> dict:
+    """What dist_checkpointing saves / loads: {"model", "optimizer"?, "ema"?}; ``skip_model_keys`` are
+    left out of the model's part (weights-only loads), after the optimizer and EMA took their layout."""
+    model_state = unwrap(model).sharded_state_dict()
+    state = {"model": model_state}
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=is_loading)
+        state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading)
+    if ema is not None:
+        state["ema"] = ema.sharded_state_dict(model_state)
+    if skip_model_keys:
+        state["model"] = {k: v for k, v in model_state.items() if k not in set(skip_model_keys)}
     return state
 
 
@@ -165,11 +173,13 @@ def _save_strategy():
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, train_state: dict,
-                    checksums: bool = True) -> str:
+                    checksums: bool = True, ema=None) -> str:
     """Write ``root/iter_<iteration>`` atomically and point the tracker at it; returns its path.
 
     ``train_state`` holds JSON-able run metadata (consumed_samples, args, model_config, ...).
-    ``checksums=False`` records sizes only (hashing tens of GB on rank 0 costs a minute per save)."""
+    ``checksums=False`` records sizes only (hashing tens of GB on rank 0 costs a minute per save).
+    ``ema``: a :class:`~megatron_dsv.training.ema.ModelEMA` saved beside the weights (its averages
+    sharded as they are, its update count in train_state.json)."""
     from megatron.core import dist_checkpointing
 
     final, tmp = iteration_dir(root, iteration), os.path.join(root, f".tmp_iter_{iteration:07d}")
@@ -178,7 +188,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, trai
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
         os.makedirs(tmp)  # empty: dist_checkpointing treats a non-empty target as a stale checkpoint
     barrier()
-    dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), tmp, sharded_strategy=_save_strategy())
+    dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False, ema=ema), tmp,
+                            sharded_strategy=_save_strategy())
     rank = dist.get_rank() if dist.is_initialized() else 0
     os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
     _write_json_atomic(os.path.join(tmp, "rng", f"rank_{rank:05d}.json"), get_rng_state())
@@ -187,7 +198,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, trai
         payload = {"format": FORMAT, "iteration": iteration, "saved_at": time.strftime("%Y-%m-%d %H:%M:%S"),
                    "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                    "scheduler": _jsonable(scheduler.state_dict()) if scheduler is not None else None,
-                   "has_optimizer": optimizer is not None, **_jsonable(train_state)}
+                   "has_optimizer": optimizer is not None, "ema": ema.meta() if ema is not None else None,
+                   **_jsonable(train_state)}
         payload["files"] = _manifest(tmp, checksums)
         _write_json_atomic(os.path.join(tmp, STATE_FILE), payload)
         if os.path.exists(final):
@@ -291,32 +303,116 @@ def check_optimizer_args(state: dict, args, directory: str) -> None:
                                   f"pass {flag} {was} to resume its optimizer state (or --no-load-optim)")
 
 
+SCHEDULE_FLAGS = (("max_lr", "--lr"), ("min_lr", "--min-lr"),
+                  ("lr_warmup_steps", "--lr-warmup-iters (default: 10% of --lr-decay-iters, at most 20)"),
+                  ("lr_decay_steps", "--lr-decay-iters (default: --train-iters)"),
+                  ("lr_decay_style", "--lr-decay-style"), ("start_wd", "--weight-decay"), ("end_wd", "--weight-decay"))
+"""The LR-scheduler fields a resumed run must agree on with its checkpoint, and the flags that set them.
+(The weight-decay increment steps follow --train-iters too but are unused: weight decay is constant.)"""
+
+
+def check_scheduler(saved: dict, scheduler, args, directory: str) -> None:
+    """Megatron-LM's rule: a resumed run whose LR schedule differs from the checkpoint's is refused
+    unless told ``--override-opt-param-scheduler`` (this run's flags) or
+    ``--use-checkpoint-opt_param-scheduler`` (the checkpoint's schedule)."""
+    if getattr(args, "override_opt_param_scheduler", False) or getattr(args, "use_checkpoint_opt_param_scheduler",
+                                                                       False):
+        return
+    diffs = {}  # flag -> message: --weight-decay sets two fields
+    for key, flag in SCHEDULE_FLAGS:
+        if key in saved and saved[key] != getattr(scheduler, key):
+            diffs.setdefault(flag, f"{flag} gives {getattr(scheduler, key)!r}, the checkpoint {saved[key]!r}")
+    if diffs:
+        raise CheckpointError(f"this run's learning-rate schedule differs from the checkpoint {directory}'s: "
+                              f"{'; '.join(diffs.values())}. Pass --override-opt-param-scheduler to use this run's "
+                              "flags, or --use-checkpoint-opt_param-scheduler to keep the checkpoint's schedule")
+
+
+def dsv_state_keys(model) -> list:
+    """State-dict keys of the model's DSV state: everything under a DSVCoreAttention (predictors and
+    their Adam moments, smoothed sparsity, budgets, stage, counters, CP plan)."""
+    from megatron_dsv.attention import DSVCoreAttention
+
+    bare = unwrap(model)
+    prefixes = tuple(name + "." for name, m in bare.named_modules() if isinstance(m, DSVCoreAttention))
+    return [key for key in bare.state_dict() if prefixes and key.startswith(prefixes)]
+
+
+def check_dsv_state(state: dict, model, directory: str, load_dsv_state: bool = True) -> list:
+    """Keys to leave out of the load: none when the checkpoint and the run agree on DSV; the run's DSV
+    keys with ``load_dsv_state=False`` (--no-load-dsv-state); otherwise a CheckpointError naming the flags."""
+    keys = dsv_state_keys(model)
+    saved_dsv, run_dsv = bool(state.get("dsv_config")), bool(keys)
+    if not load_dsv_state:
+        if is_rank0() and (saved_dsv or run_dsv):
+            print(" > --no-load-dsv-state: weights loaded without DSV state" + (
+                  "; DSV starts afresh (stage 1, new predictors)" if run_dsv else
+                  " (the checkpoint's predictors, sparsity and stage are dropped)"), flush=True)
+        return keys
+    if saved_dsv and not run_dsv:
+        raise CheckpointError(f"checkpoint {directory} was trained with --use-dsv-attention and holds DSV state "
+                              "(predictors, per-head sparsity, stage) that this run, without --use-dsv-attention, "
+                              "would drop: pass --use-dsv-attention to resume it, or --no-load-dsv-state to load "
+                              "its weights into dense attention")
+    if run_dsv and not saved_dsv:
+        raise CheckpointError(f"checkpoint {directory} has no DSV state (trained without --use-dsv-attention): "
+                              "pass --no-load-dsv-state to start DSV (stage 1, fresh predictors) from its weights, "
+                              "or leave --use-dsv-attention out")
+    return []
+
+
 def load_checkpoint(path: str, model, optimizer, scheduler, model_config=None, load_optim: bool = True,
-                    load_rng: bool = True, args=None) -> dict:
-    """Restore model (incl. DSV state), optimizer, scheduler and RNG; returns the train state.
-    ``args`` (the run's flags): checked against the saved run's for the optimizer's group layout."""
+                    load_rng: bool = True, args=None, ema=None, load_dsv_state: bool = True) -> dict:
+    """Restore model (incl. DSV state), optimizer, scheduler, EMA and RNG; returns the train state.
+
+    ``args`` (the run's flags): checked against the saved run's for the optimizer's group layout and
+    the LR schedule. ``ema``: a ModelEMA restored from the checkpoint, or (a checkpoint without one)
+    restarted at the loaded weights. ``load_dsv_state=False``: weights only (--no-load-dsv-state)."""
     from megatron.core import dist_checkpointing
 
     directory = resolve_checkpoint_dir(path)
     state = verify_checkpoint(directory)
     if model_config is not None:
         check_model_config(state, model_config, directory)
+    skip = check_dsv_state(state, model, directory, load_dsv_state)
     load_optim = load_optim and optimizer is not None and state.get("has_optimizer", False)
     if load_optim and args is not None:
         check_optimizer_args(state, args, directory)
-    sharded = _sharded_state(model, optimizer if load_optim else None, is_loading=True)
+        if scheduler is not None and state.get("scheduler"):
+            check_scheduler(state["scheduler"], scheduler, args, directory)
+    with_ema = ema is not None and bool(state.get("ema"))
+    sharded = _sharded_state(model, optimizer if load_optim else None, is_loading=True,
+                             ema=ema if with_ema else None, skip_model_keys=skip)
     try:
         loaded = dist_checkpointing.load(sharded, directory)
+        if skip:
+            current = unwrap(model).state_dict()
+            loaded["model"].update({key: current[key] for key in skip})
         unwrap(model).load_state_dict(loaded["model"], strict=True)
         if load_optim:
             optimizer.load_state_dict(loaded["optimizer"])
+        if with_ema:
+            ema.load_sharded(loaded["ema"], state["ema"])
     except Exception as err:
         raise CheckpointError(f"cannot load checkpoint {directory}: {type(err).__name__}: {err}") from err
     if load_optim and scheduler is not None and state.get("scheduler"):
         scheduler.load_state_dict(state["scheduler"])
+    _ema_notes(ema, state, model, directory)
     if load_rng:
         _restore_rng(directory, state)
     return state
+
+
+def _ema_notes(ema, state: dict, model, directory: str) -> None:
+    """An EMA-free checkpoint (saved before --ema-decay, or with 0) restarts the EMA at its weights; an
+    EMA in the checkpoint that this run does not keep is left there. Both said once."""
+    if ema is not None and not state.get("ema"):
+        ema.reset(unwrap(model))
+        if is_rank0():
+            print(f" > checkpoint {directory} holds no EMA of the weights (saved before --ema-decay existed, or with "
+                  "--ema-decay 0): the EMA starts from the loaded weights", flush=True)
+    elif ema is None and state.get("ema") and is_rank0():
+        print(f" > checkpoint {directory} holds an EMA of the weights; --ema-decay 0: not used", flush=True)
 
 
 def _restore_rng(directory: str, state: dict) -> None:
@@ -335,19 +431,25 @@ def _restore_rng(directory: str, state: dict) -> None:
         raise CheckpointError(f"cannot restore RNG state from {rng_path}: {err}") from err
 
 
-def load_model_for_inference(ckpt_dir: str, device="cpu", dtype: Optional[torch.dtype] = None):
+def load_model_for_inference(ckpt_dir: str, device="cpu", dtype: Optional[torch.dtype] = None, ema: bool = False):
     """Build the checkpoint's VideoDiT (with its DSV config and state) and load its weights.
 
-    Sets up a single-process gloo group and Megatron's model-parallel state when none exists.
-    Returns ``(model, cfg)`` with the model in eval mode on ``device``."""
+    ``ema=True``: the trainable weights are the checkpoint's EMA (what validation and the trainer's
+    samples use); a checkpoint without one raises CheckpointError. Sets up a single-process gloo group
+    and Megatron's model-parallel state when none exists. Returns ``(model, cfg)`` with the model in
+    eval mode on ``device``."""
     from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 
     from megatron_dsv.config import DSVConfig
     from megatron_dsv.models.video_dit import VideoDiTConfig, build_video_dit
     from megatron_dsv.training.distributed import _init_default_group
+    from megatron_dsv.training.ema import ModelEMA
 
     directory = resolve_checkpoint_dir(ckpt_dir)
     state = verify_checkpoint(directory)
+    if ema and not state.get("ema"):
+        raise CheckpointError(f"checkpoint {directory} holds no EMA of the weights (saved with --ema-decay 0 or "
+                              "before it existed): load it with ema=False")
     device = torch.device(device)
     if not dist.is_initialized():
         _init_default_group("nccl" if device.type == "cuda" else "gloo", device)
@@ -358,9 +460,14 @@ def load_model_for_inference(ckpt_dir: str, device="cpu", dtype: Optional[torch.
     cfg = config_from_dict(VideoDiTConfig, state["model_config"])
     dsv = DSVConfig(**state["dsv_config"]) if state.get("dsv_config") else None
     model = build_video_dit(cfg, dsv_config=dsv, dtype=dtype or torch.float32).to(device)
+    averaged = ModelEMA(model, state["ema"]["decay"]) if ema else None
     try:
-        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, directory)
+        sharded = _sharded_state(model, None, is_loading=True, ema=averaged)
+        loaded = dist_checkpointing.load(sharded, directory)
         model.load_state_dict(loaded["model"], strict=True)
+        if averaged is not None:
+            averaged.load_sharded(loaded["ema"], state["ema"])
+            averaged.copy_to(model)
     except Exception as err:
         raise CheckpointError(f"cannot load model from {directory}: {type(err).__name__}: {err}") from err
     return model.eval(), cfg

@@ -7,7 +7,20 @@ from typing import Dict, Optional
 
 from megatron_dsv.training.dsv_hooks import per_layer_sparsity
 
-__all__ = ["format_iteration_line", "format_layer_lines", "format_validation_lines", "TensorBoardWriter"]
+__all__ = ["format_args_block", "format_iteration_line", "format_layer_lines", "format_validation_lines",
+           "TensorBoardWriter"]
+
+
+def format_args_block(args, title: str = "arguments") -> list:
+    """Megatron-LM's block of every argument in effect, sorted case-insensitively, dots to column 50::
+
+        ------------------------ arguments ------------------------
+          dsv_theta ....................................... 0.9
+        -------------------- end of arguments ---------------------"""
+    rows = sorted((f"  {name} {'.' * (48 - len(name))} {value}" for name, value in vars(args).items()),
+                  key=str.lower)
+    return [f"------------------------ {title} ------------------------", *rows,
+            f"-------------------- end of {title} ---------------------"]
 
 
 def format_iteration_line(iteration: int, train_iters: int, stats: Dict[str, float],
@@ -35,12 +48,15 @@ def format_iteration_line(iteration: int, train_iters: int, stats: Dict[str, flo
     return " | ".join(parts) + " |"
 
 
-def format_validation_lines(iteration: int, loss: float, samples: int, ms: float) -> list:
+def format_validation_lines(iteration: int, loss: float, samples: int, ms: float,
+                            ema_decay: Optional[float] = None) -> list:
     """Megatron-LM's validation block: the line between two rules, e.g.
 
-    `` validation loss at iteration 300 | loss: 1.234567E+00 | samples: 16 | elapsed time (ms): 12.3 |``"""
+    `` validation loss at iteration 300 | loss: 1.234567E+00 | samples: 16 | weights: EMA (decay 0.999) |
+    elapsed time (ms): 12.3 |`` (``weights: live`` without an EMA)."""
+    weights = f"EMA (decay {ema_decay})" if ema_decay else "live"
     line = (f" validation loss at iteration {iteration} | loss: {loss:.6E} | samples: {samples} | "
-            f"elapsed time (ms): {ms:.1f} |")
+            f"weights: {weights} | elapsed time (ms): {ms:.1f} |")
     rule = "-" * len(line)
     return [rule, line, rule]
 

@@ -226,11 +226,18 @@ def build_optimizer(ddp_model: torch.nn.Module, env, args):
 
 
 def build_scheduler(optimizer, args):
-    """Linear warmup then cosine (or --lr-decay-style) decay, stepped once per iteration."""
+    """Linear warmup then cosine (or --lr-decay-style) decay, stepped once per iteration.
+
+    On --load the schedule is the checkpoint's (--use-checkpoint-opt_param-scheduler, or equal flags) or
+    this run's flags (--override-opt-param-scheduler)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    override = bool(getattr(args, "override_opt_param_scheduler", False))
     return OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters,
         lr_decay_steps=args.lr_decay_iters, lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=args.train_iters,
-        wd_incr_style="constant", override_opt_param_scheduler=getattr(args, "override_opt_param_scheduler", False))
+        wd_incr_style="constant", override_opt_param_scheduler=override,
+        # without either flag checkpointing.check_scheduler has already refused a mismatch of the fields that
+        # matter (Megatron-LM's rule), so the checkpoint's values are the run's
+        use_checkpoint_opt_param_scheduler=not override)

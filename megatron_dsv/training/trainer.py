@@ -2,13 +2,15 @@
 
 One optimizer step = ``num_micro_batches`` forward/backward passes of the flow-matching loss on
 this rank's slice of the global batch, a DP gradient all-reduce, one Adam step with clipping, one
-LR-scheduler step, then DSV's end-of-step hook (profiler, stage switch). The flow-matching noise of
+LR-scheduler step, the EMA of the weights (``--ema-decay``), then DSV's end-of-step hook (profiler,
+stage switch). Validation and the sample GIF use the EMA weights when it is on. The flow-matching noise of
 each micro batch comes from a generator seeded by (seed, global sample position), so the loss
 sequence depends only on the seed and the data position: a resumed run reproduces it exactly.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -26,8 +28,9 @@ from megatron_dsv.training.checkpointing import TRACKER_FILE, has_checkpoint, lo
 from megatron_dsv.training.data import (GlobalBatchSampler, build_dataset, build_valid_dataset, collate,
                                         latent_shape, step_batches)
 from megatron_dsv.training.distributed import DistEnv, initialize_distributed, is_rank0
-from megatron_dsv.training.logging_utils import (TensorBoardWriter, format_iteration_line, format_layer_lines,
-                                                 format_validation_lines)
+from megatron_dsv.training.ema import ModelEMA
+from megatron_dsv.training.logging_utils import (TensorBoardWriter, format_args_block, format_iteration_line,
+                                                 format_layer_lines, format_validation_lines)
 from megatron_dsv.training.optim import build_optimizer, build_scheduler, unwrap, wrap_model
 
 __all__ = ["TrainResult", "train", "build_model", "print_rank0"]
@@ -46,7 +49,8 @@ class TrainResult:
     dsv_stages: List[int] = field(default_factory=list)
     signalled: bool = False  # stopped by --exit-signal-handler
     valid_losses: List[Tuple[int, float]] = field(default_factory=list)  # (iteration, validation loss)
-    model: Optional[torch.nn.Module] = field(default=None, repr=False)
+    model: Optional[torch.nn.Module] = field(default=None, repr=False)  # the live weights
+    ema: Optional[ModelEMA] = field(default=None, repr=False)  # their average (--ema-decay), None when off
 
 
 def print_rank0(message: str) -> None:
@@ -181,17 +185,25 @@ def _setup(args):
     return env, model, cfg, dsv_config, ddp_model, optimizer, scheduler
 
 
+def _build_ema(args, ddp_model) -> Optional[ModelEMA]:
+    decay = getattr(args, "ema_decay", 0.0)
+    return ModelEMA(unwrap(ddp_model), decay) if decay > 0 else None
+
+
 def train(args) -> TrainResult:
     """Run the configured training; returns the per-iteration losses and the final position."""
     env, model, cfg, dsv_config, ddp_model, optimizer, scheduler = _setup(args)
-    result = TrainResult()
+    for line in format_args_block(args):  # Megatron-LM's block: every setting in effect, the --dsv-* ones too
+        print_rank0(line)
+    result = TrainResult(ema=_build_ema(args, ddp_model))
     if args.load is not None and not has_checkpoint(args.load):
         # Megatron-LM's behaviour, so a requeued job can always pass --load: nothing there yet = fresh start.
         print_rank0(f" > WARNING: --load {args.load} holds no checkpoint yet ({TRACKER_FILE} missing): "
                     "starting from iteration 0")
     elif args.load is not None:
         state = load_checkpoint(args.load, ddp_model, optimizer, scheduler, model_config=cfg,
-                                load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, args=args)
+                                load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, args=args,
+                                ema=result.ema, load_dsv_state=not args.no_load_dsv_state)
         result.iteration, result.consumed_samples = int(state["iteration"]), int(state["consumed_samples"])
         print_rank0(f" > resumed from {args.load} at iteration {result.iteration} "
                     f"(consumed samples {result.consumed_samples})")
@@ -211,18 +223,26 @@ def train(args) -> TrainResult:
         len(valid), args.micro_batch_size, args.global_batch_size, env.dp_rank, env.dp_size, args.seed, shuffle=False))
     _loop(args, env, cfg, dsv_config, ddp_model, optimizer, scheduler, batches, result, validation)
     if result.checkpoint is None and args.save and result.iteration > result.start_iteration:
-        result.checkpoint = save_checkpoint(args.save, result.iteration, ddp_model, optimizer, scheduler,
-                                            _train_state(args, cfg, dsv_config, result.iteration,
-                                                         result.consumed_samples),
-                                            checksums=not args.no_checkpoint_checksums)
+        result.checkpoint = _save(args, cfg, dsv_config, ddp_model, optimizer, scheduler, result)
     result.model = unwrap(ddp_model)
     if args.sample and env.dp_rank == 0 and not result.signalled:
         # every tensor-parallel rank of replica 0 runs the forward (TP collectives: rank 0 alone would hang)
         from megatron_dsv.training.samples import write_samples
 
-        result.samples = write_samples(unwrap(ddp_model), cfg, args, env.device, result.iteration,
-                                       write=is_rank0())
+        with _ema_weights(result.ema, result.model):
+            result.samples = write_samples(result.model, cfg, args, env.device, result.iteration, write=is_rank0())
     return result
+
+
+def _ema_weights(ema: Optional[ModelEMA], model):
+    """The EMA weights in ``model`` for the block (when --ema-decay is on), the live ones after."""
+    return ema.swap_in(model) if ema is not None else contextlib.nullcontext(model)
+
+
+def _save(args, cfg, dsv_config, ddp_model, optimizer, scheduler, result) -> str:
+    return save_checkpoint(args.save, result.iteration, ddp_model, optimizer, scheduler,
+                           _train_state(args, cfg, dsv_config, result.iteration, result.consumed_samples),
+                           checksums=not args.no_checkpoint_checksums, ema=result.ema)
 
 
 def _loop(args, env, cfg, dsv_config, ddp_model, optimizer, scheduler, batches, result, validation=None):
@@ -239,6 +259,8 @@ def _loop(args, env, cfg, dsv_config, ddp_model, optimizer, scheduler, batches, 
                                          result.consumed_samples, args, env)
         if ok:
             scheduler.step(increment=1)
+            if result.ema is not None:
+                result.ema.update(bare)
         else:
             window["skipped"] += 1
         result.iteration += 1
@@ -262,18 +284,17 @@ def _loop(args, env, cfg, dsv_config, ddp_model, optimizer, scheduler, batches, 
         if validation is not None and (result.iteration % args.eval_interval == 0
                                        or result.iteration == args.train_iters):
             start = time.perf_counter()
-            value = evaluate(loss_model, ddp_model, *validation, args, env)
+            with _ema_weights(result.ema, bare):
+                value = evaluate(loss_model, ddp_model, *validation, args, env)
             result.valid_losses.append((result.iteration, value))
             for line in format_validation_lines(result.iteration, value, args.eval_iters * args.global_batch_size,
-                                                1000.0 * (time.perf_counter() - start)):
+                                                1000.0 * (time.perf_counter() - start),
+                                                ema_decay=result.ema.decay if result.ema is not None else None):
                 print_rank0(line)
             tb.scalars({"validation/loss": value}, result.iteration)
         stop = exit_signal.agreed()
         if _should_save(args, result.iteration) or (stop and args.save):
-            result.checkpoint = save_checkpoint(args.save, result.iteration, ddp_model, optimizer, scheduler,
-                                                _train_state(args, cfg, dsv_config, result.iteration,
-                                                             result.consumed_samples),
-                                                checksums=not args.no_checkpoint_checksums)
+            result.checkpoint = _save(args, cfg, dsv_config, ddp_model, optimizer, scheduler, result)
             print_rank0(f" > saved checkpoint at iteration {result.iteration} to {result.checkpoint}")
         if stop:
             print_rank0(f" > {exit_signal.name} received: exiting at iteration {result.iteration}"

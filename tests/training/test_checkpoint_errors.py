@@ -98,7 +98,8 @@ def test_stale_temp_folder_of_a_crashed_save_is_ignored_then_replaced(tmp_path, 
     stale = ckpt / ".tmp_iter_0000003"
     stale.mkdir()
     (stale / "__0_0.distcp").write_bytes(b"half written")
-    result = run(tmp_path, "--train-iters", "3", "--load", str(ckpt), "--save", str(ckpt), "--no-dsv", name="resume")
+    result = run(tmp_path, "--train-iters", "3", "--load", str(ckpt), "--save", str(ckpt), "--no-dsv",
+                 "--use-checkpoint-opt_param-scheduler", name="resume")
     assert result.start_iteration == 2 and result.iteration == 3
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
     assert not stale.exists() and (ckpt / "iter_0000003" / "train_state.json").exists()

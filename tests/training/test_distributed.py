@@ -62,7 +62,8 @@ def test_checkpoint_of_two_ranks_resumes_on_one(tmp_path):
     _torchrun(out, [*SMALL, "--train-iters", "2", "--micro-batch-size", "2", "--global-batch-size", "4",
                     "--output-dir", str(out), "--save", str(out / "ckpt"), "--no-dsv"])
     resumed = run(tmp_path, "--train-iters", "4", "--micro-batch-size", "2", "--global-batch-size", "4",
-                  "--load", str(out / "ckpt"), "--no-save", "--no-dsv", name="dp1")
+                  "--load", str(out / "ckpt"), "--no-save", "--no-dsv", "--use-checkpoint-opt_param-scheduler",
+                  name="dp1")
     assert resumed.start_iteration == 2 and resumed.consumed_samples == 16 and len(resumed.losses) == 2
 
 
@@ -141,5 +142,6 @@ def test_exit_signal_saves_and_resumes(tmp_path):
     stopped = int(stdout.split("SIGTERM received: exiting at iteration ")[1].split()[0])
     assert stopped >= 3 and (out / "ckpt" / f"iter_{stopped:07d}").exists()
     resumed = run(tmp_path, "--train-iters", str(stopped + 1), "--micro-batch-size", "2", "--global-batch-size", "4",
-                  "--no-dsv", "--load", str(out / "ckpt"), "--no-save", name="after")
+                  "--no-dsv", "--load", str(out / "ckpt"), "--no-save", "--use-checkpoint-opt_param-scheduler",
+                  name="after")
     assert resumed.start_iteration == stopped and len(resumed.losses) == 1

@@ -21,18 +21,24 @@ CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only erro
     (["--model-override", "layers"], "--model-override"),
     (["--dsv-theta", "abc"], "--dsv-theta"),
     (["--bogus-flag"], "--bogus-flag"),
+    (["--use-dsv-attention", "--dsv-theta", "1.5"], "--dsv-theta must be in (0, 1), got 1.5"),
+    (["--use-dsv-attention", "--dsv-stage-switch-rule", "steps", "--dsv-stage-switch-steps", "none"],
+     "--dsv-stage-switch-steps must be set (an int >= 0) when --dsv-stage-switch-rule is 'steps'"),
+    (["--ema-decay", "1"], "--ema-decay: must be in [0, 1)"),
 ])
-def test_bad_flag_names_the_flag(flags, named, capsys):
+def test_bad_flag_names_the_flag_in_one_line(flags, named, capsys):
+    """One line naming the flag (the --dsv-* flag, not the DSVConfig field), not the usage block first."""
     with pytest.raises(SystemExit) as exc:
         parse_args(flags)
     assert exc.value.code == 2
-    assert named in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert named in err and err.startswith("error: ") and err.count("\n") == 1, err
+    assert "usage:" not in err and "DSVConfig" not in err
 
 
 @pytest.mark.parametrize("flags, message", [
     (["--preset", "huge"], "preset must be one of"),
     (["--model-override", "no_such_field=3"], "unknown VideoDiTConfig field"),
-    (["--use-dsv-attention", "--dsv-theta", "1.5"], "DSVConfig.theta"),
     pytest.param(["--bf16"], "--bf16 needs a GPU", marks=CPU_ONLY),
     pytest.param(["--tensor-model-parallel-size", "2"], "needs GPUs", marks=CPU_ONLY),
     pytest.param(["--recompute-granularity", "full"], "--recompute-granularity full needs a GPU", marks=CPU_ONLY),
@@ -68,3 +74,32 @@ def test_embedded_default_runs_sparse_at_the_demo_sparsity():
     sparse, budgets, tokens = plan_layer(sparsity, density, 512, cfg, table)
     assert sparse and int(tokens.max()) < 512
     assert not plan_layer(sparsity, density, 512, replace(cfg, budget_rule="recall"), table)[0]
+
+
+def test_help_shows_the_defaults_in_effect(capsys):
+    """The demo's --dsv-* defaults differ from DSVConfig's: --help shows both."""
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 0.4) [the demo's; DSVConfig default: 0.8]" in text  # --dsv-sparsity-threshold
+    assert "(default: 150) [the demo's; DSVConfig default:" in text  # --dsv-stage-switch-steps
+
+
+def test_run_starts_with_megatrons_arguments_block(tmp_path, capsys):
+    import dataclasses
+    import re
+
+    from megatron_dsv.config import DSVConfig
+    from tests.training.helpers import run
+
+    run(tmp_path, "--train-iters", "1", "--no-save", "--dsv-theta", "0.85")
+    out = capsys.readouterr().out
+    block = out.split("------------------------ arguments ------------------------\n", 1)[1]
+    block = block.split("-------------------- end of arguments ---------------------", 1)[0].splitlines()
+    rows = dict(re.match(r"^  (\w+) \.+ (.*)$", line).groups() for line in block)
+    assert all(line[50:52] == ". " for line in block)  # the values start in one column, as Megatron-LM's
+    assert [line.lower() for line in block] == sorted(line.lower() for line in block)
+    for f in dataclasses.fields(DSVConfig):
+        assert "dsv_" + f.name in rows, f.name
+    assert rows["dsv_theta"] == "0.85" and rows["dsv_sparsity_threshold"] == "0.4"
+    assert rows["use_dsv_attention"] == "True"

@@ -84,7 +84,8 @@ def test_resume_with_another_multiplier_names_the_flag(tmp_path):
 
     ck = str(tmp_path / "ck")
     run(tmp_path, "--train-iters", "2", "--qk-norm-lr-mult", "10", "--save", ck, "--save-interval", "2", name="a")
-    resumed = run(tmp_path, "--train-iters", "3", "--qk-norm-lr-mult", "10", "--load", ck, "--no-save", name="b")
+    resumed = run(tmp_path, "--train-iters", "3", "--qk-norm-lr-mult", "10", "--load", ck, "--no-save",
+                  "--use-checkpoint-opt_param-scheduler", name="b")
     assert (resumed.start_iteration, resumed.iteration) == (2, 3)
     with pytest.raises(CheckpointError, match="--qk-norm-lr-mult is 1.0 but .* --qk-norm-lr-mult 10.0"):
         run(tmp_path, "--train-iters", "3", "--load", ck, "--no-save", name="c")

@@ -94,7 +94,7 @@ def test_resumed_run_logs_its_dsv_stage(tmp_path, capsys):
     run(tmp_path, "--train-iters", "3", "--dsv-stage-switch-steps", "2", "--save", str(ckpt), name="first")
     assert " > DSV stage 1 -> 2 after iteration 2" in capsys.readouterr().out
     run(tmp_path, "--train-iters", "4", "--dsv-stage-switch-steps", "2", "--load", str(ckpt), "--no-save",
-        name="second")
+        "--use-checkpoint-opt_param-scheduler", name="second")
     assert " > DSV resumes in stage 2 (sparse where the dispatcher says so)" in capsys.readouterr().out
 
 
@@ -110,7 +110,7 @@ def test_validation_is_a_fixed_curve_that_leaves_training_alone(tmp_path, capsys
     assert [it for it, _ in evald.valid_losses] == [3, 6, 7] and all(v == v for _, v in evald.valid_losses)
     out = capsys.readouterr().out
     assert re.search(r"^-+\n validation loss at iteration 6 \| loss: \d\.\d{6}E[-+]\d\d \| samples: 8 \| "
-                     r"elapsed time \(ms\): [\d.]+ \|\n-+$", out, re.M), out
+                     r"weights: EMA \(decay 0\.999\) \| elapsed time \(ms\): [\d.]+ \|\n-+$", out, re.M), out
     again = run(tmp_path, *flags, "--eval-interval", "3", "--eval-iters", "2", name="again")
     assert again.valid_losses == evald.valid_losses  # deterministic
     # a resumed run validates exactly as the uninterrupted one
