@@ -2,24 +2,21 @@
 """The Megatron-LM flags this Python environment needs for its fused kernels, one per line.
 
 Megatron-LM (core_v0.16.1 and core_v0.19.0) defaults to Transformer Engine layers and to fusions
-that need TE or apex, and stops at start-up or at model construction when they are missing:
+that need TE or apex, and stops at start-up, at model construction or in the first forward when they
+are missing. What is printed, and the failure each flag avoids:
 
-=====================================  ==========================================  ===================
-default                                 without it                                  flag printed
-=====================================  ==========================================  ===================
-``--transformer-impl transformer_engine``  no TE: the TE layer spec does not build      ``--transformer-impl local``
-``apply_rope_fusion`` (RoPE models)     no TE: ``ValueError: apply_rope_fusion is   ``--no-rope-fusion``
-                                        not available. Please install TE >= 1.4``
-``gradient_accumulation_fusion``        local layers without apex's                 ``--no-gradient-accumulation-fusion``
-                                        ``fused_weight_gradient_mlp_cuda``:
-                                        RuntimeError in ColumnParallelLinear
-``persist_layer_norm``                  no apex: ``AssertionError: persist_layer_   ``--no-persist-layer-norm``
-                                        norm not supported by torch LayerNorm``
-=====================================  ==========================================  ===================
+* ``--transformer-impl=local`` (no TE): the TE layer spec does not build
+  (``NameError: name 'TESpecProvider' is not defined``);
+* ``--no-rope-fusion`` (no TE): ``ValueError: apply_rope_fusion is not available. Please install TE >= 1.4``;
+* ``--no-gradient-accumulation-fusion`` (no TE and no apex ``fused_weight_gradient_mlp_cuda``): RuntimeError
+  in ColumnParallelLinear;
+* ``--no-masked-softmax-fusion`` (no ``scaled_masked_softmax_cuda``): core_v0.19's dense attention fails with
+  ``ModuleNotFoundError`` in its first forward (DSV layers do not use it; runs without
+  ``--use-dsv-attention`` do);
+* ``--no-persist-layer-norm`` (no apex): ``AssertionError: persist_layer_norm not supported by torch LayerNorm``.
 
-(The other fusions, ``--no-masked-softmax-fusion``, ``--no-bias-gelu-fusion``,
-``--no-bias-dropout-fusion``, ``--no-bias-swiglu-fusion``, fall back to PyTorch by themselves, and
-DSV replaces the fused softmax's attention anyway.)
+The other fusions (``--no-bias-gelu-fusion``, ``--no-bias-dropout-fusion``, ``--no-bias-swiglu-fusion``)
+fall back to PyTorch by themselves.
 
     python examples/megatron_lm/fusion_flags.py            # the flags, one per line (none on a full machine)
     python examples/megatron_lm/fusion_flags.py --explain  # which piece is missing, on stderr
@@ -48,8 +45,10 @@ def _imports(name: str) -> bool:
 
 
 def available(importer: Callable[[str], bool] = _imports) -> Dict[str, bool]:
-    """Which optional pieces import: ``transformer_engine``, ``apex``, apex's ``fused_weight_gradient_mlp_cuda``."""
-    return {name: importer(name) for name in ("transformer_engine", "apex", "fused_weight_gradient_mlp_cuda")}
+    """Which optional pieces import: ``transformer_engine``, ``apex``, apex's ``fused_weight_gradient_mlp_cuda``
+    and ``scaled_masked_softmax_cuda`` (Megatron's fused softmax kernels, built with apex)."""
+    names = ("transformer_engine", "apex", "fused_weight_gradient_mlp_cuda", "scaled_masked_softmax_cuda")
+    return {name: importer(name) for name in names}
 
 
 def fusion_flags(have: Dict[str, bool]) -> List[Tuple[str, str]]:
@@ -62,6 +61,9 @@ def fusion_flags(have: Dict[str, bool]) -> List[Tuple[str, str]]:
         if not have.get("fused_weight_gradient_mlp_cuda", False):
             flags.append(("--no-gradient-accumulation-fusion",
                           "neither transformer_engine nor apex's fused_weight_gradient_mlp_cuda imports"))
+    if not have.get("scaled_masked_softmax_cuda", False):
+        flags.append(("--no-masked-softmax-fusion", "scaled_masked_softmax_cuda does not import: PyTorch softmax in "
+                                                    "Megatron's dense attention (core_v0.19 fails without it)"))
     if not have.get("apex", False):
         flags.append(("--no-persist-layer-norm", "apex does not import: torch LayerNorm (no persistent kernel)"))
     return flags

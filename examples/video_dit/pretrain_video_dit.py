@@ -166,9 +166,26 @@ def forward_step(data_iterator, model):
     return loss, partial(loss_func)
 
 
-if __name__ == "__main__":
+def main():
+    """Megatron-LM's ``pretrain()`` with this file's providers, for either calling convention: up to
+    core_v0.16.x it parses the arguments itself; from core_v0.19 the script parses them and hands a
+    config container (``pretrain_cfg_container_from_args``) plus ``model_provider=``."""
+    import inspect
+
     # Every rank builds its own (procedural or sharded) dataset; the sampler picks this rank's part.
     train_valid_test_datasets_provider.is_distributed = True
-    pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
-             extra_args_provider=extra_args_provider,
-             args_defaults={"tokenizer_type": "NullTokenizer", "vocab_size": 1, "eval_interval": 1000})
+    defaults = {"tokenizer_type": "NullTokenizer", "vocab_size": 1, "eval_interval": 1000}
+    if "cfg_container" in inspect.signature(pretrain).parameters:  # core_v0.19+
+        from megatron.training.argument_utils import pretrain_cfg_container_from_args
+        from megatron.training.arguments import parse_and_validate_args
+
+        args = parse_and_validate_args(extra_args_provider=extra_args_provider, args_defaults=defaults)
+        pretrain(pretrain_cfg_container_from_args(args), train_valid_test_datasets_provider,
+                 ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
+    else:
+        pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
+                 extra_args_provider=extra_args_provider, args_defaults=defaults)
+
+
+if __name__ == "__main__":
+    main()

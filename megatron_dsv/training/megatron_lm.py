@@ -57,3 +57,33 @@ def dsv_train_step_end(model, iteration: int, args=None, dp_group=None) -> int:
         if layers:
             print(format_dsv_line(iteration, dsv_metrics(model), len(layers)), flush=True)
     return stage
+
+
+def dsv_gpt_layer_spec(args, spec=None):
+    """Megatron-LM core_v0.19+ (patch 0004, ``gpt_config_from_args``): the GPT layer spec as a callable
+    ``(model_config, vp_stage=None) -> ModuleSpec`` for ``GPTModelConfig.transformer_layer_spec``.
+
+    ``spec``: what Megatron would use (a ModuleSpec from ``--spec``, a callable, or None for its
+    default, ``megatron.training.models.gpt.default_layer_spec``); its core attention becomes
+    :class:`~megatron_dsv.attention.DSVCoreAttention` with the ``--dsv-*`` settings, as patch 0002 does
+    in ``gpt_builder``.
+    """
+    import inspect
+
+    from megatron_dsv.arguments import dsv_config_from_args
+    from megatron_dsv.models.specs import get_dsv_layer_spec
+
+    dsv_config = dsv_config_from_args(args)
+
+    def layer_spec(model_config, vp_stage=None):
+        base = spec
+        if base is None:
+            from megatron.training.models.gpt import default_layer_spec
+
+            base = default_layer_spec(model_config, vp_stage)
+        elif callable(base) and not hasattr(base, "submodules"):
+            wants_vp = "vp_stage" in inspect.signature(base).parameters
+            base = base(model_config, vp_stage=vp_stage) if wants_vp else base(model_config)
+        return get_dsv_layer_spec(base, dsv_config)
+
+    return layer_spec
