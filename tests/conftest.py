@@ -52,3 +52,42 @@ def megatron_cpu():
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     yield ProcessGroupCollection.use_mpu_process_groups()
+
+
+def _megatron_lm_tarballs() -> str:
+    """The folder of Megatron-LM tarballs: $MEGATRON_LM_TARBALLS, else ../shared/megatron-lm beside the checkout."""
+    if os.environ.get("MEGATRON_LM_TARBALLS"):
+        return os.environ["MEGATRON_LM_TARBALLS"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.join(os.path.dirname(root), "shared", "megatron-lm")
+
+
+@pytest.fixture(scope="session")
+def megatron_lm_tree(tmp_path_factory):
+    """``get(tag, patched=False)``: a Megatron-LM tree at ``tag`` unpacked from
+    ``../shared/megatron-lm/Megatron-LM-<tag>.tgz`` once per session (a shallow clone with its .git), or
+    a second copy with the patch set applied (tools/apply_patches.py); skips naming the file when absent.
+    Callers must not modify the trees (clone them for that)."""
+    import subprocess
+    import sys
+
+    trees = {}
+
+    def get(tag: str, patched: bool = False) -> str:
+        key = (tag, patched)
+        if key not in trees:
+            tgz = os.path.join(_megatron_lm_tarballs(), f"Megatron-LM-{tag}.tgz")
+            if not os.path.isfile(tgz):
+                pytest.skip(f"{tgz} absent (set MEGATRON_LM_TARBALLS to a folder of Megatron-LM-<tag>.tgz)")
+            dest = tmp_path_factory.mktemp(f"mlm-{tag}-{'patched' if patched else 'pristine'}")
+            subprocess.run(["tar", "xzf", tgz, "-C", str(dest)], check=True)
+            tree = os.path.join(dest, "Megatron-LM")
+            if patched:
+                tool = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools",
+                                    "apply_patches.py")
+                proc = subprocess.run([sys.executable, tool, "--tag", tag, tree], capture_output=True, text=True)
+                assert proc.returncode == 0, proc.stdout + proc.stderr
+            trees[key] = tree
+        return trees[key]
+
+    return get

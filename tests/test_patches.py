@@ -1,4 +1,4 @@
-"""The Megatron-LM patch set (patches/megatron-lm/core_v0.16.1) and tools/apply_patches.py.
+"""The Megatron-LM patch sets (patches/megatron-lm/core_v0.16.1, core_v0.19.0) and tools/apply_patches.py.
 
 * every patch parses (``git apply --numstat``), touches exactly the files patches/README.md names
   for it, adds at most a few lines and removes none;
@@ -7,8 +7,9 @@
   --use-dsv-attention is set; the step-end hook after successful steps only;
 * apply_patches.py on synthetic repos made of the patches' pre-images: apply, idempotent re-apply,
   --check, revert, and each refusal (not a repo, wrong version, dirty tree, patches that do not apply);
-* with ``MEGATRON_LM_DIR`` (a Megatron-LM clone holding tag core_v0.16.1): the full round trip on a
-  scratch clone, with every patched file byte-compiled; skipped otherwise;
+* on the real trees (``../shared/megatron-lm/Megatron-LM-<tag>.tgz``, unpacked once per session by the
+  ``megatron_lm_tree`` fixture, or ``MEGATRON_LM_DIR``): the full round trip on a scratch clone, with
+  every patched file byte-compiled; skipped when absent;
 * the reason no checkpoint patch exists: DSV state is in a GPT model's sharded_state_dict.
 """
 
@@ -30,12 +31,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "apply_patches.py")
 README = os.path.join(ROOT, "patches", "README.md")
 
-# The series and the files each patch may touch (patches/README.md lists the same).
-EXPECTED = {
+# The series of each tag and the files each patch may touch (patches/README.md lists the same).
+_COMMON = {
     "0001-dsv-arguments.patch": ["megatron/training/arguments.py"],
     "0002-dsv-gpt-layer-spec.patch": ["gpt_builders.py"],
     "0003-dsv-step-end-hook.patch": ["megatron/training/training.py"],
 }
+SERIES = {
+    "core_v0.16.1": dict(_COMMON),
+    # core_v0.19's pretrain_gpt.py builds its model from gpt_config_from_args, not gpt_builder
+    "core_v0.19.0": {**_COMMON, "0004-dsv-gpt-config-layer-spec.patch": ["megatron/training/argument_utils.py"]},
+}
+EXPECTED = SERIES["core_v0.16.1"]
+TAGS = list(SERIES)
 MAX_CHANGED_LINES = 40
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs the git command")
@@ -50,12 +58,12 @@ def _load_tool():
 
 @pytest.fixture
 def tool():
-    """A fresh copy of the tool module (tests may re-pin PINNED_COMMIT on it)."""
+    """A fresh copy of the tool module (tests may re-pin PINNED on it)."""
     return _load_tool()
 
 
-def _patch(name):
-    return os.path.join(_load_tool().PATCH_DIR, name)
+def _patch(name, tag="core_v0.16.1"):
+    return os.path.join(_load_tool().patch_dir_for(tag), name)
 
 
 def _git(repo, *args, check=True):
@@ -70,19 +78,21 @@ def _run_tool(tool, argv, capsys):
 
 # ---- the patch files -------------------------------------------------------------------------
 def test_series_is_the_expected_one(tool):
-    assert [os.path.basename(p) for p in tool.patch_files()] == list(EXPECTED)
-    assert os.path.basename(tool.PATCH_DIR) == tool.PINNED_TAG == "core_v0.16.1"
-    assert re.fullmatch(r"[0-9a-f]{40}", tool.PINNED_COMMIT)
+    assert list(tool.PINNED) == TAGS and tool.PINNED_TAG == TAGS[0]
+    for tag in TAGS:
+        assert [os.path.basename(p) for p in tool.patch_files(tool.patch_dir_for(tag))] == list(SERIES[tag])
+        assert re.fullmatch(r"[0-9a-f]{40}", tool.PINNED[tag])
+    assert os.path.basename(tool.PATCH_DIR) == tool.PINNED_TAG
 
 
-@pytest.mark.parametrize("name", list(EXPECTED))
-def test_patch_parses_is_small_and_touches_named_files(name, tmp_path, tool):
-    path = _patch(name)
+@pytest.mark.parametrize("tag,name", [(t, n) for t in TAGS for n in SERIES[t]])
+def test_patch_parses_is_small_and_touches_named_files(tag, name, tmp_path, tool):
+    path = _patch(name, tag)
     # git parses the patch (outside any repository) and counts its lines per file
     proc = subprocess.run(["git", "apply", "--numstat", path], cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     rows = [line.split("\t") for line in proc.stdout.splitlines()]
-    assert [r[2] for r in rows] == EXPECTED[name] == tool.touched_files(path)
+    assert [r[2] for r in rows] == SERIES[tag][name] == tool.touched_files(path)
     added, removed = sum(int(r[0]) for r in rows), sum(int(r[1]) for r in rows)
     assert 0 < added + removed < MAX_CHANGED_LINES, f"{name}: {added} added, {removed} removed"
     assert removed == 0, f"{name} removes upstream lines: patches only add calls into megatron_dsv"
@@ -90,24 +100,33 @@ def test_patch_parses_is_small_and_touches_named_files(name, tmp_path, tool):
     assert "megatron_dsv" in text and "use_dsv_attention" in text.replace("-", "_")
 
 
+@pytest.mark.parametrize("name", list(_COMMON))
+def test_both_tags_add_the_same_lines(name):
+    """One behaviour for both pins: the series differ only in context (and 0.19's extra 0004)."""
+    assert _added_code(name, "core_v0.16.1") == _added_code(name, "core_v0.19.0")
+
+
 def test_readme_names_each_patch_and_its_files():
     text = open(README, encoding="utf-8").read()
+    for tag in TAGS:
+        assert f"`{tag}`" in text, f"patches/README.md must name {tag}"
     rows = {line.split("|")[1].strip(" `"): line for line in text.splitlines() if line.startswith("| `0")}
-    assert list(rows) == list(EXPECTED), "patches/README.md's table must list the series in order"
-    for name, files in EXPECTED.items():
+    every = {name: files for tag in TAGS for name, files in SERIES[tag].items()}
+    assert list(rows) == list(every), "patches/README.md's table must list the series in order"
+    for name, files in every.items():
         assert [f for f in files if f"`{f}`" in rows[name]] == files, f"README's row for {name} must name {files}"
     assert "tools/apply_patches.py" in text and "--revert" in text and "--use-dsv-attention" in text
 
 
-def _added_code(name):
+def _added_code(name, tag="core_v0.16.1"):
     """The lines a patch adds, dedented: runnable on their own for the behaviour tests below."""
-    lines = [line[1:] for line in open(_patch(name), encoding="utf-8").read().splitlines()
+    lines = [line[1:] for line in open(_patch(name, tag), encoding="utf-8").read().splitlines()
              if line.startswith("+") and not line.startswith("+++")]
     return textwrap.dedent("\n".join(lines))
 
 
-def _as_function(name, params, returns):
-    body = textwrap.indent(_added_code(name), "    ")
+def _as_function(name, params, returns, tag="core_v0.16.1"):
+    body = textwrap.indent(_added_code(name, tag), "    ")
     namespace = {}
     exec(f"def patched({params}):\n{body}\n    return {returns}\n", namespace)  # noqa: S102
     return namespace["patched"]
@@ -155,14 +174,35 @@ def test_gpt_builder_patch_selects_dsv_spec():
     assert stock.submodules.self_attention.submodules.core_attention is DotProductAttention
 
 
+def test_gpt_config_patch_sets_a_dsv_layer_spec_callable():
+    """core_v0.19.0's 0004: gpt_config_from_args hands GPTModelConfig a callable spec (config, vp_stage)
+    that wraps what Megatron would use (here a --spec ModuleSpec) with DSV core attention."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_dsv.arguments import add_dsv_args
+    from megatron_dsv.attention import DSVCoreAttention
+
+    patched = _as_function("0004-dsv-gpt-config-layer-spec.patch", "args, kwargs", "kwargs", tag="core_v0.19.0")
+    parser = add_dsv_args(argparse.ArgumentParser())
+    spec = get_gpt_layer_local_spec()
+    kwargs = patched(parser.parse_args(["--use-dsv-attention", "--dsv-theta", "0.7"]), {"transformer_layer_spec": spec})
+    built = kwargs["transformer_layer_spec"](None, vp_stage=None)
+    core = built.submodules.self_attention.submodules.core_attention
+    assert core.module is DSVCoreAttention and core.params["dsv_config"].theta == 0.7
+    assert patched(parser.parse_args([]), {"transformer_layer_spec": spec}) == {"transformer_layer_spec": spec}
+    assert patched(argparse.Namespace(), {}) == {}  # megatron_dsv absent: no flag at all
+
+
 def test_step_end_patch_calls_hook_after_successful_steps(monkeypatch):
-    import megatron_dsv.attention as attention
+    import megatron_dsv.training.megatron_lm as integration
 
     calls = []
-    monkeypatch.setattr(attention, "dsv_on_step_end", lambda model, iteration: calls.append((model, iteration)))
-    # the hook sees the iteration after its increment (steps completed), so nothing runs a step late
-    text = open(_patch("0003-dsv-step-end-hook.patch"), encoding="utf-8").read()
-    assert re.search(r"^ +iteration \+= 1\n\+", text, re.M), "the hook must follow 'iteration += 1'"
+    monkeypatch.setattr(integration, "dsv_train_step_end",
+                        lambda model, iteration, args: calls.append((model, iteration, args.use_dsv_attention)))
+    for tag in TAGS:
+        # the hook sees the iteration after its increment (steps completed), so nothing runs a step late
+        text = open(_patch("0003-dsv-step-end-hook.patch", tag), encoding="utf-8").read()
+        assert re.search(r"^ +iteration \+= 1\n\+", text, re.M), "the hook must follow 'iteration += 1'"
     step_end = _as_function("0003-dsv-step-end-hook.patch", "args, model, iteration, skipped_iter", "iteration")
     model = [torch.nn.Linear(2, 2)]  # Megatron passes its list of model chunks
     on = argparse.Namespace(use_dsv_attention=True)
@@ -170,17 +210,40 @@ def test_step_end_patch_calls_hook_after_successful_steps(monkeypatch):
     step_end(on, model, 8, 1)  # skipped (e.g. fp16 overflow): no optimizer step, no DSV step end
     step_end(argparse.Namespace(use_dsv_attention=False), model, 9, 0)
     step_end(argparse.Namespace(), model, 10, 0)  # megatron_dsv absent: no flag at all
-    assert calls == [(model, 7)]
+    assert calls == [(model, 7, True)]
+
+
+def test_step_end_integration_logs_a_dsv_line(monkeypatch, capsys):
+    """dsv_train_step_end closes the DSV step with Megatron's iteration and prints the [dsv] line that
+    tools/megatron_lm_check.py parses, on logging iterations only."""
+    import megatron_dsv.attention as attention
+    import megatron_dsv.training.megatron_lm as integration
+
+    closed = []
+    monkeypatch.setattr(attention, "dsv_on_step_end", lambda model, it, dp_group=None: closed.append(it) or 2)
+    monkeypatch.setattr(attention, "dsv_layers", lambda model: ["l1", "l2"])
+    monkeypatch.setattr(attention, "dsv_metrics", lambda model: {"dsv/stage": 2.0, "dsv/sparse_fraction": 0.5,
+                                                                 "dsv/sparsity_mean": 0.9, "dsv/predictor_loss": 0.1})
+    args = argparse.Namespace(log_interval=5)
+    assert integration.dsv_train_step_end([], 4, args) == 2
+    assert integration.dsv_train_step_end([], 5, args) == 2
+    assert closed == [4, 5]
+    out = capsys.readouterr().out.rstrip("\n").splitlines()
+    assert out == [" [dsv] iteration        5 | stage 2 | sparse layers 1/2 | sparsity 0.900 | predictor loss 1.000E-01"]
+    tool = importlib.util.spec_from_file_location("mlm_check", os.path.join(ROOT, "tools", "megatron_lm_check.py"))
+    check = importlib.util.module_from_spec(tool)
+    tool.loader.exec_module(check)
+    assert check.parse_log(out[0])["dsv"] == {5: (2, 1, 2)}
 
 
 # ---- apply_patches.py on synthetic repositories ---------------------------------------------
-def _preimages():
+def _preimages(tag="core_v0.16.1"):
     """{path: text} holding, for every hunk, its context and removed lines: enough for git apply,
     which finds hunks at any offset."""
     files = {}
-    for name in EXPECTED:
+    for name in SERIES[tag]:
         current = None
-        for line in open(_patch(name), encoding="utf-8").read().splitlines():
+        for line in open(_patch(name, tag), encoding="utf-8").read().splitlines():
             m = re.match(r"^diff --git a/\S+ b/(\S+)$", line)
             if m:
                 current = m.group(1)
@@ -212,16 +275,17 @@ def _status(repo):
 
 @pytest.fixture
 def pinned_repo(tmp_path, tool):
-    """A synthetic repo the tool accepts as core_v0.16.1 (PINNED_COMMIT re-pinned to its HEAD)."""
+    """A synthetic repo the tool accepts as core_v0.16.1 (PINNED re-pinned to its HEAD)."""
     repo, files = _synthetic_repo(tmp_path / "mlm")
-    tool.PINNED_COMMIT = _git(repo, "rev-parse", "HEAD").stdout.strip()
+    tool.PINNED["core_v0.16.1"] = _git(repo, "rev-parse", "HEAD").stdout.strip()
     return repo, files
 
 
 def test_help_documents_usage_and_exit_codes():
     proc = subprocess.run([sys.executable, TOOL, "--help"], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0
-    for word in ("MEGATRON_LM_DIR", "--revert", "--check", "exit codes", "core_v0.16.1", "dirty"):
+    for word in ("MEGATRON_LM_DIR", "--revert", "--check", "--tag", "exit codes", "core_v0.16.1", "core_v0.19.0",
+                 "dirty"):
         assert word in proc.stdout
 
 
@@ -236,8 +300,27 @@ def test_wrong_version_names_found_and_expected(tmp_path, tool, capsys, tag):
     head = _git(repo, "rev-parse", "HEAD").stdout.strip()
     code, _, err = _run_tool(tool, [repo], capsys)
     assert code == 3
-    assert f"found {tag} (commit {head})" in err and f"expected core_v0.16.1 (commit {tool.PINNED_COMMIT})" in err
+    assert f"found {tag} (commit {head})" in err
+    assert f"expected core_v0.16.1 (commit {tool.PINNED['core_v0.16.1']}) or core_v0.19.0" in err
     assert _status(repo) == [""]
+
+
+def test_tag_flag_insists_on_one_pin(pinned_repo, tool, capsys):
+    repo, _ = pinned_repo
+    code, _, err = _run_tool(tool, [repo, "--tag", "core_v0.19.0"], capsys)
+    assert code == 3 and "expected core_v0.19.0 (commit" in err and "or core_v0.16.1" not in err
+    code, _, err = _run_tool(tool, [repo, "--tag", "core_v0.18.0"], capsys)
+    assert code == 2 and "--tag must be one of core_v0.16.1, core_v0.19.0; got 'core_v0.18.0'" in err
+    assert _status(repo) == [""]
+
+
+def test_the_tag_picks_its_series(tmp_path, tool, capsys):
+    """A repo at core_v0.19.0's commit gets the 0.19.0 series (four patches) without being told."""
+    repo, _ = _synthetic_repo(tmp_path / "mlm19", tag="core_v0.19.0", files=_preimages("core_v0.19.0"))
+    tool.PINNED["core_v0.19.0"] = _git(repo, "rev-parse", "HEAD").stdout.strip()
+    code, out, err = _run_tool(tool, [repo], capsys)
+    assert code == 0 and "applied 4 patches on core_v0.19.0" in out, err
+    assert "argument_utils.py" in out
 
 
 def test_apply_check_reapply_and_revert(pinned_repo, tool, capsys):
@@ -287,33 +370,40 @@ def test_patches_that_do_not_apply_change_nothing(tmp_path, tool, capsys):
     files = _preimages()
     files["gpt_builders.py"] = "def gpt_builder(args):\n    pass\n"  # upstream moved on
     repo, _ = _synthetic_repo(tmp_path / "mlm", files=files)
-    tool.PINNED_COMMIT = _git(repo, "rev-parse", "HEAD").stdout.strip()
+    tool.PINNED["core_v0.16.1"] = _git(repo, "rev-parse", "HEAD").stdout.strip()
     code, _, err = _run_tool(tool, [repo], capsys)
     assert code == 5 and "do not apply cleanly" in err and "gpt_builders.py" in err
     assert _status(repo) == [""]  # git apply is atomic: the patches that would apply did not either
 
 
-# ---- the real Megatron-LM tree -------------------------------------------------------------
-def test_round_trip_on_real_megatron_lm(tmp_path, tool, capsys):
+# ---- the real Megatron-LM trees -------------------------------------------------------------
+def _real_source(tag, tool, megatron_lm_tree):
     source = os.environ.get("MEGATRON_LM_DIR")
-    if not source:
-        pytest.skip("set MEGATRON_LM_DIR to a Megatron-LM clone holding tag core_v0.16.1 for the real round trip")
-    if _git(source, "cat-file", "-e", tool.PINNED_COMMIT + "^{commit}", check=False).returncode != 0:
-        pytest.skip(f"MEGATRON_LM_DIR={source} does not hold commit {tool.PINNED_COMMIT} (core_v0.16.1)")
-    repo = tmp_path / "mlm"  # a scratch clone sharing the objects: MEGATRON_LM_DIR is never modified
+    if source and _git(source, "cat-file", "-e", tool.PINNED[tag] + "^{commit}", check=False).returncode == 0:
+        return source
+    return megatron_lm_tree(tag)  # skips, naming the tarball, when it is absent
+
+
+@pytest.mark.parametrize("tag", TAGS)
+def test_round_trip_on_real_megatron_lm(tag, tmp_path, tool, capsys, megatron_lm_tree):
+    source = _real_source(tag, tool, megatron_lm_tree)
+    repo = tmp_path / "mlm"  # a scratch clone sharing the objects: the source tree is never modified
     subprocess.run(["git", "clone", "-q", "--shared", "--no-checkout", source, str(repo)], check=True)
-    _git(repo, "-c", "advice.detachedHead=false", "checkout", "-q", tool.PINNED_COMMIT)
-    pristine = {rel: (repo / rel).read_bytes() for paths in EXPECTED.values() for rel in paths}
+    _git(repo, "-c", "advice.detachedHead=false", "checkout", "-q", tool.PINNED[tag])
+    pristine = {rel: (repo / rel).read_bytes() for paths in SERIES[tag].values() for rel in paths}
 
     code, out, err = _run_tool(tool, [repo, "--check"], capsys)
-    assert code == 0, err
+    assert code == 0 and f"{tag}; the {len(SERIES[tag])} patches would apply cleanly" in out, err
     code, out, err = _run_tool(tool, [repo], capsys)
-    assert code == 0 and "applied 3 patches" in out, err
+    assert code == 0 and f"applied {len(SERIES[tag])} patches on {tag}" in out, err
     for rel in pristine:
         text = (repo / rel).read_text()
         assert "megatron_dsv" in text
         ast.parse(text, filename=rel)
         py_compile.compile(str(repo / rel), cfile=str(tmp_path / "pyc" / (rel + "c")), doraise=True)
+    other = next(t for t in TAGS if t != tag)
+    code, _, err = _run_tool(tool, [repo, "--tag", other], capsys)
+    assert code == 3 and f"found {tag}" in err
     code, out, err = _run_tool(tool, [repo, "--revert"], capsys)
     assert code == 0, err
     assert _status(repo) == [""]
