@@ -101,11 +101,11 @@ def test_context_parallel_checkpoint_resumes_exactly(tmp_path):
     full, part = tmp_path / "full", tmp_path / "part"
     for d in (full, part):
         d.mkdir()
-    _torchrun(full, [*flags, "--train-iters", "6", "--output-dir", str(full), "--no-save"])
-    _torchrun(part, [*flags, "--train-iters", "6", "--exit-interval", "3", "--output-dir", str(part),
-                     "--save", str(part / "ckpt"), "--save-interval", "3"])
-    stdout = _torchrun(part, [*flags, "--train-iters", "6", "--output-dir", str(part), "--load", str(part / "ckpt"),
-                              "--no-save"])
+    # the uninterrupted run saves at iteration 3 on its way (saving changes nothing): resume from that folder
+    _torchrun(full, [*flags, "--train-iters", "6", "--output-dir", str(full), "--save", str(full / "ckpt"),
+                     "--save-interval", "3"])
+    stdout = _torchrun(part, [*flags, "--train-iters", "6", "--output-dir", str(part), "--load",
+                              str(full / "ckpt" / "iter_0000003"), "--no-save"])
     assert "resumed from" in stdout and "at iteration 3" in stdout
     whole = json.load(open(full / "losses_rank0.json"))["losses"]
     resumed = json.load(open(part / "losses_rank0.json"))["losses"]
