@@ -13,7 +13,8 @@ Phases (each resumable; a GPU session runs them over several calls):
   ``steps`` or after its ``minutes``; a later ``--launch`` resumes them;
 * ``--time``: each arm's step time **alone on the GPU**, from its trained checkpoint (seed 0): its own
   per-head budgets and lists as training left them, at the arm's length and every ``--time-lengths``
-  (DSV arms: stage 2 as trained, and stage 1 = the same model with every layer kept dense);
+  (DSV arms: stage 2 as trained, and stage 1 = the same model with every layer kept dense), after a
+  warm-up of a whole profile period (every kernel compiled) and over whole profile periods;
 * ``--report``: per arm the final validation loss at the last step every run reached, its difference to
   full attention as mean +- standard error over seeds (paired), kept fraction, share of stage-2
   layer-steps sparse, recall, step time alone, and the time to reach full attention's final loss on the
@@ -41,7 +42,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import init_dist, write_results  # noqa: E402
+from benchmarks.common import collect_meta, init_dist, write_results  # noqa: E402
 from benchmarks.video_runs import add_run_args, parse_arm, tokens_of  # noqa: E402
 
 # name -> arm keys over the data arm. "control" is DSV that never leaves stage 1 (dense attention through
@@ -202,16 +203,20 @@ def time_arm(name: str, S: int, args) -> dict:
 
     result = {}
     kinds = ["stage2", "stage1"] if layers and layers[0].stage_host == 2 else ["step"]
+    # DSV's steps differ by the schedule (a profile every `period` steps): the warm-up runs a whole period (every
+    # kernel, the profile's included, compiled before the clock starts) and the clock covers whole periods
+    period = layers[0].dsv_config.profile_interval if layers else 1
+    n_timed = period * max(1, -(-args.time_steps // period))
     for kind in kinds:
         for layer in layers:
             layer.force_dense = kind == "stage1"
             layer._decisions = {}
-        steps(args.time_warmup)
+        steps(args.time_warmup + period)
         sync()
         t0 = time.perf_counter()
-        steps(args.time_steps)
+        steps(n_timed)
         sync()
-        result[kind] = 1e3 * (time.perf_counter() - t0) / args.time_steps
+        result[kind] = 1e3 * (time.perf_counter() - t0) / n_timed
     if "step" in result:
         result = {"stage2": result["step"], "stage1": result["step"]}
     del model, opt
@@ -239,6 +244,16 @@ def equal_step(records: Dict[str, Dict[int, dict]]) -> int:
     if not common:
         raise ValueError("the runs share no validation step; raise `minutes` or lower --val-every")
     return max(common)
+
+
+def paired_step(runs: Dict[int, dict], full: Dict[int, dict]) -> int:
+    """The last validation step an arm's runs and full attention's runs of the same seeds all reached: each
+    arm is set against full attention at its own equal step (an arm stopped early by its minutes is compared
+    where it stopped, never against a longer full run)."""
+    seeds = [s for s in runs if s in full]
+    if not seeds:
+        raise ValueError(f"no seed in common with full attention (arm seeds {sorted(runs)}, full {sorted(full)})")
+    return equal_step({"arm": {s: runs[s] for s in seeds}, "full": {s: full[s] for s in seeds}})
 
 
 def mean_se(xs: List[float]):
@@ -277,11 +292,10 @@ def report(args, names: List[str]) -> List[dict]:
     records = load_records(args)
     timing_path = os.path.join(args.save_dir, "timing.json")
     timing = json.load(open(timing_path)) if os.path.exists(timing_path) else {}
-    step = equal_step({n: r for n, r in records.items() if n in names})
     S = tokens_of(parse_arm(args.arm))
     full_seeds = records["full"]
-    full_at = {seed: dict(rec["curve"])[step] for seed, rec in full_seeds.items()}
-    full_mean = sum(full_at.values()) / len(full_at)
+    full_step = equal_step({"full": full_seeds})  # full attention's final loss: the time-to-loss target
+    full_mean = sum(dict(rec["curve"])[full_step] for rec in full_seeds.values()) / len(full_seeds)
     full_time = None
     rows = []
     for name in names:
@@ -289,13 +303,16 @@ def report(args, names: List[str]) -> List[dict]:
         if not runs:
             continue
         arm = runs[min(runs)]["arm"]
+        step = paired_step(runs, full_seeds)
+        runs = {seed: rec for seed, rec in runs.items() if seed in full_seeds}
+        full_at = {seed: dict(full_seeds[seed]["curve"])[step] for seed in runs}
         at = {seed: dict(rec["curve"])[step] for seed, rec in runs.items()}
         paired = [100.0 * (at[s] / full_at[s] - 1.0) for s in at if s in full_at]
         delta, delta_se = mean_se(paired) if paired else (float("nan"), float("nan"))
         loss, loss_se = mean_se(list(at.values()))
         summaries = [rec.get("summary", {}) for rec in runs.values()]
         t_arm = (timing.get(name) or {}).get(str(S))
-        mean_curve = _mean_curve([rec["curve"] for rec in runs.values()], step)
+        mean_curve = _mean_curve([rec["curve"] for rec in runs.values()], full_step if name == "full" else 10**12)
         wc = wall_clock(mean_curve, arm, t_arm)
         reach = time_to_reach(wc, full_mean) if wc else None
         if name == "full" and wc:
@@ -305,7 +322,8 @@ def report(args, names: List[str]) -> List[dict]:
                    local_radius=arm.get("local"), granularity=arm.get("gran"), stage1=arm.get("stage1"),
                    window_frac=arm.get("window_frac") if arm["attn"] == "window" else None,
                    library_default=(name == "default"),
-                   val_loss=loss, val_loss_se=loss_se, val_loss_per_seed=at,
+                   val_loss=loss, val_loss_se=loss_se, val_loss_per_seed=at, val_loss_full=sum(full_at.values()) /
+                   len(full_at), full_loss_target=full_mean, full_loss_target_step=full_step,
                    delta_vs_full_pct=delta, delta_vs_full_se_pct=delta_se,
                    kept_fraction=_mean([r.get("kept_fraction") for r in runs.values()]),
                    sparse_layer_fraction=_mean([s.get("sparse_layer_fraction") for s in summaries]),
@@ -341,7 +359,7 @@ def plot(rows: List[dict], prefix: str, title: str) -> List[str]:
     written = []
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for row in rows:
-        label = f"{row['name']} ({row['delta_vs_full_pct']:+.2f}%)"
+        label = f"{row['name']} ({row['delta_vs_full_pct']:+.2f}% at step {row['steps']})"
         axes[0].plot(*zip(*row["curve"]), marker="o", ms=3, label=label)
         if row["wall_clock"]:
             axes[1].plot(*zip(*row["wall_clock"]), marker="o", ms=3, label=label)
@@ -362,13 +380,15 @@ def plot(rows: List[dict], prefix: str, title: str) -> List[str]:
         if row["kept_fraction"] is None:
             continue
         se = row["delta_vs_full_se_pct"]
-        ax.errorbar(row["kept_fraction"], row["delta_vs_full_pct"], yerr=None if se != se else se, fmt="o", capsize=3)
-        ax.annotate(row["name"], (row["kept_fraction"], row["delta_vs_full_pct"]), fontsize=7,
+        short = row["steps"] < row["full_loss_target_step"]  # compared earlier than full attention's end: hollow
+        ax.errorbar(row["kept_fraction"], row["delta_vs_full_pct"], yerr=None if se != se else se, fmt="o", capsize=3,
+                    mfc="none" if short else None)
+        ax.annotate(f"{row['name']} @{row['steps']}", (row["kept_fraction"], row["delta_vs_full_pct"]), fontsize=7,
                     textcoords="offset points", xytext=(4, 4))
     ax.axhline(0.0, color="k", lw=0.8)
     ax.set_xlabel("kept fraction of keys at the end (1 = full attention)")
     ax.set_ylabel("validation loss vs full attention (%, mean +- se over seeds)")
-    ax.set_title(title, fontsize=8)
+    ax.set_title(title.replace("; ", "\n"), fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(prefix + "_frontier.png", dpi=120)
@@ -378,6 +398,14 @@ def plot(rows: List[dict], prefix: str, title: str) -> List[str]:
 
 
 # ---------------------------------------------------------------- plumbing
+def _meta_from(path: Optional[str]) -> Optional[dict]:
+    if path is None:
+        return None
+    meta = dict(json.load(open(path))["meta"])
+    meta["reported"] = collect_meta()
+    return meta
+
+
 def _plain(arm: dict) -> dict:
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in arm.items()}
 
@@ -403,6 +431,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--time-steps", type=int, default=30)
     ap.add_argument("--time-warmup", type=int, default=5)
     ap.add_argument("--report", action="store_true", help="write the frontier JSON and plots")
+    ap.add_argument("--note", default=None, help="a note kept in the JSON's meta (what a reader must know)")
+    ap.add_argument("--meta-from", default=None,
+                    help="a results JSON whose meta (GPU, versions, date, commit) the report keeps: re-reporting a GPU "
+                         "run's curves on another machine (its own meta goes under meta.reported)")
     ap.add_argument("--stagger", type=float, default=2.0, help="seconds between worker starts")
     ap.add_argument("--quick", action="store_true", help="CPU check: tiny model, every phase in-process")
     return ap
@@ -447,19 +479,22 @@ def main(argv=None):
     if args.report or args.quick:
         rows = report(args, names)
         S = rows[0]["S"]
-        path = write_results("quality-frontier", rows, args.out_dir)
+        meta = _meta_from(args.meta_from)
+        if args.note:
+            meta = dict(meta or collect_meta(), note=args.note)
+        path = write_results("quality-frontier", rows, args.out_dir, meta=meta)
         title = (f"{rows[0]['data']}, {S} tokens, {args.preset} layer shape"
                  f"{f' ({args.heads}x{args.head_dim})' if args.heads else ''} x {args.layers} layers, "
-                 f"seeds {seeds}, EMA {args.ema_decay}, step {rows[0]['steps']}")
+                 f"seeds {seeds}, EMA {args.ema_decay}; each arm against full at its last common step")
         try:
             print("wrote", *plot(rows, str(path).replace(".json", ""), title))
         except ImportError as err:
             print(f"no plot ({err}): pip install -e '.[plots]'")
-        print(f"{'arm':16s} {'val loss':>10s} {'vs full %':>14s} {'kept':>6s} {'sparse':>7s} {'recall':>7s} "
-              f"{'ms alone':>9s} {'t->full':>8s}")
+        print(f"{'arm':16s} {'step':>5s} {'val loss':>10s} {'vs full %':>14s} {'kept':>6s} {'sparse':>7s} "
+              f"{'recall':>7s} {'ms alone':>9s} {'t->full':>8s}")
         for r in rows:
             fmt = lambda x, f: "-" if x is None or x != x else format(x, f)  # noqa: E731
-            print(f"{r['name']:16s} {r['val_loss']:10.4f} {fmt(r['delta_vs_full_pct'], '+7.2f')} +-"
+            print(f"{r['name']:16s} {r['steps']:5d} {r['val_loss']:10.4f} {fmt(r['delta_vs_full_pct'], '+7.2f')} +-"
                   f"{fmt(r['delta_vs_full_se_pct'], '4.2f')} {fmt(r['kept_fraction'], '6.3f')} "
                   f"{fmt(r['sparse_layer_fraction'], '7.2f')} {fmt(r['recall'], '7.3f')} "
                   f"{fmt(r['ms_step_alone'], '9.1f')} {fmt(r['time_to_full_loss_ratio'], '8.2f')}")

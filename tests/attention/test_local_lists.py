@@ -122,9 +122,10 @@ def test_video_dit_trains_with_local_lists(megatron_cpu, fast_table):
     torch.manual_seed(0)
     model = build_video_dit(cfg, dsv_config=dsv)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x = torch.randn(1, cfg.in_channels, 4, 16, 16)
+    dev = next(model.parameters()).device  # Megatron builds on the GPU where there is one
+    x = torch.randn(1, cfg.in_channels, 4, 16, 16, device=dev)
     for step in range(3):
-        loss = model(x, torch.tensor([0.5]), torch.tensor([1])).square().mean()
+        loss = model(x, torch.tensor([0.5], device=dev), torch.tensor([1], device=dev)).square().mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
