@@ -10,7 +10,7 @@
 # .whl/ (megatron-core 0.16.1 cp312) and .whl-mlm/ (pydantic & co.), installed by tools/gpu_env.sh.
 # megatron.core comes from the unpacked tree itself (each script runs from it), so 0.19.0 needs no wheel.
 # All runs of a phase go at once (one GPU holds them easily): ~2-3 minutes in all. Every run has a time
-# limit (RUN_LIMIT seconds, default 240), so nothing hangs; a failing run shows its log's tail.
+# limit (RUN_LIMIT seconds, default 200; two phases: under 7.5 minutes in the worst case), so nothing hangs; a failing run shows its log's tail.
 # DRY_RUN=1 prints the commands instead of running them. Exit status: 0 when every check is ok.
 set -u
 out=${1:?usage: gpu_megatron_lm_check.sh OUT [TAG ...]}; shift
@@ -18,7 +18,7 @@ tags=${*:-core_v0.16.1 core_v0.19.0}
 cd "$(dirname "$0")/.." || exit 2
 repo=$PWD
 mkdir -p "$out" && out=$(cd "$out" && pwd)
-RUN_LIMIT=${RUN_LIMIT:-240}; ITERS=20; EXIT_AT=10
+RUN_LIMIT=${RUN_LIMIT:-200}; ITERS=20; EXIT_AT=10
 if [[ "${DRY_RUN:-0}" != 1 ]]; then
   # shellcheck disable=SC1091  # tools/gpu_env.sh, checked on its own
   . tools/gpu_env.sh
@@ -74,6 +74,13 @@ for tag in $tags; do
   if ! tar xzf "$tgz" -C "$work/$tag" || ! python3 tools/apply_patches.py --tag "$tag" "$work/$tag/Megatron-LM" \
       > "$out/logs/apply-$tag.log" 2>&1; then
     echo "FAIL $tag: unpacking or patching failed:"; tail -n 8 "$out/logs/apply-$tag.log" | sed 's/^/     /'
+    continue
+  fi
+  # Megatron compiles its dataset helpers (make) at start-up in the tree: once here, not by six runs at once
+  if [[ "${DRY_RUN:-0}" != 1 ]] && ! make -C "$work/$tag/Megatron-LM/megatron/core/datasets" \
+      > "$out/logs/make-$tag.log" 2>&1; then
+    echo "FAIL $tag: Megatron's dataset helpers do not compile (g++, pybind11?):"
+    tail -n 8 "$out/logs/make-$tag.log" | sed 's/^/     /'
     continue
   fi
   tree[$tag]=$work/$tag/Megatron-LM
