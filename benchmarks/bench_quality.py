@@ -10,7 +10,8 @@ Phases (each resumable; a GPU session runs them over several calls):
 
 * ``--launch``: one process per (arm, seed), all at once on the one GPU (their step times are therefore
   not speed figures), each saving its run (``--save-dir``) and its curve at every validation, stopping at
-  ``steps`` or after its ``minutes``; a later ``--launch`` resumes them;
+  ``steps`` or, after its ``minutes``, at its last validation step (``--align-stops``: every run then has
+  validations at the same steps); a later ``--launch`` resumes them;
 * ``--time``: each arm's step time **alone on the GPU**, from its trained checkpoint (seed 0): its own
   per-head budgets and lists as training left them, at the arm's length and every ``--time-lengths``
   (DSV arms: stage 2 as trained, and stage 1 = the same model with every layer kept dense), after a
@@ -58,7 +59,7 @@ FRONTIER: Dict[str, str] = {
     "local_recall90": "attn=dsv,rule=recall,recall=0.9,local=0.1.1",
     "window": "attn=window",
 }
-DEFAULT_ARMS = "full,control,paper,local,local_recall90,window"
+DEFAULT_ARMS = "full,control,paper,local,window"
 QUICK_ARM = "data=synthetic,frames=4,res=64,steps=8,stage1=4,minutes=2"
 
 
@@ -459,6 +460,7 @@ def main(argv=None):
         raise SystemExit("bench_quality: --arms must include 'full' (every difference is to it)")
     seeds = [int(s) for s in args.seeds.split(",") if s]
     args.clips_cache = args.clips_cache or os.path.join(args.save_dir, "clips")
+    args.align_stops = True  # every run of the study validates at the same steps, whenever its minutes end
     if args.data_seed is None:
         args.data_seed = 0
     if args.worker or args.time or args.quick:  # the launcher itself holds no GPU context

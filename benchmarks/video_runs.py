@@ -314,6 +314,9 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
     if path and os.path.exists(path):
         start, counters = load_run(path, arm, model, opt, g, ema)
         print(f" [{arm['label']}] resumed at step {start} from {path}", flush=True)
+    # align (args.align_stops): runs stopped by their minutes end at their last validation step
+    align = bool(getattr(args, "align_stops", False)) and on_val is not None
+    aligned = (start, float("nan"), dict(counters))
     t_start, times, losses = time.perf_counter(), [], []
     step = start - 1
     for step in range(start, arm["steps"]):
@@ -339,16 +342,26 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
             _log_line(arm, step + 1, model, losses[-args.log_every:], times[-args.log_every:], args.batch,
                       tokens_of(arm))
         if on_val is not None and (step + 1) % args.val_every == 0:
-            on_val(step + 1, validate(model, ema, clips, args))
+            val = validate(model, ema, clips, args)
+            on_val(step + 1, val)
+            if align and path and step + 1 < arm["steps"]:
+                save_run(path, arm, model, opt, g, step + 1, counters, ema)
+                aligned = (step + 1, val, dict(counters))
         if time.perf_counter() - t_start > 60.0 * arm["minutes"]:
             print(f" [{arm['label']}] stopped at step {step + 1} by its {arm['minutes']} min budget", flush=True)
             break
     steps_done = step + 1
-    if path:
-        save_run(path, arm, model, opt, g, steps_done, counters, ema)
-    final_val = validate(model, ema, clips, args)
-    if on_val is not None and steps_done % args.val_every:
-        on_val(steps_done, final_val)
+    if align and path and steps_done < arm["steps"]:
+        # stopped by the minutes: the run continues from its last validation step, where it was saved, so
+        # every run of a study has validations at the same steps (the steps past it are trained again)
+        steps_done, final_val, counters = aligned
+        print(f" [{arm['label']}] resumes from its validation step {steps_done} next time", flush=True)
+    else:
+        if path:
+            save_run(path, arm, model, opt, g, steps_done, counters, ema)
+        final_val = validate(model, ema, clips, args)
+        if on_val is not None and steps_done % args.val_every:
+            on_val(steps_done, final_val)
     summary = dict(steps=steps_done, val_loss=final_val, ms_step=1e3 * _median(times[1:] or times),
                    sparse_layer_fraction=counters["sparse_steps"] / max(1, counters["layer_steps"]),
                    minutes=(time.perf_counter() - t_start) / 60.0)
@@ -500,6 +513,9 @@ def add_run_args(ap, preset="0.8b", layers=4, samples=64):
                     help="validate an EMA of the weights with this decay (0: the live weights); 0.999 averages about "
                          "the last 1000 steps, a tenth to a quarter of the study's runs")
     ap.add_argument("--val-batch", type=int, default=8, help="clips per validation forward")
+    ap.add_argument("--align-stops", action="store_true",
+                    help="save at every validation and let a run stopped by its minutes end at its last validation "
+                         "step (the next call retrains the steps past it), so concurrent runs share validation steps")
     ap.add_argument("--clips-cache", default=None,
                     help="keep rendered clips in this folder (tensors only) so concurrent arms render once")
     ap.add_argument("--speedup-table", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",

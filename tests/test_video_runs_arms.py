@@ -64,3 +64,38 @@ def test_footage_arm_trains_and_validates_on_held_out_frames(megatron_cpu, tmp_p
     _, _, summary = train_arm(arm, _run_args(tmp_path))
     assert summary["steps"] == 4 and np.isfinite(summary["val_loss"])
     assert sorted(set(calls)) == [(0, False), (1, False), (2, False), (3, True)]  # 3 training clips, 1 held out
+
+
+@pytest.mark.timeout(300)
+def test_align_stops_end_at_the_last_validation_and_resume_exactly(megatron_cpu, tmp_path):
+    """--align-stops: a run stopped by its minutes ends at its last validation step (saved there, the steps
+    past it dropped) and resumes from it to the same curve and weights as an uninterrupted run; seeds change
+    the data order and the initial weights, not the clips."""
+    import torch
+
+    from benchmarks.video_runs import Clips, train_arm
+    from tests.test_benchmarks_smoke import _run_args
+
+    arm = "data=synthetic,frames=4,res=64,stage1=3,steps=8"
+    curves = {"straight": [], "cut": []}
+    straight = train_arm(parse_arm(arm), _run_args(tmp_path, "--val-every", "2"),
+                         on_val=lambda s, v: curves["straight"].append((s, v)))
+    args = _run_args(tmp_path, "--val-every", "2", "--save-dir", str(tmp_path / "runs"), "--align-stops")
+    cut = train_arm(parse_arm(arm + ",minutes=0.0000001"), args, on_val=lambda s, v: curves["cut"].append((s, v)))
+    assert cut[2]["steps"] == 0 and not (tmp_path / "runs").exists()  # stopped before any validation: nothing kept
+    args.val_every = 1
+    cut = train_arm(parse_arm(arm + ",minutes=0.0000001"), args, on_val=lambda s, v: curves["cut"].append((s, v)))
+    assert cut[2]["steps"] == 1 and (tmp_path / "runs" / "synthetic-dsv-S256.pt").exists()
+    args.val_every = 2
+    resumed = train_arm(parse_arm(arm), args, on_val=lambda s, v: curves["cut"].append((s, v)))
+    assert resumed[2]["steps"] == 8 and [s for s, _ in curves["cut"]] == [1, 2, 4, 6, 8]
+    assert dict(curves["cut"])[8] == dict(curves["straight"])[8] == straight[2]["val_loss"]
+    a, b = straight[0].state_dict(), resumed[0].state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a if torch.is_tensor(a[k]))
+    clips0 = Clips.for_arm(parse_arm(arm), _run_args(tmp_path, "--data-seed", "0"), 4, torch.device("cpu"),
+                           torch.float32)
+    first0 = clips0.batch_at(0, 3)[0].clone()
+    clips1 = Clips.for_arm(parse_arm(arm), _run_args(tmp_path, "--data-seed", "0", "--seed", "1"), 4,
+                           torch.device("cpu"), torch.float32)
+    assert clips1 is clips0 and not torch.equal(clips1.batch_at(0, 3)[0], first0)  # same clips, other order
+    assert sorted(clips1._epoch_order(0).tolist()) == [0, 1, 2]

@@ -8,7 +8,7 @@
 #   finish  TRAIN_MINUTES [3] more training, then each arm's step time alone (--time) and the report:
 #           quality-frontier-<gpu>-<date>.json + PNGs in OUT_DIR
 #   report  the report alone (curves and timing already under runs/frontier/)
-# Settings (environment): ARM [ViZDoom 16K: frames=16,res=256,steps=4000,stage1=1000,qk_lr=10], ARMS
+# Settings (environment): ARM [ViZDoom 16K: frames=16,res=256,steps=4000,stage1=700,qk_lr=10], ARMS
 # (bench_quality's default frontier), SEEDS [0,1], WIDTH ["--heads 8 --head-dim 64 --layers 4": hidden 512, the
 # attention-dominated regime at 16K tokens], TIME_LENGTHS [32768]. Training uses the naive top-k (exact,
 # backend-independent lists); the timing phase uses the library's auto backends, as a user runs them.
@@ -20,10 +20,10 @@ cd "$(dirname "$0")/.." || exit 2
 # shellcheck disable=SC1091  # tools/gpu_env.sh, checked on its own
 . tools/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-arm=${ARM:-data=vizdoom,frames=16,res=256,steps=4000,stage1=1000,qk_lr=10,lr=3e-4}
+arm=${ARM:-data=vizdoom,frames=16,res=256,steps=4000,stage1=700,qk_lr=10,lr=3e-4}
 read -r -a width <<< "${WIDTH:---heads 8 --head-dim 64 --layers 4}"
 common=(--arm "$arm" --seeds "${SEEDS:-0,1}" --save-dir runs/frontier --out-dir "$out" --samples 256
-        --val-samples 64 --val-every 500 --val-batch 8 --workers 15 "${width[@]}")
+        --val-samples 64 --val-every 250 --val-batch 8 --workers 15 "${width[@]}")
 [ -n "${ARMS:-}" ] && common+=(--arms "$ARMS")
 bench=(python3 benchmarks/bench_quality.py "${common[@]}")
 
