@@ -40,7 +40,11 @@ def run_sparse_attention(backend: str, q, k, v, kv_indices, kv_counts, group_siz
 
 def run_estimate_topk(backend: str, q_lr, k_lr, budgets, group_size: int, block_size: int, proxy: str,
                       block_score: str, forced=None):
-    """Top-k estimation on a backend from :func:`resolve_backends` ("auto": the op's device rule, which
-    hands ``forced`` items, local + predicted lists, to Triton on CUDA)."""
-    return estimate_topk(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score,
-                         backend=None if backend == "auto" else backend, forced=forced)
+    """Top-k estimation on a backend from :func:`resolve_backends` ("auto": the op's device rule; ``forced``
+    items, local + predicted lists, go to Triton where that rule says CUDA: the CUDA kernel lacks them)."""
+    if backend == "auto":
+        backend = auto_topk_backend(q_lr.device)
+        if forced is not None and backend == "cuda":
+            backend = "triton"
+    return estimate_topk(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score, backend=backend,
+                         forced=forced)
