@@ -32,24 +32,6 @@ if (( SEQ_LEN % 128 )); then
     echo "error: SEQ_LEN=$SEQ_LEN must be a multiple of 128 (the DSV query group of 4x4x8 tokens)" >&2
     exit 2
 fi
-if [[ ! -f "$MEGATRON_LM/pretrain_gpt.py" ]]; then
-    echo "error: MEGATRON_LM=$MEGATRON_LM holds no pretrain_gpt.py (a Megatron-LM checkout is needed)" >&2
-    exit 2
-fi
-if ! missing=$("$PYTHON" -c "
-import importlib, sys
-bad = []
-for name in ('torch', 'megatron.core', 'megatron_dsv'):
-    try:
-        importlib.import_module(name)
-    except Exception as e:
-        bad.append(f'{name} ({type(e).__name__}: {e})')
-print('; '.join(bad))
-sys.exit(1 if bad else 0)" 2>/dev/null); then
-    echo "error: $PYTHON cannot import: ${missing:-torch}. Install torch, megatron-core and megatron_dsv" \
-         "(pip install -e /path/to/megatron_dsv) in the environment of PYTHON" >&2
-    exit 2
-fi
 fusion=()
 if [[ "${FUSION_FLAGS:-1}" != 0 ]]; then
     mapfile -t fusion < <("$PYTHON" "$here/examples/megatron_lm/fusion_flags.py" --explain)
@@ -69,6 +51,24 @@ cmd=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" p
 if [[ "${DSV_DRY_RUN:-0}" == 1 ]]; then
     echo "cd $MEGATRON_LM && ${cmd[*]}"
     exit 0
+fi
+if [[ ! -f "$MEGATRON_LM/pretrain_gpt.py" ]]; then
+    echo "error: MEGATRON_LM=$MEGATRON_LM holds no pretrain_gpt.py (a Megatron-LM checkout is needed)" >&2
+    exit 2
+fi
+if ! missing=$("$PYTHON" -c "
+import importlib, sys
+bad = []
+for name in ('torch', 'megatron.core', 'megatron_dsv'):
+    try:
+        importlib.import_module(name)
+    except Exception as e:
+        bad.append(f'{name} ({type(e).__name__}: {e})')
+print('; '.join(bad))
+sys.exit(1 if bad else 0)" 2>/dev/null); then
+    echo "error: $PYTHON cannot import: ${missing:-torch}. Install torch, megatron-core and megatron_dsv" \
+         "(pip install -e /path/to/megatron_dsv) in the environment of PYTHON" >&2
+    exit 2
 fi
 "$PYTHON" "$here/tools/apply_patches.py" "$MEGATRON_LM"
 cd "$MEGATRON_LM"

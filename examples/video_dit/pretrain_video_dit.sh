@@ -33,24 +33,6 @@ if (( SIZE % 2 )); then
     echo "error: SIZE=$SIZE must be even (the video DiT patches 1x2x2)" >&2; exit 2
 fi
 SEQ_LEN=$(( FRAMES * (SIZE / 2) * (SIZE / 2) ))
-if [[ ! -f "$MEGATRON_LM/megatron/training/training.py" ]]; then
-    echo "error: MEGATRON_LM=$MEGATRON_LM holds no megatron/training (a Megatron-LM checkout is needed)" >&2
-    exit 2
-fi
-if ! missing=$("$PYTHON" -c "
-import importlib, sys
-bad = []
-for name in ('torch', 'megatron.core', 'megatron_dsv'):
-    try:
-        importlib.import_module(name)
-    except Exception as e:
-        bad.append(f'{name} ({type(e).__name__}: {e})')
-print('; '.join(bad))
-sys.exit(1 if bad else 0)" 2>/dev/null); then
-    echo "error: $PYTHON cannot import: ${missing:-torch}. Install torch, megatron-core and megatron_dsv" \
-         "(pip install -e /path/to/megatron_dsv) in the environment of PYTHON" >&2
-    exit 2
-fi
 fusion=()
 if [[ "${FUSION_FLAGS:-1}" != 0 ]]; then
     mapfile -t fusion < <("$PYTHON" "$here/examples/megatron_lm/fusion_flags.py" --explain)
@@ -73,6 +55,24 @@ cmd=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC"
 if [[ "${DSV_DRY_RUN:-0}" == 1 ]]; then
     echo "cd $MEGATRON_LM && ${cmd[*]}"
     exit 0
+fi
+if [[ ! -f "$MEGATRON_LM/megatron/training/training.py" ]]; then
+    echo "error: MEGATRON_LM=$MEGATRON_LM holds no megatron/training (a Megatron-LM checkout is needed)" >&2
+    exit 2
+fi
+if ! missing=$("$PYTHON" -c "
+import importlib, sys
+bad = []
+for name in ('torch', 'megatron.core', 'megatron_dsv'):
+    try:
+        importlib.import_module(name)
+    except Exception as e:
+        bad.append(f'{name} ({type(e).__name__}: {e})')
+print('; '.join(bad))
+sys.exit(1 if bad else 0)" 2>/dev/null); then
+    echo "error: $PYTHON cannot import: ${missing:-torch}. Install torch, megatron-core and megatron_dsv" \
+         "(pip install -e /path/to/megatron_dsv) in the environment of PYTHON" >&2
+    exit 2
 fi
 if [[ "${PATCH:-1}" != 0 ]]; then
     "$PYTHON" "$here/tools/apply_patches.py" "$MEGATRON_LM"

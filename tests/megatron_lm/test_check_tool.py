@@ -176,3 +176,39 @@ def test_gpu_check_dry_run_names_every_run(tmp_path):
     resumed = next(line for line in runs if "gpt-resumed]" in line)
     out_of = lambda line: line.split(" OUT=")[1].split()[0]  # noqa: E731
     assert out_of(first) == out_of(resumed)
+
+
+@pytest.mark.parametrize("script,needs", [("examples/megatron_lm/pretrain_gpt_dsv.sh", "pretrain_gpt.py"),
+                                          ("examples/video_dit/pretrain_video_dit.sh", "megatron/training")])
+def test_launchers_name_what_is_missing(tmp_path, script, needs):
+    """A folder that is no Megatron-LM checkout, an interpreter without megatron_dsv: one clear line, exit 2."""
+    path = os.path.join(ROOT, script)
+    env = dict(os.environ, MEGATRON_LM=str(tmp_path), PYTHON=sys.executable, OUT=str(tmp_path / "out"))
+    proc = subprocess.run(["bash", path], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and needs in proc.stderr and "a Megatron-LM checkout is needed" in proc.stderr
+    (tmp_path / "pretrain_gpt.py").write_text("")
+    (tmp_path / "megatron" / "training").mkdir(parents=True)
+    (tmp_path / "megatron" / "training" / "training.py").write_text("")
+    bare = tmp_path / "bare-python"
+    bare.write_text(f"#!/bin/sh\nexec {sys.executable} -I -S \"$@\"\n")  # no site-packages: no torch, no megatron_dsv
+    bare.chmod(0o755)
+    proc = subprocess.run(["bash", path], env=dict(env, PYTHON=str(bare)), capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "cannot import: torch" in proc.stderr and "megatron_dsv" in proc.stderr
+
+
+@pytest.mark.parametrize("script", ["examples/megatron_lm/pretrain_gpt_dsv.sh", "examples/video_dit/pretrain_video_dit.sh"])
+def test_launchers_pass_eval_and_fusion_flags(tmp_path, script):
+    """core_v0.16.1 needs --eval-interval (None there is a TypeError) and, without TE/apex, the fusion flags."""
+    env = dict(os.environ, MEGATRON_LM=str(tmp_path), PYTHON=sys.executable, DSV_DRY_RUN="1", NPROC="1",
+               EVAL_INTERVAL="7", EVAL_ITERS="3")
+    proc = subprocess.run(["bash", os.path.join(ROOT, script), "--seed", "5"], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    cmd = proc.stdout
+    assert "--eval-interval 7 --eval-iters 3" in cmd and cmd.rstrip().endswith("--seed 5")
+    for flag, _ in fusion.fusion_flags(fusion.available()):
+        assert flag in cmd
+    off = subprocess.run(["bash", os.path.join(ROOT, script)], env=dict(env, FUSION_FLAGS="0"), capture_output=True,
+                         text=True, timeout=60)
+    assert "--no-persist-layer-norm" not in off.stdout and "--transformer-impl" not in off.stdout
