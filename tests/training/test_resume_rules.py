@@ -64,3 +64,14 @@ def test_dense_checkpoint_starts_dsv_only_when_told(tmp_path):
     started = run(tmp_path, "--train-iters", "3", "--load", ckpt, "--no-save", "--no-load-dsv-state",
                   "--use-checkpoint-opt_param-scheduler", "--dsv-stage-switch-steps", "100", name="c")
     assert started.start_iteration == 2 and stage(started.model) == 1
+
+
+def test_no_load_dsv_state_restarts_dsv_on_a_dsv_checkpoint(tmp_path, dsv_checkpoint):
+    from megatron_dsv.training.dsv_hooks import stage
+
+    resumed = run(tmp_path, "--train-iters", "5", "--load", str(dsv_checkpoint), "--no-save",
+                  "--use-checkpoint-opt_param-scheduler", name="kept")
+    assert stage(resumed.model) == 2  # the checkpoint's stage
+    fresh = run(tmp_path, "--train-iters", "5", "--load", str(dsv_checkpoint), "--no-save", "--no-load-dsv-state",
+                "--use-checkpoint-opt_param-scheduler", "--dsv-stage-switch-steps", "100", name="fresh")
+    assert fresh.start_iteration == 4 and stage(fresh.model) == 1  # DSV starts afresh on the loaded weights
