@@ -19,6 +19,9 @@ cd "$(dirname "$0")/.." || exit 2
 repo=$PWD
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 RUN_LIMIT=${RUN_LIMIT:-200}; ITERS=20; EXIT_AT=10
+for c in git tar make timeout python3; do
+  command -v "$c" > /dev/null || { echo "FAIL: the command '$c' is missing on this machine"; exit 2; }
+done
 if [[ "${DRY_RUN:-0}" != 1 ]]; then
   # shellcheck disable=SC1091  # tools/gpu_env.sh, checked on its own
   . tools/gpu_env.sh

@@ -17,9 +17,11 @@ iteration 10 prints mean(L11, L12) at 12, while the uninterrupted run prints L12
 Checks, per (tag, script): every iteration 1..N logged by the uninterrupted runs and by the two parts
 of the interrupted one; the resumed part starts at ``resumed_at + 1``; DSV reached stage 2 with sparse
 layers (the ``[dsv]`` lines of megatron_dsv.training.megatron_lm); the largest relative difference of
-the resumed curve to run A is within ``max(2 x (A vs B), TOLERANCE_FLOOR)``: within the run-to-run
-nondeterminism measured in the same call (bf16 kernels are not bitwise repeatable), with a floor for
-runs that happen to repeat exactly.
+the resumed curve to run A is within ``max(TOLERANCE_FACTOR x (A vs B), TOLERANCE_FLOOR)``: within the
+run-to-run nondeterminism measured in the same call (bf16 kernels are not bitwise repeatable; a maximum
+over 20 iterations is itself noisy, hence the factor), with a floor for runs that happen to repeat
+exactly. Measured on one H200 (core_v0.16.1): A vs B 6.9e-5 (GPT), 1.6e-6 (video DiT); a state that
+is not restored shows as 1e-2 (the once-reported gap), far above the floor.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ import re
 import sys
 from typing import Dict, List, Optional
 
-__all__ = ["parse_log", "run_losses", "max_rel_diff", "check_row", "TOLERANCE_FLOOR"]
+__all__ = ["parse_log", "run_losses", "max_rel_diff", "check_row", "TOLERANCE_FACTOR", "TOLERANCE_FLOOR"]
 
-TOLERANCE_FLOOR = 5e-5  # relative; bf16 run-to-run differences measured on one H200: up to ~1e-5
+TOLERANCE_FACTOR = 3.0  # times the two uninterrupted runs' largest relative difference
+TOLERANCE_FLOOR = 1e-4  # relative; bf16 run-to-run differences measured on one H200: up to ~7e-5
 
 _ITER = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|")
 _LOSS = re.compile(r"\|\s*([A-Za-z][A-Za-z0-9 _-]*? loss):\s*([-+0-9.eEnaif]+)\s*\|")
@@ -96,8 +99,9 @@ def max_rel_diff(a: Dict[int, float], b: Dict[int, float], iterations) -> float:
 
 def check_row(tag: str, script: str, logs: Dict[str, str], resumed_at: int, iterations: int,
               loss_key: Optional[str] = None) -> dict:
-    """One result row from the text of the four logs (``a``, ``b``: uninterrupted; ``first``, ``resumed``:
-    the interrupted run's two parts). ``row["problems"]`` lists what failed (empty when ``ok``)."""
+    """One flat result row from the text of the four logs (``a``, ``b``: uninterrupted; ``first``,
+    ``resumed``: the interrupted run's two parts). ``row["problems"]``: what failed, joined by "; "
+    (empty when ``ok``)."""
     parsed = {name: parse_log(text, loss_key) for name, text in logs.items()}
     problems: List[str] = []
     curves = {}
@@ -134,15 +138,16 @@ def check_row(tag: str, script: str, logs: Dict[str, str], resumed_at: int, iter
         problems.append("DSV never reached stage 2")
     elif sparse == 0:
         problems.append("stage 2 ran no sparse layer (lower --dsv-sparsity-threshold for the check)")
-    tolerance = max(2.0 * base, TOLERANCE_FLOOR)
+    tolerance = max(TOLERANCE_FACTOR * base, TOLERANCE_FLOOR)
     if not diff <= tolerance:
         problems.append(f"resumed curve differs by {diff:.3g} (relative, worst at iteration {worst_it}) > "
-                        f"tolerance {tolerance:.3g} (2 x run-to-run {base:.3g}, floor {TOLERANCE_FLOOR})")
+                        f"tolerance {tolerance:.3g} ({TOLERANCE_FACTOR:g} x run-to-run {base:.3g}, floor {TOLERANCE_FLOOR})")
     return {"tag": tag, "script": script, "iterations": iterations, "loss": parsed["a"]["loss_key"],
             "stage2_sparse_layers": sparse, "layers": max((v[2] for p in parsed.values() for v in p["dsv"].values()),
                                                           default=0),
             "resumed_at": resumed_at, "max_rel_diff_resumed": diff, "max_rel_diff_two_uninterrupted": base,
-            "worst_iteration_resumed": worst_it, "tolerance": tolerance, "ok": not problems, "problems": problems}
+            "worst_iteration_resumed": worst_it, "tolerance": tolerance, "ok": not problems,
+            "problems": "; ".join(problems)}
 
 
 def _read(path: str) -> str:
@@ -162,7 +167,7 @@ def _cmd_compare(args) -> int:
     print(f"{verdict:4s} {args.tag} {args.script}: {row['iterations']} iterations, stage-2 sparse layers "
           f"{row['stage2_sparse_layers']}/{row['layers']}, resumed at {args.resumed_at}: max rel diff "
           f"{row['max_rel_diff_resumed']:.2e} (two uninterrupted: {row['max_rel_diff_two_uninterrupted']:.2e})"
-          + "".join(f"\n     - {p}" for p in row["problems"]))
+          + "".join(f"\n     - {p}" for p in row["problems"].split("; ") if p))
     return 0 if row["ok"] else 1
 
 
