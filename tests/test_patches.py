@@ -189,6 +189,15 @@ def test_gpt_config_patch_sets_a_dsv_layer_spec_callable():
     built = kwargs["transformer_layer_spec"](None, vp_stage=None)
     core = built.submodules.self_attention.submodules.core_attention
     assert core.module is DSVCoreAttention and core.params["dsv_config"].theta == 0.7
+    seen = []
+
+    def provider(config, vp_stage=None):  # a callable spec, as GPTModelConfig allows
+        seen.append((config, vp_stage))
+        return get_gpt_layer_local_spec()
+
+    on = parser.parse_args(["--use-dsv-attention"])
+    built = patched(on, {"transformer_layer_spec": provider})["transformer_layer_spec"]("CFG", vp_stage=1)
+    assert seen == [("CFG", 1)] and built.submodules.self_attention.submodules.core_attention.module is DSVCoreAttention
     assert patched(parser.parse_args([]), {"transformer_layer_spec": spec}) == {"transformer_layer_spec": spec}
     assert patched(argparse.Namespace(), {}) == {}  # megatron_dsv absent: no flag at all
 
