@@ -197,8 +197,10 @@ setup(
         # OpenCV to decode the real camera footage that tools/fetch_footage.py fetches
         "video": ["vizdoom>=1.2", "ale-py>=0.9", "opencv-python-headless>=4.6"],
         "test": ["pytest>=7", "pytest-timeout", "matplotlib", "vizdoom>=1.2", "ale-py>=0.9",
-                 "opencv-python-headless>=4.6"],
+                 "opencv-python-headless>=4.6", "six", "regex", "pyyaml", "pydantic"],
         "plots": ["matplotlib"],
+        # what Megatron-LM's megatron.training imports beyond megatron-core (the patched Megatron-LM path)
+        "megatron-lm": ["six", "regex", "pyyaml", "pydantic"],
     },
     setup_requires=["pybind11>=2.10"],
     ext_modules=_extensions(),
