@@ -197,10 +197,13 @@ setup(
         # OpenCV to decode the real camera footage that tools/fetch_footage.py fetches
         "video": ["vizdoom>=1.2", "ale-py>=0.9", "opencv-python-headless>=4.6"],
         "test": ["pytest>=7", "pytest-timeout", "matplotlib", "vizdoom>=1.2", "ale-py>=0.9",
-                 "opencv-python-headless>=4.6", "six", "regex", "pyyaml", "pydantic"],
+                 "opencv-python-headless>=4.6", "six", "regex", "pyyaml", "pydantic",
+                 "diffusers>=0.33", "safetensors"],
         "plots": ["matplotlib"],
         # what Megatron-LM's megatron.training imports beyond megatron-core (the patched Megatron-LM path)
         "megatron-lm": ["six", "regex", "pyyaml", "pydantic"],
+        # Wan2.1 (models/wan*.py, tools/convert_checkpoint.py): diffusers' WanTransformer3DModel
+        "wan": ["diffusers>=0.33", "safetensors"],
     },
     setup_requires=["pybind11>=2.10"],
     ext_modules=_extensions(),

@@ -33,7 +33,8 @@ import torch
 
 from megatron_dsv.models.wan_config import WanConfig
 
-__all__ = ["diffusers_shapes", "diffusers_to_ours", "ours_to_diffusers", "load_diffusers_folder",
+__all__ = ["diffusers_shapes", "diffusers_to_ours", "ours_to_diffusers", "load_diffusers_folder", "CONFIG_NAME",
+           "save_megatron_checkpoint", "load_megatron_checkpoint", "read_megatron_config",
            "save_diffusers_folder", "load_into_model", "full_state_from_model", "WEIGHTS_NAME", "INDEX_NAME"]
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
@@ -294,3 +295,70 @@ def full_state_from_model(model) -> Dict[str, torch.Tensor]:
             t = torch.cat(parts, dim=p.partition_dim)
         out[key] = t.clone()
     return out
+
+
+# ---------------------------------------------------------------- Megatron dist_checkpointing
+CONFIG_NAME = "wan_config.json"
+_DTYPE_KEY = "_params_dtype"  # beside the WanConfig fields in wan_config.json: the checkpoint's dtype
+
+
+def _weight_keys(sharded: dict) -> dict:
+    """The Wan weights of a sharded state dict: DSV state (under ``core_attention.``) left out."""
+    return {k: v for k, v in sharded.items() if ".core_attention." not in k}
+
+
+def save_megatron_checkpoint(model, directory: str) -> None:
+    """dist_checkpointing save of ``model``'s weights (TP-sharded as built; no DSV state) as
+    ``{"model": ...}`` (the trainer's layout), plus ``wan_config.json``. Every rank calls it."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from megatron_dsv.models.wan import unwrap_wan
+    from megatron_dsv.training.checkpointing import _save_strategy
+
+    bare = unwrap_wan(model)
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if rank0:
+        os.makedirs(directory, exist_ok=True)
+        if os.listdir(directory):
+            raise ValueError(f"checkpoint directory {directory!r} is not empty: pass a new one")
+    if dist.is_initialized():
+        dist.barrier()
+    dist_checkpointing.save({"model": _weight_keys(bare.sharded_state_dict())}, directory,
+                            sharded_strategy=_save_strategy())
+    if rank0:
+        with open(os.path.join(directory, CONFIG_NAME), "w") as f:
+            dtype = str(bare.patch_embed.weight.dtype).replace("torch.", "")
+            json.dump({**bare.wan_config.to_dict(), _DTYPE_KEY: dtype}, f, indent=1, sort_keys=True)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def read_megatron_config(directory: str) -> Tuple[WanConfig, torch.dtype]:
+    """The WanConfig and parameter dtype saved beside a converted checkpoint (``wan_config.json``)."""
+    path = os.path.join(directory, CONFIG_NAME)
+    if not os.path.isfile(path):
+        raise ValueError(f"{directory!r} has no {CONFIG_NAME}: not a checkpoint written by tools/convert_checkpoint.py "
+                         "(pass --config-from DIFFUSERS_DIR or the WanConfig of the run)")
+    with open(path) as f:
+        values = json.load(f)
+    dtype = getattr(torch, values.pop(_DTYPE_KEY, "float32"))
+    return WanConfig(**values), dtype
+
+
+def load_megatron_checkpoint(model, directory: str) -> None:
+    """Load the Wan weights of a dist_checkpointing checkpoint (a converted one or a trainer's ``iter_*``)
+    into ``model`` at any TP degree; the model's DSV state is left as it is (a fresh DSV run starts its
+    predictors from their initialisation). Every rank calls it."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_dsv.models.wan import unwrap_wan
+
+    bare = unwrap_wan(model)
+    sharded = _weight_keys(bare.sharded_state_dict())
+    loaded = dist_checkpointing.load({"model": sharded}, directory)["model"]
+    result = bare.load_state_dict(loaded, strict=False)
+    missing = [k for k in result.missing_keys if ".core_attention." not in k and not k.endswith("_extra_state")]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"checkpoint {directory!r} does not fit the model: missing {_few(missing)}, "
+                         f"unexpected {_few(list(result.unexpected_keys))}")
