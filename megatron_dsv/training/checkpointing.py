@@ -137,7 +137,8 @@ def _sharded_state(model, optimizer, is_loading: bool, ema=None, skip_model_keys
     if ema is not None:
         state["ema"] = ema.sharded_state_dict(model_state)
     if skip_model_keys:
-        state["model"] = {k: v for k, v in model_state.items() if k not in set(skip_model_keys)}
+        skip = set(skip_model_keys)
+        state["model"] = {k: v for k, v in model_state.items() if k not in skip}
     return state
 
 
