@@ -95,10 +95,10 @@ def to_megatron(args) -> None:
 
 
 def _config_for(args):
-    from megatron_dsv.models.wan_config import WanConfig
-    from megatron_dsv.models.wan_convert import CONFIG_NAME, load_diffusers_folder, read_megatron_config
-
     """(WanConfig, dtype of the checkpoint's parameters)."""
+    from megatron_dsv.models.wan_config import WanConfig
+    from megatron_dsv.models.wan_convert import CONFIG_NAME, read_megatron_config
+
     source = args.megatron
     if not os.path.isfile(os.path.join(source, CONFIG_NAME)):
         if args.config_from is None:
@@ -130,7 +130,7 @@ def to_diffusers(args) -> None:
         state = {k: v.to(DTYPES[args.dtype]) for k, v in state.items()}
     if dist.get_rank() == 0:
         save_diffusers_folder(args.out, cfg, state)
-        _log(f"wrote {args.out}: WanTransformer3DModel.from_pretrained({args.out!r}) loads it")
+        _log(f"wrote {args.out} (diffusers: WanTransformer3DModel.from_pretrained({args.out!r}))")
 
 
 def _log(msg: str) -> None:

@@ -80,6 +80,14 @@ def diffusers_shapes(cfg: WanConfig) -> Dict[str, Tuple[int, ...]]:
     return shapes
 
 
+# Keys diffusers itself drops on load (WanTransformer3DModel._keys_to_ignore_on_load_unexpected): unused.
+_IGNORED = ("norm_added_q",)
+
+
+def _drop_ignored(state: dict) -> dict:
+    return {k: v for k, v in state.items() if not any(part in k for part in _IGNORED)}
+
+
 def _check_diffusers_state(state: dict, cfg: WanConfig) -> None:
     expected = diffusers_shapes(cfg)
     missing = sorted(set(expected) - set(state))
@@ -116,7 +124,9 @@ def _from_per_head(t: torch.Tensor, heads: int, n: int):
 
 def diffusers_to_ours(state: dict, cfg: WanConfig) -> Dict[str, torch.Tensor]:
     """diffusers state dict -> our *full* state dict (no DSV state, no ``_extra_state``). ValueError names
-    the first key or shape that does not match ``cfg``."""
+    the first key or shape that does not match ``cfg``. Keys diffusers ignores on load (``norm_added_q``)
+    are dropped."""
+    state = _drop_ignored(state)
     _check_diffusers_state(state, cfg)
     H = cfg.num_attention_heads
     out = {"patch_embed.weight": state["patch_embedding.weight"].reshape(cfg.hidden, -1),

@@ -105,7 +105,8 @@ class WanQKNorm(torch.nn.Module):
         self.group, self.tp = _tp_group_and_size(config)
         heads = config.num_attention_heads
         if heads % self.tp:
-            raise ValueError(f"num_attention_heads ({heads}) must be divisible by tensor_model_parallel_size ({self.tp})")
+            raise ValueError(f"num_attention_heads ({heads}) must be divisible by tensor_model_parallel_size "
+                             f"({self.tp})")
         self.heads_local, self.head_dim, self.eps = heads // self.tp, int(hidden_size), float(eps)
         self.full_width = heads * self.head_dim
         dtype = getattr(config, "params_dtype", torch.float32)
@@ -168,7 +169,8 @@ class WanTransformerLayer(TransformerLayer):
         super().__init__(config=config, submodules=submodules, layer_number=layer_number,
                          hidden_dropout=hidden_dropout, pg_collection=pg_collection, vp_stage=vp_stage)
         if config.sequence_parallel:
-            raise ValueError("the Wan model does not support TransformerConfig.sequence_parallel=True yet; set it False")
+            raise ValueError("the Wan model does not support TransformerConfig.sequence_parallel=True yet; "
+                             "set it False")
         h = config.hidden_size
         # Wan's init (randn / sqrt(hidden)); a converted checkpoint overwrites it. Replicated over TP ranks.
         self.scale_shift_table = torch.nn.Parameter(torch.randn(1, 6, h, dtype=config.params_dtype) / h ** 0.5)

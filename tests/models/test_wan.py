@@ -92,10 +92,12 @@ def test_matches_diffusers_dense_any_token_order(megatron_cpu, wan_folder):
             assert _rel(ref, model(x, t, text=text)) < REL_TOL, cube
 
 
-def test_dsv_stage1_matches_diffusers(megatron_cpu, wan_folder):
+@pytest.mark.parametrize("predictor_input", ["qk", "hidden"])
+def test_dsv_stage1_matches_diffusers(megatron_cpu, wan_folder, predictor_input):
     x, t, text = _inputs()
     ref = _reference(wan_folder, x, t, text)
-    dsv = DSVConfig(query_group_shape=(1, 4, 4), kernel_backend="naive", topk_backend="naive", k_min=16)
+    dsv = DSVConfig(query_group_shape=(1, 4, 4), kernel_backend="naive", topk_backend="naive", k_min=16,
+                    predictor_input=predictor_input)
     model, _, _ = _converted(wan_folder, dsv_config=dsv)
     core = model.decoder.layers[0].self_attention.core_attention
     assert type(core).__name__ == "DSVCoreAttention" and core.stage_host == 1 and model.cube == (1, 4, 4)
@@ -141,6 +143,29 @@ def test_megatron_checkpoint_roundtrip_and_cli(megatron_cpu, wan_folder, tmp_pat
     assert rc == 0
     _, exported = load_diffusers_folder(str(tmp_path / "d"))
     assert set(exported) == set(state) and all(torch.equal(exported[k], v) for k, v in state.items())
+    # the CLI both ways: diffusers -> Megatron -> diffusers, and its errors as one line, exit code 2
+    rc = convert_checkpoint.main(["to-megatron", "--diffusers", wan_folder, "--out", str(tmp_path / "cli")])
+    assert rc == 0 and (tmp_path / "cli" / "wan_config.json").is_file()
+    rc = convert_checkpoint.main(["to-diffusers", "--megatron", str(tmp_path / "cli"), "--out", str(tmp_path / "e")])
+    _, exported = load_diffusers_folder(str(tmp_path / "e"))
+    assert rc == 0 and all(torch.equal(exported[k], v) for k, v in state.items())
+    assert convert_checkpoint.main(["to-megatron", "--diffusers", wan_folder, "--out", str(tmp_path / "cli")]) == 2
+    no_config = ["to-diffusers", "--megatron", str(tmp_path / "d"), "--out", str(tmp_path / "f")]
+    assert convert_checkpoint.main(no_config) == 2  # a diffusers folder is not a Megatron checkpoint
+
+
+def test_text_mask_hides_padding(megatron_cpu, wan_folder):
+    # Wan attends to the zero padding (no mask, as diffusers); a mask, when given, makes padding irrelevant
+    model, _, _ = _converted(wan_folder)
+    model.eval()
+    x, t, text = _inputs()
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0, 0], [1] * 7], dtype=torch.bool)
+    with torch.no_grad():
+        out = model(x, t, text=text, text_mask=mask)
+        text2 = text.clone()
+        text2[0, 4:] = 50.0
+        torch.testing.assert_close(model(x, t, text=text2, text_mask=mask), out)
+        assert _rel(out, model(x, t, text=text2)) > 1e-3
 
 
 def test_errors_name_the_key_or_shape(megatron_cpu, wan_folder, tmp_path):
@@ -151,9 +176,12 @@ def test_errors_name_the_key_or_shape(megatron_cpu, wan_folder, tmp_path):
     with pytest.raises(ValueError, match=r"blocks\.1\.attn2\.to_k\.weight.*\(128, 31\).*\(128, 128\)"):
         diffusers_to_ours(bad, cfg)
     bad = {k: v for k, v in state.items() if k != "blocks.0.norm2.bias"}
-    bad["blocks.0.attn1.norm_added_q.weight"] = torch.ones(128)
-    with pytest.raises(ValueError, match=r"missing keys \['blocks\.0\.norm2\.bias'\].*norm_added_q"):
+    bad["blocks.0.attn1.to_qkv.weight"] = torch.ones(384, 128)  # fused projections: not a saved layout
+    with pytest.raises(ValueError, match=r"missing keys \['blocks\.0\.norm2\.bias'\].*attn1\.to_qkv"):
         diffusers_to_ours(bad, cfg)
+    # what diffusers itself ignores on load is ignored here too
+    assert diffusers_to_ours({**state, "blocks.0.attn2.norm_added_q.weight": torch.ones(128)}, cfg).keys() \
+        == diffusers_to_ours(state, cfg).keys()
     with pytest.raises(ValueError, match="image_dim"):
         WanConfig.from_diffusers({**config, "image_dim": 1280, "added_kv_proj_dim": 128})
     with pytest.raises(ValueError, match="num_frames"):
