@@ -108,8 +108,9 @@ def test_dsv_stage1_matches_diffusers(megatron_cpu, wan_folder, predictor_input)
 
 
 def test_bf16_within_diffusers_own_error(megatron_cpu, wan_folder):
-    # bf16 (on the CPU here): the error to the fp32 reference at most twice diffusers' own bf16 error; diffusers
-    # keeps its time embedder, modulation tables and norms in fp32; ours is bf16 throughout (as Float16Module makes it).
+    # bf16 (on the CPU here): the error to the fp32 reference at most twice diffusers' own bf16 error.
+    # diffusers keeps its time embedder, modulation tables and norms in fp32; ours is bf16 throughout, as
+    # Megatron's Float16Module makes a model (measured: 0.0080 vs diffusers' 0.0074, max-abs relative).
     x, t, text = _inputs()
     ref = _reference(wan_folder, x, t, text)
     theirs = _diffusers_from_folder(wan_folder).eval().to(torch.bfloat16)
