@@ -40,7 +40,7 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from megatron_dsv.models.dense_core_attention import DenseCoreAttention
 
 __all__ = ["WanLayerNorm", "WanAffineLayerNorm", "WanQKNorm", "WanCrossAttention", "WanCrossAttentionSubmodules",
-           "WanTransformerLayer", "get_wan_layer_spec"]
+           "TextCrossCoreAttention", "WanTransformerLayer", "get_wan_layer_spec"]
 
 
 class WanLayerNorm(torch.nn.Module):
@@ -129,6 +129,18 @@ class WanQKNorm(torch.nn.Module):
         return make_sharded_tensors_for_checkpoint(state, prefix, {"weight": 0}, sharded_offsets)
 
 
+class TextCrossCoreAttention(DenseCoreAttention):
+    """Dense core attention for the cross-attention to text, also under context parallelism: a CP rank's
+    queries are its shard of the video, but every rank holds the whole text (keys and values), so the
+    attention is local and needs no CP exchange (a CP-aware core such as TE's would shard the text too)."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection=None):
+        super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
+                         softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=None)
+
+
 @dataclass
 class WanCrossAttentionSubmodules(CrossAttentionSubmodules):
     """Megatron's cross-attention submodules plus q/k norms (megatron-core's CrossAttention has none)."""
@@ -214,7 +226,8 @@ def get_wan_layer_spec(use_dsv: bool = False, use_te: Optional[bool] = None, dsv
                        cross_attn_norm: bool = True) -> ModuleSpec:
     """Layer spec of the Wan2.1 transformer: megatron.core linears and attention (TE linears and core
     attention when installed, ``use_te=None``), Wan's norms; ``use_dsv`` swaps the self-attention core for
-    DSVCoreAttention through :func:`megatron_dsv.models.specs.get_dsv_layer_spec` (cross-attention stays dense)."""
+    DSVCoreAttention through :func:`megatron_dsv.models.specs.get_dsv_layer_spec`; cross-attention is always
+    :class:`TextCrossCoreAttention` (dense, CP-local)."""
     if not isinstance(use_dsv, bool):
         raise ValueError(f"use_dsv must be True or False, got {use_dsv!r}")
     from megatron_dsv.models.dit_layer import _backend
@@ -229,7 +242,8 @@ def get_wan_layer_spec(use_dsv: bool = False, use_te: Optional[bool] = None, dsv
     cross = ModuleSpec(
         module=WanCrossAttention, params={"attn_mask_type": AttnMaskType.padding},
         submodules=WanCrossAttentionSubmodules(linear_q=backend.column_parallel_linear(),
-                                               linear_kv=backend.column_parallel_linear(), core_attention=core,
+                                               linear_kv=backend.column_parallel_linear(),
+                                               core_attention=TextCrossCoreAttention,
                                                linear_proj=backend.row_parallel_linear(),
                                                q_layernorm=WanQKNorm, k_layernorm=WanQKNorm))
     spec = ModuleSpec(

@@ -101,7 +101,7 @@ def test_dsv_stage1_matches_diffusers(megatron_cpu, wan_folder, predictor_input)
     model, _, _ = _converted(wan_folder, dsv_config=dsv)
     core = model.decoder.layers[0].self_attention.core_attention
     assert type(core).__name__ == "DSVCoreAttention" and core.stage_host == 1 and model.cube == (1, 4, 4)
-    assert type(model.decoder.layers[0].cross_attention.core_attention).__name__ == "DenseCoreAttention"
+    assert type(model.decoder.layers[0].cross_attention.core_attention).__name__ == "TextCrossCoreAttention"
     model.train()  # a training forward: the predictors sample queries, attention stays dense
     out = model(x, t, text=text)
     assert _rel(ref, out.detach()) < REL_TOL, _rel(ref, out.detach())

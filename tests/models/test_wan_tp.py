@@ -1,5 +1,6 @@
-"""Wan2.1 conversion at tensor parallelism 2 (two gloo processes on the CPU): the same output as diffusers,
-the exact export, a TP=2 dist checkpoint read by a TP=1 model, and the TP-sharded q/k norms' gradients.
+"""Wan2.1 at tensor parallelism 2 and context parallelism 2 (two gloo processes on the CPU): the same output
+as diffusers at TP=2 and at CP=2 (DSV stage 1), the exact export, a TP=2 dist checkpoint read by a TP=1 model,
+and the TP-sharded q/k norms' gradients.
 
 The workers import only this module and megatron_dsv (not diffusers, slow to import): diffusers runs in
 the pytest process."""
@@ -27,10 +28,10 @@ def _inputs(batch=2, seed=1, channels=4, text_dim=32):
     return x, t, text
 
 
-def _converted(folder, **overrides):
+def _converted(folder, dsv_config=None, pg_collection=None, **overrides):
     config, state = load_diffusers_folder(folder)
     cfg = WanConfig.from_diffusers(config, latent_grid=LATENT)
-    model = build_wan(cfg, use_te=False, **overrides)
+    model = build_wan(cfg, dsv_config=dsv_config, use_te=False, pg_collection=pg_collection, **overrides)
     load_into_model(model, diffusers_to_ours(state, cfg))
     return model, cfg, state
 
@@ -56,9 +57,32 @@ def _tp2_worker(rank, world, folder, out_dir):
     model(x, t, text=text).square().mean().backward()
     grad = model.decoder.layers[0].self_attention.q_layernorm.weight.grad
     torch.save(grad, os.path.join(out_dir, f"qnorm_grad_{rank}.pt"))
+    parallel_state.destroy_model_parallel()
+    _cp2(rank, folder, out_dir)
 
 
-def test_tp2_conversion_matches(megatron_cpu, tmp_path):
+def _cp2(rank, folder, out_dir):
+    # the same world as context parallelism 2 with DSV (stage 1: dense, through DSV's CP path): each rank
+    # keeps half of the cube-ordered video; the text cross-attention is local on every rank
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_dsv.config import DSVConfig
+
+    parallel_state.initialize_model_parallel(context_parallel_size=2)
+    dsv = DSVConfig(query_group_shape=(1, 4, 4), kernel_backend="naive", topk_backend="naive", k_min=16,
+                    predictor_query_stride=8, cp_mode="hybrid")
+    model, _, _ = _converted(folder, dsv_config=dsv, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    model.train()
+    x, t, text = _inputs()
+    out = model(x, t, text=text)
+    out.square().mean().backward()
+    assert torch.isfinite(model.patch_embed.weight.grad).all()
+    if rank == 0:
+        torch.save(out.detach(), os.path.join(out_dir, "out_cp2.pt"))
+
+
+def test_tp2_and_cp2_match_diffusers(megatron_cpu, tmp_path):
     pytest.importorskip("diffusers", reason="diffusers is not installed: pip install -e .[wan] (or .[test])")
     from tests.models.test_wan import REL_TOL, _reference, _rel, _tiny_diffusers
     from tests.parallel.spawn import run_world
@@ -69,6 +93,7 @@ def test_tp2_conversion_matches(megatron_cpu, tmp_path):
     x, t, text = _inputs()
     ref = _reference(folder, x, t, text)
     assert _rel(ref, torch.load(tmp_path / "out_tp2.pt")) < REL_TOL
+    assert _rel(ref, torch.load(tmp_path / "out_cp2.pt")) < REL_TOL
     # the TP=2 checkpoint reads into a TP=1 model (dist_checkpointing reshards): the same weights
     model, cfg, state = _converted(folder)
     fresh = build_wan(cfg, use_te=False)
