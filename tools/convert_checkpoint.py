@@ -47,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--config-from", default=None,
                    help="where to read the shape when --megatron has no wan_config.json: a diffusers folder or a "
                         "converted checkpoint")
+    b.add_argument("--ema", action="store_true",
+                   help="export the trainer's EMA of the weights (a checkpoint of a run with --ema-decay)")
     b.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
                    help="dtype of the written tensors (auto: the checkpoint's; a trainer checkpoint read with "
                         "--config-from a diffusers folder: the dtype it was trained in must be given, default fp32)")
@@ -124,7 +126,7 @@ def to_diffusers(args) -> None:
     _init_distributed(tp)
     cfg, saved_dtype = _config_for(args)
     model = build_wan(cfg, use_te=False, dtype=saved_dtype, tensor_model_parallel_size=tp)
-    load_megatron_checkpoint(model, args.megatron)
+    load_megatron_checkpoint(model, args.megatron, ema=args.ema)
     state = ours_to_diffusers(full_state_from_model(model), cfg)
     if DTYPES[args.dtype] is not None:
         state = {k: v.to(DTYPES[args.dtype]) for k, v in state.items()}

@@ -356,16 +356,25 @@ def read_megatron_config(directory: str) -> Tuple[WanConfig, torch.dtype]:
     return WanConfig(**values), dtype
 
 
-def load_megatron_checkpoint(model, directory: str) -> None:
+def load_megatron_checkpoint(model, directory: str, ema: bool = False) -> None:
     """Load the Wan weights of a dist_checkpointing checkpoint (a converted one or a trainer's ``iter_*``)
     into ``model`` at any TP degree; the model's DSV state is left as it is (a fresh DSV run starts its
-    predictors from their initialisation). Every rank calls it."""
+    predictors from their initialisation). ``ema``: the trainer's EMA of the weights (``--ema-decay``; what
+    one samples with) instead of the live weights. Every rank calls it."""
     from megatron.core import dist_checkpointing
 
     from megatron_dsv.models.wan import unwrap_wan
 
     bare = unwrap_wan(model)
     sharded = _weight_keys(bare.sharded_state_dict())
+    if ema:
+        from megatron_dsv.training.ema import ModelEMA
+
+        averaged = ModelEMA(bare, decay=0.5)  # only its layout: the shadow comes from the checkpoint
+        loaded = dist_checkpointing.load({"ema": averaged.sharded_state_dict(sharded)}, directory)["ema"]
+        averaged.load_sharded(loaded, {"num_updates": 0})
+        averaged.copy_to(bare)
+        return
     loaded = dist_checkpointing.load({"model": sharded}, directory)["model"]
     result = bare.load_state_dict(loaded, strict=False)
     missing = [k for k in result.missing_keys if ".core_attention." not in k and not k.endswith("_extra_state")]

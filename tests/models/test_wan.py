@@ -147,12 +147,19 @@ def test_roundtrip_exact(megatron_cpu, wan_folder, tmp_path):
     assert all(torch.equal(resharded[k], v) for k, v in state.items())
 
 
+def _cli():
+    """tools/convert_checkpoint.py as a module (its main() runs in this process)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "convert_checkpoint.py")
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_megatron_checkpoint_roundtrip_and_cli(megatron_cpu, wan_folder, tmp_path):
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-    from tools import convert_checkpoint  # noqa: F401  (the CLI imports; its functions run in-process here)
-
+    convert_checkpoint = _cli()
     model, cfg, state = _converted(wan_folder)
     save_megatron_checkpoint(model, str(tmp_path / "ckpt"))
     fresh = build_wan(cfg, use_te=False)
@@ -186,6 +193,38 @@ def test_text_mask_hides_padding(megatron_cpu, wan_folder):
         text2[0, 4:] = 50.0
         torch.testing.assert_close(model(x, t, text=text2, text_mask=mask), out)
         assert _rel(out, model(x, t, text=text2)) > 1e-3
+
+
+def test_export_of_a_trainer_checkpoint_and_its_ema(megatron_cpu, wan_folder, tmp_path):
+    # the trainer's layout: {"model", "ema"} (+ optimizer) in an iter_* folder without wan_config.json
+    from megatron.core import dist_checkpointing
+
+    from megatron_dsv.training.checkpointing import _save_strategy
+    from megatron_dsv.training.ema import ModelEMA
+
+    model, cfg, state = _converted(wan_folder, dsv_config=DSVConfig(query_group_shape=(1, 4, 4)))
+    ema = ModelEMA(model, decay=0.9)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.25)
+    ema.update(model)  # the average now differs from both the original and the live weights
+    sharded = model.sharded_state_dict()
+    (tmp_path / "iter").mkdir()
+    dist_checkpointing.save({"model": sharded, "ema": ema.sharded_state_dict(sharded)}, str(tmp_path / "iter"),
+                            sharded_strategy=_save_strategy())
+    convert_checkpoint = _cli()
+    for flag, name in (([], "live"), (["--ema"], "ema")):
+        args = ["to-diffusers", "--megatron", str(tmp_path / "iter"), "--config-from", wan_folder,
+                "--out", str(tmp_path / name)] + flag
+        assert convert_checkpoint.main(args) == 0
+    _, live = load_diffusers_folder(str(tmp_path / "live"))
+    _, averaged = load_diffusers_folder(str(tmp_path / "ema"))
+    expected_live = ours_to_diffusers(full_state_from_model(model), cfg)
+    ema.copy_to(model)
+    expected_ema = ours_to_diffusers(full_state_from_model(model), cfg)
+    for key in state:
+        assert torch.equal(live[key], expected_live[key]) and torch.equal(averaged[key], expected_ema[key]), key
+    assert not torch.equal(live["proj_out.weight"], averaged["proj_out.weight"])
 
 
 def test_errors_name_the_key_or_shape(megatron_cpu, wan_folder, tmp_path):
