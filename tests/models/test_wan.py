@@ -92,6 +92,33 @@ def test_matches_diffusers_dense_any_token_order(megatron_cpu, wan_folder):
             assert _rel(ref, model(x, t, text=text)) < REL_TOL, cube
 
 
+@pytest.mark.parametrize("variant", [dict(cross_attn_norm=False), dict(out_channels=6),
+                                     dict(attention_head_dim=70, num_attention_heads=3),
+                                     dict(attention_head_dim=40, patch_size=(2, 2, 2))],
+                         ids=["no-cross-norm", "out6", "H3-D70", "D40-patch222"])
+def test_matches_diffusers_variants(megatron_cpu, tmp_path, variant):
+    # odd RoPE bands (D=70: t 26, h and w 22 channels), other output widths, patches and no norm2
+    torch.manual_seed(0)
+    theirs = diffusers.WanTransformer3DModel(**{**TINY, **variant}).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    theirs.save_pretrained(str(tmp_path), safe_serialization=True)
+    grid = (4, 12, 16)
+    config, state = load_diffusers_folder(str(tmp_path))
+    cfg = WanConfig.from_diffusers(config, latent_grid=grid)
+    model = build_wan(cfg, use_te=False).eval()
+    load_into_model(model, diffusers_to_ours(state, cfg))
+    g = torch.Generator().manual_seed(1)
+    x, t, text = torch.randn(2, 4, *grid, generator=g), torch.rand(2, generator=g), torch.randn(2, 5, 32, generator=g)
+    with torch.no_grad():
+        ref = theirs(x, t * 1000.0, text, return_dict=False)[0]
+        out = model(x, t, text=text)
+    assert out.shape == ref.shape and _rel(ref, out) < REL_TOL
+    back = ours_to_diffusers(full_state_from_model(model), cfg)
+    assert set(back) == set(state) and all(torch.equal(back[k], v) for k, v in state.items())
+
+
 @pytest.mark.parametrize("predictor_input", ["qk", "hidden"])
 def test_dsv_stage1_matches_diffusers(megatron_cpu, wan_folder, predictor_input):
     x, t, text = _inputs()
