@@ -306,6 +306,21 @@ def test_param_count_matches_diffusers(megatron_cpu, wan_folder):
     assert count_wan_parameters(cfg) == sum(p.numel() for p in model.parameters())
 
 
+def test_sparsity_analysis_of_the_converted_model(megatron_cpu, wan_folder):
+    # the analysis tools/analyze_sparsity.py plots, on a converted model before any training (the
+    # forward signature is VideoDiT's; the coordinates are the model's cube-major order)
+    from megatron_dsv.attention.analysis import analyze
+    from megatron_dsv.attention.grouping import cube_order_coords
+
+    model, cfg, _ = _converted(wan_folder, dsv_config=DSVConfig(query_group_shape=(1, 4, 4), k_min=16,
+                                                                kernel_backend="naive", topk_backend="naive"))
+    x, t, text = _inputs(batch=1)
+    coords = cube_order_coords(cfg.token_grid(x.shape[2:]), model.cube)
+    report = analyze(model, x, t, None, text=text, coords=coords, max_queries=64)
+    assert len(report["layers"]) == cfg.num_layers and report["S"] == coords.shape[0]
+    assert all(0.0 <= s <= 1.0 for layer in report["layers"] for s in layer["sparsity"])
+
+
 def _fast_table(tmp_path):
     rows = [dict(S=s, sparsity=sp, granularity=gr, speedup_fwd=2.0, speedup_bwd=2.0)
             for s in (128, 512, 4096) for sp in (0.0, 0.5, 0.9) for gr in ("token", "block")]
