@@ -3,13 +3,15 @@
 
     # diffusers folder (safetensors; a pipeline's transformer/ subfolder) -> Megatron dist_checkpointing
     python tools/convert_checkpoint.py to-megatron --diffusers Wan2.1-T2V-1.3B-Diffusers/transformer --out ckpt/wan13b
+    # the same, written as TP=2 shards (not needed: any TP degree loads any checkpoint, see below)
     torchrun --nproc-per-node 2 tools/convert_checkpoint.py to-megatron --diffusers DIR --out CKPT --tp 2
 
     # Megatron checkpoint (a converted one or a trainer's iter_* folder) -> diffusers folder
     python tools/convert_checkpoint.py to-diffusers --megatron ckpt/wan13b --out wan13b-diffusers
 
 The Megatron checkpoint holds the weights as ``{"model": sharded_state_dict}`` (the trainer's layout;
-dist_checkpointing reshards on load, so any TP degree reads it) and ``wan_config.json``. A trainer
+dist_checkpointing reshards on load, so a run at any TP degree reads it: convert in one process, which
+holds the model once, rather than on every TP rank) and ``wan_config.json``. A trainer
 checkpoint has no ``wan_config.json``: pass ``--config-from`` (the diffusers folder it came from, or a
 converted checkpoint). Conversion runs on the CPU (``CUDA_VISIBLE_DEVICES`` is cleared) over gloo;
 pickled weights (.bin/.pt) are refused, never unpickled. Needs ``pip install -e .[wan]`` only for

@@ -1,6 +1,6 @@
 """Wan2.1 at tensor parallelism 2 and context parallelism 2 (two gloo processes on the CPU): the same output
-as diffusers at TP=2 and at CP=2 (DSV stage 1), the exact export, a TP=2 dist checkpoint read by a TP=1 model,
-and the TP-sharded q/k norms' gradients.
+as diffusers at TP=2 and at CP=2 (DSV stage 1), the exact export, dist checkpoints written at TP=1 read at
+TP=2 and the reverse, and the TP-sharded q/k norms' gradients.
 
 The workers import only this module and megatron_dsv (not diffusers, slow to import): diffusers runs in
 the pytest process."""
@@ -50,6 +50,11 @@ def _tp2_worker(rank, world, folder, out_dir):
     back = ours_to_diffusers(full_state_from_model(model), cfg)
     assert all(torch.equal(back[k], v) for k, v in state.items())
     save_megatron_checkpoint(model, os.path.join(out_dir, "ckpt_tp2"))
+    # the one-process (TP=1) conversion, read at TP=2: the same shards, bit for bit
+    fresh = build_wan(cfg, use_te=False, tensor_model_parallel_size=2)
+    load_megatron_checkpoint(fresh, os.path.join(out_dir, "ckpt_tp1"))
+    for (name, a), (_, b) in zip(model.named_parameters(), fresh.named_parameters()):
+        assert torch.equal(a, b), name
     if rank == 0:
         torch.save(out, os.path.join(out_dir, "out_tp2.pt"))
     # a backward through the TP-sharded q/k norms (their mean square is summed over the TP group)
@@ -89,6 +94,7 @@ def test_tp2_and_cp2_match_diffusers(megatron_cpu, tmp_path):
 
     folder = str(tmp_path / "wan_tiny")
     _tiny_diffusers().save_pretrained(folder, safe_serialization=True)
+    save_megatron_checkpoint(_converted(folder)[0], str(tmp_path / "ckpt_tp1"))
     run_world(_tp2_worker, 2, tmp_path, deadline_s=120.0, args=(folder, str(tmp_path)))
     x, t, text = _inputs()
     ref = _reference(folder, x, t, text)
