@@ -92,7 +92,8 @@ def to_megatron(args) -> None:
     cfg = WanConfig.from_diffusers(config)
     full = diffusers_to_ours(state, cfg)
     dtype = DTYPES[args.dtype] or next(iter(state.values())).dtype
-    model = build_wan(cfg, use_te=False, dtype=dtype, tensor_model_parallel_size=tp)
+    # every weight is overwritten: skip Megatron's random init (minutes for 14B on a CPU)
+    model = build_wan(cfg, use_te=False, dtype=dtype, tensor_model_parallel_size=tp, perform_initialization=False)
     load_into_model(model, full)
     save_megatron_checkpoint(model, args.out)
     _log(f"wrote {args.out}: {cfg.num_layers} layers, hidden {cfg.hidden}, TP {tp}, {dtype}")
@@ -127,7 +128,8 @@ def to_diffusers(args) -> None:
     tp = _world_size()
     _init_distributed(tp)
     cfg, saved_dtype = _config_for(args)
-    model = build_wan(cfg, use_te=False, dtype=saved_dtype, tensor_model_parallel_size=tp)
+    model = build_wan(cfg, use_te=False, dtype=saved_dtype, tensor_model_parallel_size=tp,
+                      perform_initialization=False)
     load_megatron_checkpoint(model, args.megatron, ema=args.ema)
     state = ours_to_diffusers(full_state_from_model(model), cfg)
     if DTYPES[args.dtype] is not None:
