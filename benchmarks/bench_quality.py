@@ -158,7 +158,7 @@ def launch(names: List[str], seeds: List[int], argv: List[str], args) -> None:
 
 # ---------------------------------------------------------------- step time alone
 def time_arms(names: List[str], args) -> dict:
-    """Each arm's step time alone, from its seed-0 run: ``{name: {S: {"stage2": ms, "stage1": ms}}}``."""
+    """Each arm's step time alone, from its first seed's run: ``{name: {S: {"stage2": ms, "stage1": ms}}}``."""
     lengths = sorted({tokens_of(parse_arm(args.arm)), *[int(s) for s in args.time_lengths.split(",") if s]})
     out = {}
     for name in names:
@@ -174,7 +174,7 @@ def time_arms(names: List[str], args) -> dict:
 def time_arm(name: str, S: int, args) -> dict:
     """ms per training step of arm ``name`` at S tokens (frames scaled), from its trained run."""
     from benchmarks.common import MainWeightsAdamW, flow_matching_step, sync
-    from benchmarks.video_runs import build_model, load_run, run_path
+    from benchmarks.video_runs import build_model, run_path
     from megatron_dsv.attention import dsv_layers, dsv_on_step_end
 
     arm = arm_of(name, args.arm, args)
@@ -185,11 +185,14 @@ def time_arm(name: str, S: int, args) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     timed = dict(arm, frames=S // per_frame)
     model, cfg = build_model(timed, args, device, dtype)
-    opt = MainWeightsAdamW(model.parameters(), lr=1e-9, weight_decay=0.0)  # the study's optimizer; lr moves nothing
-    path = run_path(arm, argparse.Namespace(save_dir=args.save_dir, seed=0))
-    if path and os.path.exists(path):
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        model.load_state_dict(state["model"])
+    seed = min(int(x) for x in args.seeds.split(",") if x)
+    path = run_path(arm, argparse.Namespace(save_dir=args.save_dir, seed=seed))
+    if not os.path.exists(path):
+        raise ValueError(f"--time: arm {name!r} has no trained run at {path} (seed {seed}): run --launch first")
+    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True)["model"])
+    # built after the load: its fp32 main copies must be the trained weights (on bf16 its first step writes
+    # them back into the model); the study's optimizer, at a rate that moves nothing
+    opt = MainWeightsAdamW(model.parameters(), lr=1e-9, weight_decay=0.0)
     layers = dsv_layers(model)
     g = torch.Generator(device=device).manual_seed(0)
     latents = torch.randn(args.batch, cfg.in_channels, *cfg.latent_grid, generator=g, device=device).to(dtype)
@@ -232,6 +235,9 @@ def load_records(args) -> Dict[str, Dict[int, dict]]:
     for path in sorted(glob.glob(os.path.join(args.save_dir, "curves", "*.json"))):
         rec = json.load(open(path))
         rec["curve"] = [(int(s), float(v)) for s, v in rec["curve"]]
+        if not rec["curve"]:
+            print(f"report: {path} has no validation yet: left out", flush=True)
+            continue
         records.setdefault(rec["name"], {})[int(rec["seed"])] = rec
     if "full" not in records:
         raise ValueError(f"no curves of arm 'full' under {args.save_dir}/curves: run --launch first")
@@ -316,8 +322,8 @@ def report(args, names: List[str]) -> List[dict]:
         mean_curve = _mean_curve([rec["curve"] for rec in runs.values()], full_step if name == "full" else 10**12)
         wc = wall_clock(mean_curve, arm, t_arm)
         reach = time_to_reach(wc, full_mean) if wc else None
-        if name == "full" and wc:
-            full_time = wc[-1][0]
+        if name == "full":
+            full_time = reach  # the same rule as every arm's: the first time its mean curve reaches the target
         row = dict(bench="quality_frontier", kind="arm", name=name, data=arm["data"], S=S, steps=step,
                    seeds=sorted(at), attn=arm["attn"], budget_rule=arm.get("rule"), recall_target=arm.get("recall"),
                    local_radius=arm.get("local"), granularity=arm.get("gran"), stage1=arm.get("stage1"),

@@ -119,7 +119,8 @@ class Clips:
 
     @classmethod
     def for_arm(cls, arm: dict, args, channels: int, device, dtype) -> "Clips":
-        key = (arm["data"], arm["frames"], arm["res"], args.samples, args.val_samples, _data_seed(args), channels)
+        key = (arm["data"], arm["frames"], arm["res"], args.samples, args.val_samples, _data_seed(args), channels,
+               args.frame_skip)
         if key not in cls._cache:
             cls._cache.clear()  # one data set on the device at a time
             cls._cache[key] = cls._load_or_render(key, arm, args, channels, device, dtype)
@@ -134,7 +135,7 @@ class Clips:
         cache = getattr(args, "clips_cache", None)
         if not cache:
             return cls._render(arm, args, channels, device, dtype)
-        path = os.path.join(cache, "clips-" + "-".join(str(k) for k in key) + ".pt")
+        path = os.path.join(cache, f"clips-v{_CLIPS_FORMAT}-" + "-".join(str(k) for k in key) + ".pt")
         if not os.path.exists(path):
             clips = cls._render(arm, args, channels, device, dtype)
             os.makedirs(cache, exist_ok=True)
@@ -202,6 +203,9 @@ class Clips:
             g = torch.Generator().manual_seed(self.order_seed * 1_000_003 + epoch)
             self._order_key, self._order = key, torch.randperm(self.n_train, generator=g)
         return self._order
+
+
+_CLIPS_FORMAT = 1  # raise when rendering changes: cached clips of another version are then not reused
 
 
 def _data_seed(args) -> int:
@@ -355,6 +359,8 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
         # stopped by the minutes: the run continues from its last validation step, where it was saved, so
         # every run of a study has validations at the same steps (the steps past it are trained again)
         steps_done, final_val, counters = aligned
+        if os.path.exists(path):  # what is returned (model, DSV state, metrics) is the state saved at that step
+            load_run(path, arm, model, opt, g, ema)
         print(f" [{arm['label']}] resumes from its validation step {steps_done} next time", flush=True)
     else:
         if path:

@@ -160,7 +160,8 @@ class DSVConfig:
 
     def __post_init__(self):
         self.query_group_shape = tuple(int(x) for x in self.query_group_shape)
-        self.local_radius = tuple(self.local_radius)
+        if isinstance(self.local_radius, (list, tuple)):
+            self.local_radius = tuple(self.local_radius)
         self._check_choices()
         self._check_ranges()
 
@@ -221,8 +222,11 @@ class DSVConfig:
              "query_group_shape", "three positive ints (t, h, w)")
         need(self.group_size in SUPPORTED_GROUP_SIZES, "query_group_shape",
              f"a cube whose volume is one of {list(SUPPORTED_GROUP_SIZES)}")
-        need(len(self.local_radius) == 3 and all(isinstance(x, int) and x >= 0 for x in self.local_radius),
+        need(isinstance(self.local_radius, tuple) and len(self.local_radius) == 3
+             and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in self.local_radius),
              "local_radius", "three ints >= 0 (rt, rh, rw), in cubes")
+        need(not (self.uses_local and self.topk_backend == "cuda"), "topk_backend",
+             "'auto', 'triton' or 'naive' with local_radius (the CUDA estimator takes no local part)")
         need(self.kv_block_size in SUPPORTED_KV_BLOCKS, "kv_block_size", f"one of {list(SUPPORTED_KV_BLOCKS)}")
 
     def to_dict(self) -> dict:

@@ -32,7 +32,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 from megatron_dsv.attention.core_attention import DSVCoreAttention
-from megatron_dsv.attention.dispatcher import density_budgets, head_budgets
+from megatron_dsv.attention.dispatcher import head_budgets
 from megatron_dsv.attention.grouping import cube_order_coords
 from megatron_dsv.attention.hooks import dsv_eval_forward, dsv_layers
 from megatron_dsv.attention.profiler import _RecallCurve, profile_stats, smallest_k_reaching
@@ -490,13 +490,12 @@ def predictor_recall(layer: DSVCoreAttention, q: torch.Tensor, k: torch.Tensor, 
     cfg, S = layer.dsv_config, k.shape[2]
     stats = dict(theta=theta, softmax_scale=layer.softmax_scale, query_index=query_index, chunk_elems=chunk_elems)
     if layer.profiled_host:
-        rule = density_budgets(layer._density_cpu, S, cfg) if cfg.budget_rule == "recall" else \
-            head_budgets(layer._sparsity_cpu, S, cfg)
+        rule = layer.rule_budgets(S)
         (idx, counts), source = layer._estimate(q, k, hidden, rule[0]), "layer_state"
         sparsity, _, recall = profile_stats(q, k, **stats, lists=(idx, counts, cfg.group_size, cfg.block_size))
     else:
         sparsity = head_sparsity(q, k, **stats)
-        rule, source = head_budgets(sparsity.mean(0).cpu(), S, cfg), "measured_sparsity"
+        rule, source = head_budgets(sparsity.mean(0).cpu(), S, cfg, layer._local_tokens(S)), "measured_sparsity"
         idx, counts = layer._estimate(q, k, hidden, rule[0])
         recall = profile_stats(q, k, **stats, lists=(idx, counts, cfg.group_size, cfg.block_size))[2]
     return {"sparsity": sparsity, "recall": recall, "tokens": rule[1], "budget_source": source}

@@ -429,6 +429,16 @@ class DSVCoreAttention(MegatronModule):
                              f"sets it on every forward); got {self.token_grid}")
         return local_item_lists(self.token_grid, cfg.query_group_shape, cfg.local_radius, cfg.block_size, device)
 
+    def rule_budgets(self, S: int, density: Optional[torch.Tensor] = None, sparsity: Optional[torch.Tensor] = None):
+        """``(budgets, tokens)`` (host ``[H]``) by the budget rule, from per-head ``density`` (rule 'recall') or
+        ``sparsity`` (rule 'sparsity'), the layer's smoothed state where not given; floored at the
+        neighbourhood of local + predicted lists. The one place budgets are sized outside the dispatcher."""
+        cfg = self.dsv_config
+        floor = self._local_tokens(S)
+        if cfg.budget_rule == "recall":
+            return density_budgets(self._density_cpu if density is None else density, S, cfg, floor)
+        return head_budgets(self._sparsity_cpu if sparsity is None else sparsity, S, cfg, floor)
+
     def _local_tokens(self, S: int) -> int:
         """Keys of the largest neighbourhood (the floor of every budget under local + predicted lists)."""
         local = self._local_items(S, "cpu")
@@ -463,10 +473,8 @@ class DSVCoreAttention(MegatronModule):
                           block_size=cfg.block_size, proxy=cfg.group_proxy, block_score=cfg.block_score,
                           forced=self._local_items(S, k.device)) if recall_rule else None
         stats = dict(theta=cfg.theta, softmax_scale=self.softmax_scale, query_index=qidx)
-        floor = self._local_tokens(S)
         if budgets is None and self.profiled_host:
-            budgets = (density_budgets(self._density_cpu, S, cfg, floor) if recall_rule
-                       else head_budgets(self._sparsity_cpu, S, cfg, floor))[0]
+            budgets = self.rule_budgets(S)[0]
         if budgets is not None:  # the lists are known before the pass: one pass measures everything
             lists = self._estimate(q, k, hidden, budgets, projected)
             sparsity, curve, recall = profile_stats(q, k, **stats, curve=curve_args,
@@ -478,8 +486,7 @@ class DSVCoreAttention(MegatronModule):
         measured = sparsity.float().mean(0)
         density = self._recall_density(curve, S) if recall_rule else 1.0 - measured
         if budgets is None:
-            budgets = (density_budgets(density.cpu(), S, cfg, floor) if recall_rule
-                       else head_budgets(measured.cpu(), S, cfg, floor))[0]
+            budgets = self.rule_budgets(S, density=density.cpu(), sparsity=measured.cpu())[0]
             lists = self._estimate(q, k, hidden, budgets, projected)
             recall = profile_stats(q, k, **stats, lists=(lists[0], lists[1], cfg.group_size, cfg.block_size))[2]
             if seq_group is not None:

@@ -114,7 +114,8 @@ def test_video_dit_trains_with_local_lists(megatron_cpu, fast_table):
     from megatron_dsv.models.dit_config import VideoDiTConfig
     from megatron_dsv.models.video_dit import build_video_dit
 
-    cfg = VideoDiTConfig.from_preset("tiny", layers=2, latent_frames=4, latent_height=16, latent_width=16)
+    # token grid (4, 8, 16): a 2 x 2 x 2 grid of 64-token cubes, so radius (0, 0, 1) keeps 2 of 8 cubes
+    cfg = VideoDiTConfig.from_preset("tiny", layers=2, latent_frames=4, latent_height=16, latent_width=32)
     dsv = DSVConfig(query_group_shape=(2, 4, 8), kv_block_size=64, local_radius=(0, 0, 1), k_min=1,
                     budget_rule="sparsity", sparsity_threshold=0.0, stage_switch_rule="steps", stage_switch_steps=1,
                     profile_interval=1, kernel_backend="naive", topk_backend="naive", predictor_query_stride=8,
@@ -123,7 +124,7 @@ def test_video_dit_trains_with_local_lists(megatron_cpu, fast_table):
     model = build_video_dit(cfg, dsv_config=dsv)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     dev = next(model.parameters()).device  # Megatron builds on the GPU where there is one
-    x = torch.randn(1, cfg.in_channels, 4, 16, 16, device=dev)
+    x = torch.randn(1, cfg.in_channels, 4, 16, 32, device=dev)
     for step in range(3):
         loss = model(x, torch.tensor([0.5], device=dev), torch.tensor([1], device=dev)).square().mean()
         loss.backward()
@@ -131,5 +132,8 @@ def test_video_dit_trains_with_local_lists(megatron_cpu, fast_table):
         opt.zero_grad()
         dsv_on_step_end(model, step + 1)
     cores = model._dsv_cores()
-    assert len(cores) == 2 and all(c.token_grid == (4, 8, 8) for c in cores)
+    assert len(cores) == 2 and all(c.token_grid == (4, 8, 16) for c in cores)
     assert all(c.last_sparse for c in cores) and torch.isfinite(loss)
+    for c in cores:  # the lists keep fewer keys than the sequence, the neighbourhood at least
+        tokens = c.decide(512)[2]
+        assert (tokens >= c._local_tokens(512)).all() and (tokens < 512).all() and c._local_tokens(512) == 128
