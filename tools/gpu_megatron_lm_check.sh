@@ -7,7 +7,8 @@
 # check and write OUT/megatron_lm-<gpu>-<yyyymmdd>.json (plus OUT/megatron_lm_rows.jsonl and the runs' logs in
 # OUT/megatron_lm_logs.tgz).
 #   bash tools/gpu_megatron_lm_check.sh OUT [TAG ...]     TAG: core_v0.16.1 core_v0.19.0 (default: both)
-# Carried (ignored folders of the checkout): .mlm/Megatron-LM-<tag>.tgz (copies of ../shared/megatron-lm/),
+# Carried (ignored folders of the checkout): .mlm/Megatron-LM-<tag>.tgz (copies of ../shared/megatron-lm/;
+# MLM_TARBALLS names another folder),
 # .whl/ (megatron-core 0.16.1 cp312) and .whl-mlm/ (pydantic & co.), installed by tools/gpu_env.sh.
 # megatron.core comes from the unpacked tree itself (each script runs from it), so 0.19.0 needs no wheel.
 # All runs of a phase go at once (one GPU holds them easily): ~4 minutes in all on one H200 for both tags
@@ -71,7 +72,7 @@ wait_all() {  # wait for every launched run; report the ones that failed
 
 ready=()
 for tag in $tags; do
-  tgz=$repo/.mlm/Megatron-LM-$tag.tgz
+  tgz=${MLM_TARBALLS:-$repo/.mlm}/Megatron-LM-$tag.tgz
   if [[ ! -f "$tgz" ]]; then
     echo "FAIL $tag: $tgz is missing (copy ../shared/megatron-lm/Megatron-LM-$tag.tgz to .mlm/ and carry .mlm)"
     continue

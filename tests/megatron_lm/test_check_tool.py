@@ -156,15 +156,18 @@ def test_shellcheck(script):
 def test_gpu_check_dry_run_names_every_run(tmp_path):
     """DRY_RUN=1 on one tag: the four runs of each script, the interrupted one with --exit-interval 10,
     the same checkpoint folder for its two parts; a missing tarball is a FAIL line, never a hang."""
-    mlm = os.path.join(ROOT, ".mlm", "Megatron-LM-core_v0.16.1.tgz")
+    shared = os.path.join(os.path.dirname(ROOT), "shared", "megatron-lm")  # CI's copy of shared/ beside the clone
+    folder = os.environ.get("MEGATRON_LM_TARBALLS") or (shared if os.path.isdir(shared) else os.path.join(ROOT, ".mlm"))
+    mlm = os.path.join(folder, "Megatron-LM-core_v0.16.1.tgz")
     env = {**os.environ, "DRY_RUN": "1"}
     proc = subprocess.run(["bash", os.path.join(ROOT, "tools", "gpu_megatron_lm_check.sh"), str(tmp_path / "out"),
                            "core_v9.9.9"], capture_output=True, text=True, env=env, timeout=120)
     assert "FAIL core_v9.9.9" in proc.stdout and ".mlm/Megatron-LM-core_v9.9.9.tgz is missing" in proc.stdout
     if not os.path.exists(mlm):
-        pytest.skip(f"{mlm} absent (copy ../shared/megatron-lm/*.tgz into .mlm/ for the full dry run)")
+        pytest.skip(f"{mlm} absent (../shared/megatron-lm/ or .mlm/ holds the tarballs for the full dry run)")
     proc = subprocess.run(["bash", os.path.join(ROOT, "tools", "gpu_megatron_lm_check.sh"), str(tmp_path / "out"),
-                           "core_v0.16.1"], capture_output=True, text=True, env=env, timeout=300)
+                           "core_v0.16.1"], capture_output=True, text=True, env={**env, "MLM_TARBALLS": folder},
+                          timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     runs = [line for line in proc.stdout.splitlines() if line.startswith("[core_v0.16.1-")]
     names = [line.split("]")[0][1:] for line in runs]
