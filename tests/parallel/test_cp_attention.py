@@ -107,13 +107,18 @@ def _check_core_attention(rank, world):
     bad.train()
     with pytest.raises(ValueError, match="--dsv-profile-max-queries"):
         bad(*[_shard(t, rank, world, dim=0).clone() for t in (q, k, v)], None)
-    # "hybrid" profiles one in 4 of the sampled queries (cap 16 of 64), "seq" all of them (cap 0)
-    for mode, cap in (("hybrid", 16), ("seq", 0)):
-        cfg = dsv_config(cp_mode=mode, sparsity_threshold=0.3, profile_max_queries=cap)
+    # "hybrid" profiles one in 4 of the sampled queries (cap 16 of 64), "seq" all of them (cap 0); the third
+    # pass adds local + predicted lists (the neighbourhood of each 1x4x4 cube on the 2x16x16 token grid,
+    # indexed by global query group, then sliced per rank as one process's lists)
+    for mode, cap, local in (("hybrid", 16, (0, 0, 0)), ("seq", 0, (0, 0, 0)), ("hybrid", 16, (0, 1, 1))):
+        cfg = dsv_config(cp_mode=mode, sparsity_threshold=0.3, profile_max_queries=cap, local_radius=local)
         tf = tf_config(hidden=H * D, heads=H)
         layers = {name: DSVCoreAttention(tf, 1, AttnMaskType.no_mask, "self", dsv_config=cfg,
                                          pg_collection=SimpleNamespace(tp=None, cp=group))
                   for name, group in (("one", None), ("cp", dist.group.WORLD))}
+        for layer in layers.values():
+            layer.token_grid = (2, 16, 16)
+        mode = f"{mode}{'-local' if any(local) else ''}"
 
         def step(what):
             outs = {}
@@ -140,6 +145,8 @@ def _check_core_attention(rank, world):
             force_state(layer, stage=2, sparsity=[0.5, 0.7, 0.85, 0.95], density=[0.5, 0.3, 0.15, 0.05])
         step("stage 2 + profile")
         assert cp.last_sparse and one.last_sparse, "the stage-2 step must run sparse"
+        if any(local):  # every head keeps at least the neighbourhood (9 cubes of 16 tokens inside the grid)
+            assert cp._local_tokens(S) == 144 and float(cp.last_k.min()) >= 144 and float(cp.last_k.max()) < S
         assert cp.cp_plan is not None and int(cp.cp_plan_state[0, 0]) == cp.cp_plan.layout.hcp
         for layer in layers.values():
             layer.profiling = layer.predictor_training = False
