@@ -37,6 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--bf16", action="store_true", help="run the model in bfloat16 (GPU)")
     p.add_argument("--out", default="samples/video_dit", help="output path prefix")
     p.add_argument("--fps", type=int, default=8, help="GIF frame rate")
+    p.add_argument("--live-weights", action="store_true",
+                   help="sample from the trained weights themselves, not their EMA (the default when the "
+                        "checkpoint holds one, as validation uses it)")
     return p
 
 
@@ -44,11 +47,13 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.steps < 1:
         raise SystemExit(f"--steps must be >= 1, got {args.steps}")
-    from megatron_dsv.training.checkpointing import load_model_for_inference
+    from megatron_dsv.training.checkpointing import load_model_for_inference, read_train_state, resolve_checkpoint_dir
 
-    loaded = load_model_for_inference(args.ckpt, device=args.device,
-                                      dtype=torch.bfloat16 if args.bf16 else None)
+    ema = not args.live_weights and bool(read_train_state(resolve_checkpoint_dir(args.ckpt)).get("ema"))
+    loaded = load_model_for_inference(args.ckpt, device=args.device, dtype=torch.bfloat16 if args.bf16 else None,
+                                      ema=ema)
     model = loaded[0] if isinstance(loaded, tuple) else loaded
+    print(f"sampling with the {'EMA' if ema else 'live'} weights of {args.ckpt}")
     cfg = model.dit_config
     if cfg.text_dim is not None:
         raise SystemExit("this checkpoint is text-conditioned; sampling from text embeddings is not wired in "
