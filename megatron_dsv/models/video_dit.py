@@ -293,14 +293,19 @@ def _transformer_config(cfg: VideoDiTConfig, dtype, overrides: dict) -> Transfor
         raise ValueError(f"transformer_overrides has a key TransformerConfig does not accept: {err}") from err
 
 
-def unwrap_video_dit(model) -> VideoDiT:
-    """The VideoDiT inside Megatron wrappers (DDP, Float16Module, ...)."""
+def unwrap_model(model, cls):
+    """The ``cls`` instance inside Megatron wrappers (DDP, Float16Module, ...: each holds ``.module``)."""
     seen = model
     for _ in range(8):
-        if isinstance(seen, VideoDiT):
+        if isinstance(seen, cls):
             return seen
         seen = getattr(seen, "module", None)
-    raise ValueError(f"model must be a VideoDiT or a wrapper of one (with .module), got {type(model).__name__}")
+    raise ValueError(f"model must be a {cls.__name__} or a wrapper of one (with .module), got {type(model).__name__}")
+
+
+def unwrap_video_dit(model) -> VideoDiT:
+    """The VideoDiT inside Megatron wrappers (DDP, Float16Module, ...)."""
+    return unwrap_model(model, VideoDiT)
 
 
 def flow_matching_loss(model, latents: torch.Tensor, labels: Optional[torch.Tensor],

@@ -31,7 +31,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_dsv.attention.grouping import cube_order_coords, from_cube_order, to_cube_order
 from megatron_dsv.models.dit_config import _check_dtype
 from megatron_dsv.models.rope3d import rope_3d_freqs
-from megatron_dsv.models.video_dit import VideoDiT, _cp_group, patchify, timestep_features
+from megatron_dsv.models.video_dit import VideoDiT, _cp_group, patchify, timestep_features, unwrap_model
 from megatron_dsv.models.wan_config import WAN_PRESETS, WanConfig
 from megatron_dsv.models.wan_layer import WanLayerNorm, get_wan_layer_spec
 
@@ -203,12 +203,7 @@ def _transformer_config(cfg: WanConfig, dtype, overrides: dict) -> TransformerCo
 
 def unwrap_wan(model) -> WanTransformer:
     """The WanTransformer inside Megatron wrappers (DDP, Float16Module, ...)."""
-    seen = model
-    for _ in range(8):
-        if isinstance(seen, WanTransformer):
-            return seen
-        seen = getattr(seen, "module", None)
-    raise ValueError(f"model must be a WanTransformer or a wrapper of one (with .module), got {type(model).__name__}")
+    return unwrap_model(model, WanTransformer)
 
 
 def count_wan_parameters(cfg: WanConfig) -> int:
