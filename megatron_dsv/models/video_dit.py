@@ -308,6 +308,22 @@ def unwrap_video_dit(model) -> VideoDiT:
     return unwrap_model(model, VideoDiT)
 
 
+def _flow_settings(model):
+    """(timestep_sampling, class_dropout_prob, num_classes, takes_labels) of the model inside ``model``'s
+    wrappers: a VideoDiT's ``dit_config``; a text-conditioned model without one (``WanTransformer``: a
+    ``wan_config``, no class labels): logit-normal timesteps, no label dropout, labels not passed."""
+    seen = model
+    for _ in range(8):
+        if isinstance(seen, VideoDiT):
+            dc = seen.dit_config
+            return dc.timestep_sampling, dc.class_dropout_prob, dc.num_classes, True
+        if hasattr(seen, "wan_config"):
+            return "logit_normal", 0.0, 0, False
+        seen = getattr(seen, "module", None)
+    unwrap_video_dit(model)  # raises, naming the type
+    raise AssertionError("unreachable")
+
+
 def flow_matching_loss(model, latents: torch.Tensor, labels: Optional[torch.Tensor],
                        generator: Optional[torch.Generator] = None, text: Optional[torch.Tensor] = None,
                        text_mask: Optional[torch.Tensor] = None, timestep_sampling: Optional[str] = None) -> torch.Tensor:
@@ -319,9 +335,10 @@ def flow_matching_loss(model, latents: torch.Tensor, labels: Optional[torch.Tens
     ``timestep_sampling`` (default: the model's ``VideoDiTConfig.timestep_sampling``).
     In training mode a ``class_dropout_prob`` fraction of labels become the null class
     (classifier-free guidance). All randomness comes from ``generator`` (on its own device).
+    A model without class conditioning (``WanTransformer``) gets ``labels=None`` and logit-normal t.
     """
-    dc = unwrap_video_dit(model).dit_config
-    mode = dc.timestep_sampling if timestep_sampling is None else timestep_sampling
+    sampling, dropout, num_classes, takes_labels = _flow_settings(model)
+    mode = sampling if timestep_sampling is None else timestep_sampling
     if mode not in ("logit_normal", "uniform"):
         raise ValueError(f"timestep_sampling must be one of ['logit_normal', 'uniform'], got {mode!r}")
     B, dev = latents.shape[0], latents.device
@@ -331,9 +348,11 @@ def flow_matching_loss(model, latents: torch.Tensor, labels: Optional[torch.Tens
         t = torch.sigmoid(torch.randn(B, generator=generator, device=gdev)).to(dev)
     else:
         t = torch.rand(B, generator=generator, device=gdev).to(dev)
-    if labels is not None and model.training and dc.class_dropout_prob > 0:
-        drop = (torch.rand(B, generator=generator, device=gdev) < dc.class_dropout_prob).to(dev)
-        labels = torch.where(drop, torch.full_like(labels, dc.num_classes), labels)
+    if not takes_labels:
+        labels = None
+    if labels is not None and model.training and dropout > 0:
+        drop = (torch.rand(B, generator=generator, device=gdev) < dropout).to(dev)
+        labels = torch.where(drop, torch.full_like(labels, num_classes), labels)
     x0 = latents.float()
     tb = t.view(B, 1, 1, 1, 1)
     x_t = (1.0 - tb) * x0 + tb * noise

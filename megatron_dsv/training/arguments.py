@@ -101,6 +101,13 @@ def add_video_dit_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument("--data-seed", type=int, default=None, help="Seed of the synthetic videos (default: --seed).")
     g.add_argument("--num-workers", type=_non_negative_int, default=0,
                    help="DataLoader worker processes that prepare the next batches (0: in the training process).")
+    g = parser.add_argument_group(title="pretrained model")
+    g.add_argument("--pretrained", default=None, metavar="DIR",
+                   help="Fine-tune a converted Wan2.1 checkpoint (a folder written by `python "
+                        "tools/convert_checkpoint.py to-megatron`): the model is the Wan transformer of DIR's "
+                        "wan_config.json with its weights (DSV attention by --use-dsv-attention, DSV state fresh: "
+                        "stage 1), instead of --preset. Needs --data-path shards carrying text embeddings of the "
+                        "model's text_dim; no sample GIF. Resuming such a run (--load) needs --pretrained again.")
     return parser
 
 
@@ -263,6 +270,8 @@ def validate_args(args: argparse.Namespace, parser: Optional[argparse.ArgumentPa
         fail(f"--valid-data-path must be an existing folder of latent shards, got {args.valid_data_path!r}")
     if args.load is not None and not os.path.isdir(args.load):
         fail(f"--load must be an existing checkpoint folder, got {args.load!r}")
+    if getattr(args, "pretrained", None) is not None:
+        _validate_pretrained(args, fail)
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         fail("--override-opt-param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other: pass one")
     if args.lr_decay_iters is None:
@@ -281,6 +290,26 @@ def validate_args(args: argparse.Namespace, parser: Optional[argparse.ArgumentPa
         args.save_interval = args.train_iters
     _validate_dsv(args, fail)
     return args
+
+
+PRETRAINED_CONFIG = "wan_config.json"  # megatron_dsv.models.wan_convert.CONFIG_NAME (this module imports no torch)
+
+
+def _validate_pretrained(args, fail) -> None:
+    """--pretrained DIR: a converted Wan checkpoint, its shape from DIR (no shape flags), text from the shards."""
+    path = args.pretrained
+    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, PRETRAINED_CONFIG)):
+        fail(f"--pretrained must be a converted Wan checkpoint folder (written by `python tools/convert_checkpoint.py "
+             f"to-megatron`, holding {PRETRAINED_CONFIG}), got {path!r}")
+    flags = (("--num-layers", "num_layers"), ("--hidden-size", "hidden_size"),
+             ("--num-attention-heads", "num_attention_heads"))
+    shape = [flag for flag, dest in flags if getattr(args, dest) is not None]
+    shape += ["--model-override"] if args.model_override else []
+    if shape:
+        fail(f"--pretrained takes the model shape from {PRETRAINED_CONFIG}: drop {' '.join(shape)}")
+    if args.data_path is None:
+        fail("--pretrained (a text-to-video Wan model) needs text embeddings: pass --data-path with latent shards "
+             "carrying text (the synthetic videos of the default have none)")
 
 
 def _validate_dsv(args, fail) -> None:

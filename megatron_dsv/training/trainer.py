@@ -79,19 +79,50 @@ def _transformer_overrides(args) -> dict:
 
 
 def build_model(args, env: DistEnv):
-    """VideoDiT from --preset and overrides, DSV attention when on; returns (model, cfg, dsv_config)."""
+    """VideoDiT from --preset and overrides (or --pretrained's Wan transformer with its weights), DSV attention
+    when on; returns (model, cfg, dsv_config)."""
     from megatron_dsv.models.video_dit import VideoDiTConfig, build_video_dit
 
     if args.recompute_granularity is not None and env.device.type != "cuda":
         # megatron.core.tensor_parallel.checkpoint saves and restores CUDA RNG states unconditionally.
         raise ValueError(f"--recompute-granularity {args.recompute_granularity} needs a GPU (megatron-core's "
                          "activation checkpointing is CUDA-only); leave it unset on CPU")
-    cfg = VideoDiTConfig.from_preset(args.preset, **model_overrides_from_args(args))
     dsv_config = dsv_config_from_args(args)
     dtype = _precision(args, env)
+    if getattr(args, "pretrained", None) is not None:
+        model, cfg = _build_pretrained_wan(args, env, dsv_config, dtype)
+        return model, cfg, dsv_config
+    cfg = VideoDiTConfig.from_preset(args.preset, **model_overrides_from_args(args))
     model = build_video_dit(cfg, dsv_config=dsv_config, use_te=None, pg_collection=env.pg_collection, dtype=dtype,
                             **_transformer_overrides(args))
     return model.to(env.device), cfg, dsv_config
+
+
+def _build_pretrained_wan(args, env: DistEnv, dsv_config, dtype):
+    """--pretrained DIR: the Wan transformer of DIR's wan_config.json (latent grid: the --data-path shards') with
+    DIR's weights, loaded before the optimizer and EMA exist; DSV state fresh (stage 1). A run resuming from
+    --load takes its weights from there instead."""
+    from megatron_dsv.data import LatentShardDataset
+    from megatron_dsv.models.wan import build_wan
+    from megatron_dsv.models.wan_convert import load_megatron_checkpoint, read_megatron_config
+
+    cfg, _ = read_megatron_config(args.pretrained)
+    shards = LatentShardDataset(args.data_path)
+    text = shards.shards[0].shapes.get("text")
+    if text is None or int(text[-1]) != cfg.text_dim:
+        held = "none" if text is None else f"[L, {int(text[-1])}]"
+        raise ValueError(f"--pretrained {args.pretrained!r} needs text embeddings [L, {cfg.text_dim}] in the "
+                         f"--data-path shards; {args.data_path!r} holds {held} (write them with write_shard(text=...))")
+    cfg = dataclasses.replace(cfg, latent_grid=tuple(int(g) for g in shards.sample_shape[1:]))
+    model = build_wan(cfg, dsv_config=dsv_config, use_te=None, pg_collection=env.pg_collection, dtype=dtype,
+                      **_transformer_overrides(args)).to(env.device)
+    if args.load is not None and has_checkpoint(args.load):
+        print_rank0(f" > --pretrained {args.pretrained}: the Wan model's shape; its weights come from --load")
+    else:
+        load_megatron_checkpoint(model, args.pretrained)
+        print_rank0(f" > loaded the Wan weights of --pretrained {args.pretrained}"
+                    + (" (DSV state fresh: stage 1)" if dsv_config is not None else ""))
+    return model, cfg
 
 
 def _noise_generator(seed: int, position: int, device: torch.device) -> torch.Generator:
@@ -201,6 +232,7 @@ def train(args) -> TrainResult:
         print_rank0(f" > WARNING: --load {args.load} holds no checkpoint yet ({TRACKER_FILE} missing): "
                     "starting from iteration 0")
     elif args.load is not None:
+        _check_pretrained_resume(args)
         state = load_checkpoint(args.load, ddp_model, optimizer, scheduler, model_config=cfg,
                                 load_optim=not args.no_load_optim, load_rng=not args.no_load_rng, args=args,
                                 ema=result.ema, load_dsv_state=not args.no_load_dsv_state)
@@ -225,13 +257,30 @@ def train(args) -> TrainResult:
     if result.checkpoint is None and args.save and result.iteration > result.start_iteration:
         result.checkpoint = _save(args, cfg, dsv_config, ddp_model, optimizer, scheduler, result)
     result.model = unwrap(ddp_model)
-    if args.sample and env.dp_rank == 0 and not result.signalled:
+    if args.sample and getattr(args, "pretrained", None) is not None:
+        print_rank0(" > no sample GIF for a --pretrained (Wan) run: it needs a text encoder and the Wan VAE")
+    elif args.sample and env.dp_rank == 0 and not result.signalled:
         # every tensor-parallel rank of replica 0 runs the forward (TP collectives: rank 0 alone would hang)
         from megatron_dsv.training.samples import write_samples
 
         with _ema_weights(result.ema, result.model):
             result.samples = write_samples(result.model, cfg, args, env.device, result.iteration, write=is_rank0())
     return result
+
+
+def _check_pretrained_resume(args) -> None:
+    """A --pretrained (Wan) checkpoint resumes only with --pretrained (the model's shape comes from there), and a
+    VideoDiT one only without it."""
+    from megatron_dsv.training.checkpointing import read_train_state, resolve_checkpoint_dir
+
+    try:
+        saved = read_train_state(resolve_checkpoint_dir(args.load)).get("args", {}).get("pretrained")
+    except Exception:  # an unreadable checkpoint: load_checkpoint says what is wrong with it
+        return
+    if (saved is None) != (getattr(args, "pretrained", None) is None):
+        raise ValueError(f"--load {args.load} holds a run " + ("without --pretrained (a VideoDiT): resume it without "
+                         "--pretrained" if saved is None else f"of --pretrained {saved} (a Wan model): resume it with "
+                         f"--pretrained {saved}"))
 
 
 def _ema_weights(ema: Optional[ModelEMA], model):
@@ -349,7 +398,9 @@ def _print_banner(args, env, cfg, model, sampler):
 
     n_params = sum(p.numel() for p in model.parameters())
     layers = "transformer-engine" if have_transformer_engine() else "megatron-core local (no transformer-engine)"
-    print_rank0(f" > megatron_dsv trainer: preset {args.preset}, {n_params / 1e6:.2f}M parameters, {layers} layers, "
+    pretrained = getattr(args, "pretrained", None)
+    model_name = f"--pretrained {pretrained} (Wan)" if pretrained else f"preset {args.preset}"
+    print_rank0(f" > megatron_dsv trainer: {model_name}, {n_params / 1e6:.2f}M parameters, {layers} layers, "
                 f"device {env.device}, {args.precision}, world {env.world_size} (dp {env.dp_size}, tp {env.tp_size}, "
                 f"cp {env.cp_size}), DSV {'on' if args.use_dsv_attention else 'off'}")
     print_rank0(f" > latents {tuple(latent_shape(cfg))}, {_tokens_per_sample(cfg)} tokens/video, global batch "
