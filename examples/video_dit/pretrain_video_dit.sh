@@ -60,20 +60,9 @@ if [[ ! -f "$MEGATRON_LM/megatron/training/training.py" ]]; then
     echo "error: MEGATRON_LM=$MEGATRON_LM holds no megatron/training (a Megatron-LM checkout is needed)" >&2
     exit 2
 fi
-if ! missing=$("$PYTHON" -c "
-import importlib, sys
-bad = []
-for name in ('torch', 'megatron.core', 'megatron_dsv'):
-    try:
-        importlib.import_module(name)
-    except Exception as e:
-        bad.append(f'{name} ({type(e).__name__}: {e})')
-print('; '.join(bad))
-sys.exit(1 if bad else 0)" 2>/dev/null); then
-    echo "error: $PYTHON cannot import: ${missing:-torch}. Install torch, megatron-core and megatron_dsv" \
-         "(pip install -e /path/to/megatron_dsv) in the environment of PYTHON" >&2
-    exit 2
-fi
+# shellcheck disable=SC1091  # examples/megatron_lm/require_imports.sh, checked on its own
+. "$here/examples/megatron_lm/require_imports.sh"
+require_imports "$PYTHON"
 if [[ "${PATCH:-1}" != 0 ]]; then
     "$PYTHON" "$here/tools/apply_patches.py" "$MEGATRON_LM"
 fi
