@@ -68,10 +68,13 @@ def build(arm: str, args, frames: int, res: int, device, dtype):
     from megatron_dsv.models.dit_config import VideoDiTConfig
     from megatron_dsv.models.video_dit import build_video_dit
 
-    cfg = VideoDiTConfig.from_preset(args.preset, layers=args.layers, latent_frames=frames, latent_height=res // 4,
-                                     latent_width=res // 4, num_classes=8)
+    over = dict(layers=args.layers, latent_frames=frames, latent_height=res // 4, latent_width=res // 4, num_classes=8)
+    if args.heads:  # a narrower layer than the preset's: hidden = heads x head dim (as benchmarks/video_runs.py)
+        over.update(heads=args.heads, head_dim=args.head_dim, hidden=args.heads * args.head_dim)
+    cfg = VideoDiTConfig.from_preset(args.preset, **over)
     table = args.speedup_table if device.type == "cuda" else None
-    dsv = DSVConfig(speedup_table=table, granularity=args.granularity) if arm.startswith("dsv") else None
+    dsv = (DSVConfig(speedup_table=table, granularity=args.granularity, local_radius=tuple(args.local_radius))
+           if arm.startswith("dsv") else None)
     kwargs = {}
     if arm == "window":
         from megatron_dsv.models.window_attention import WindowConfig, radius_for_fraction
@@ -250,6 +253,11 @@ def main(argv=None):
     ap.add_argument("--frames", type=int, nargs="+", default=[16, 32, 64, 128],
                     help="frames per video (with --res 256: 16K, 32K, 64K, 128K tokens)")
     ap.add_argument("--res", type=int, nargs="+", default=[256], help="pixel side per frame (tokens per frame = (res / 8)^2)")
+    ap.add_argument("--heads", type=int, default=None,
+                    help="attention heads instead of the preset's, with --head-dim; hidden = heads x head dim")
+    ap.add_argument("--head-dim", type=int, default=64, help="head dim with --heads")
+    ap.add_argument("--local-radius", type=int, nargs=3, default=(0, 0, 0), metavar=("T", "H", "W"),
+                    help="DSV arms: local + predicted lists (DSVConfig.local_radius), in query cubes")
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     ap.add_argument("--granularity", default="block", choices=("block", "token"),
                     help="DSV's KV lists (DSVConfig.granularity): 128-key blocks (default) or tokens (the paper's)")

@@ -56,6 +56,7 @@ FRONTIER: Dict[str, str] = {
     "recall80": "attn=dsv,rule=recall,recall=0.8",
     "paper": "attn=dsv,rule=sparsity",
     "local": "attn=dsv,rule=sparsity,local=0.1.1",
+    "local111": "attn=dsv,rule=sparsity,local=1.1.1",
     "local_recall90": "attn=dsv,rule=recall,recall=0.9,local=0.1.1",
     "window": "attn=window",
 }

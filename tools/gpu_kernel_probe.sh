@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Where a training step's time goes at the quality frontier's width (head dim 64), alone on the GPU:
+#   1. the sparse kernels at D=64, H=8, G=128 block lists, S 16K/32K, vs same-run cuDNN and FlexAttention
+#      (benchmarks/bench_sparse_attention.py -> sparse_attention-d64-<gpu>-<date>.json);
+#   2. one training step per arm with its breakdown (attention, selection, predictor, profiler, rest) at the
+#      frontier's model (8 heads x 64, 4 layers) at 16K and 32K tokens (benchmarks/bench_e2e.py ->
+#      e2e-w512-*.json + PNG), DSV stage 2 with synthetic budgets around the trained density (0.18), and
+#      again with local + predicted lists (radius 1,1,1).
+# Usage: bash tools/gpu_kernel_probe.sh OUT_DIR   (run it alone on the GPU: its figures are speed figures)
+set -u
+out=${1:?usage: gpu_kernel_probe.sh OUT_DIR}
+mkdir -p "$out"
+cd "$(dirname "$0")/.." || exit 2
+# shellcheck disable=SC1091  # tools/gpu_env.sh, checked on its own
+. tools/gpu_env.sh
+width=(--preset 0.8b --heads 8 --head-dim 64 --layers 4 --res 256 --frames 16 32
+       --sparsity-min 0.74 --sparsity-max 0.9 --sparsity-mean 0.82)
+timeout 130 python3 benchmarks/bench_sparse_attention.py --head-dim 64 --heads 8 --group-size 128 \
+  --granularity block --seq-lens 16K,32K --sparsities 0.7,0.8,0.9 --out "$out" > "$out/probe_kernels.log" 2>&1
+echo "kernels exit $?"; grep -v -i warn "$out/probe_kernels.log" | tail -n 12
+for f in "$out"/sparse_attention-*.json; do [ -e "$f" ] && mv "$f" "${f/sparse_attention-/sparse_attention-d64-}"; done
+timeout 110 python3 benchmarks/bench_e2e.py "${width[@]}" --arms full dsv_stage2 dsv_stage1 window \
+  --out-dir "$out" --tag -w512 > "$out/probe_e2e.log" 2>&1
+echo "e2e exit $?"; grep "ms/step" "$out/probe_e2e.log"
+timeout 60 python3 benchmarks/bench_e2e.py "${width[@]}" --arms full dsv_stage2 --local-radius 1 1 1 \
+  --out-dir "$out" --tag -w512-local111 > "$out/probe_e2e_local.log" 2>&1
+echo "e2e local exit $?"; grep "ms/step" "$out/probe_e2e_local.log"
