@@ -151,11 +151,12 @@ def sync():
         torch.cuda.synchronize()
 
 
-def flow_matching_step(model, opt, latents, labels, generator) -> torch.Tensor:
-    """One optimizer step of the video DiT's flow-matching loss, gradients clipped at 1; returns the loss."""
+def flow_matching_step(model, opt, latents, labels, generator, text=None) -> torch.Tensor:
+    """One optimizer step of the flow-matching loss (``text``: a text-conditioned model's embeddings, e.g.
+    Wan's), gradients clipped at 1; returns the loss."""
     from megatron_dsv.models.video_dit import flow_matching_loss
 
-    loss = flow_matching_loss(model, latents, labels, generator=generator)
+    loss = flow_matching_loss(model, latents, labels, generator=generator, text=text)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()

@@ -376,3 +376,42 @@ def test_meta_tree_names_the_working_tree(tmp_path):
     git("commit", "-qm", "two")
     assert dirty == git("rev-parse", "HEAD^{tree}")
     assert git("status", "--porcelain") == ""  # the throw-away index left the real one alone
+
+
+@pytest.mark.timeout(600)
+def test_bench_wan_quick_two_arms(tmp_path):
+    """bench_wan.py --quick: the tiny Wan's full and DSV stage-2 steps on a grid no multiple of the cube."""
+    proc = _run_bench("bench_wan.py", tmp_path)
+    assert "x" in proc.stdout.split("dsv_stage2:")[-1]  # the speedup line
+    (path,) = tmp_path.glob("wan-*.json")
+    data = json.loads(path.read_text())
+    assert {"gpu", "torch", "date", "commit"} <= set(data["meta"])
+    rows = {r["arm"]: r for r in data["rows"]}
+    assert sorted(rows) == ["dsv_stage2", "full"]
+    for r in rows.values():
+        assert r["S"] == 300 and r["token_grid"] == [5, 6, 10] and r["ms_step"] > 0 and r["recompute"] == "none"
+        assert r["ms_dense_step"] == rows["full"]["ms_step"] and r["grid_fit"]["mode"] == "none"
+        assert "partial" in r["grid_fit"]["note"] and r["grid_fit"]["native_S"] == 300
+    dsv = rows["dsv_stage2"]
+    assert dsv["budget_source"].startswith("synthetic") and dsv["sparse_layers"] == 2 and 0.8 < dsv["sparsity"] < 0.95
+    assert dsv["ms_step_amortised"] > 0
+    assert dsv["speedup_step"] == pytest.approx(rows["full"]["ms_step"] / dsv["ms_step"])
+
+
+def test_bench_wan_native_grid_and_fits():
+    """Wan's 81 x 480 x 832 video: 21 x 60 x 104 latents, 32760 tokens as is, 26880 cropped, 43008 padded."""
+    sys.path.insert(0, ROOT)
+    from benchmarks.bench_wan import fit_grid, latent_grid
+
+    native = latent_grid(81, 480, 832)
+    assert native == (21, 60, 104)
+    sizes = {}
+    for mode in ("none", "crop", "pad"):
+        grid, note = fit_grid(native, (1, 2, 2), (4, 4, 8), mode)
+        sizes[mode] = grid[0] * (grid[1] // 2) * (grid[2] // 2)
+        assert note
+    assert sizes == {"none": 32760, "crop": 26880, "pad": 43008}
+    assert fit_grid((4, 16, 32), (1, 2, 2), (4, 4, 8), "none")[1] == "native grid"  # whole cubes: nothing partial
+    for bad in ((80, 480, 832), (81, 484, 832)):
+        with pytest.raises(ValueError, match="--frames|--height"):
+            latent_grid(*bad)
