@@ -3,6 +3,7 @@
 
     python tools/analyze_sparsity.py --load runs/tiny/checkpoints --samples 2 --out-dir analysis/tiny
     python tools/analyze_sparsity.py --preset tiny --dsv-query-group-shape 1 4 4 --out-dir /tmp/a
+    python tools/analyze_sparsity.py --pretrained wan-1.3b-megatron --grid 21 60 104 --bf16 --out-dir analysis/wan
 
 Probes attention at one flow-matching time t (x_t = (1 - t) x0 + t noise, as in training) on a
 few videos, measures per layer and head what DSV rests on (megatron_dsv.attention.analysis):
@@ -14,7 +15,14 @@ cube_overlap, list_costs (the kept fraction from a query's own need through orac
 query group, token or block lists, and the same lists ranked by the predictor, to the predictor's
 budgets), predictor_recall, and sparsity_trajectory with --trajectory (a benchmarks/bench_recall.py
 trajectory JSON). The --dsv-* flags (the trainer's) configure a
---preset model; a checkpoint brings its own. Needs matplotlib (pip install -e .[plots]).
+--preset model and a --pretrained one; a --load checkpoint brings its own. Needs matplotlib (pip install -e .[plots]).
+
+--pretrained DIR analyses a converted Wan2.1 checkpoint (tools/convert_checkpoint.py to-megatron) before any
+training: its weights with DSV attention of the --dsv-* flags and fresh DSV state (the predictors are
+untrained, so their recall is an untrained predictor's; the sparsity, mass and distance figures are the
+pretrained model's own). With --data synthetic its text is synthetic too: --text-tokens random-normal
+embeddings zero-padded to --text-len (Wan pads its umT5 text with zeros to 512), not umT5's; latent shards
+bring their own text.
 """
 
 from __future__ import annotations
@@ -32,7 +40,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_dsv.arguments import add_dsv_args, dsv_config_from_args  # noqa: E402
 
-USAGE = ("analyze_sparsity.py (--load CKPT_DIR | --preset {tiny,0.8b,2.7b,30b}) [--data synthetic|SHARD_DIR] "
+USAGE = ("analyze_sparsity.py (--load CKPT_DIR | --pretrained WAN_DIR | --preset {tiny,0.8b,2.7b,30b}) "
+         "[--data synthetic|SHARD_DIR] "
          "[--samples N] [--timestep T] [--theta THETA] [--trajectory JSON] [--out-dir DIR] [options] [--dsv-* flags]")
 TRAJECTORY_RUN_KEYS = ("arm", "predictor_input")  # columns that separate runs in one trajectory file
 
@@ -55,6 +64,10 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--preset", choices=["tiny", "0.8b", "2.7b", "30b"],
                      help="a live, freshly initialised model of this preset (smoke tests); its DSV config "
                           "comes from the --dsv-* flags")
+    src.add_argument("--pretrained", metavar="WAN_DIR",
+                     help="a converted Wan2.1 checkpoint (`python tools/convert_checkpoint.py to-megatron`): its "
+                          "wan_config.json and weights, DSV attention from the --dsv-* flags, DSV state fresh "
+                          "(sparsity before any training)")
     p.add_argument("--model-override", action="append", default=[], type=_key_value, metavar="KEY=VALUE",
                    help="with --preset: override one VideoDiTConfig field (repeatable), e.g. layers=2")
     p.add_argument("--data", default="synthetic",
@@ -64,6 +77,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="latent grid of the synthetic videos (default: the model's)")
     p.add_argument("--background", choices=["gradient", "texture"], default="gradient",
                    help="synthetic videos' background (default gradient)")
+    p.add_argument("--text-len", type=int, default=512,
+                   help="--pretrained with --data synthetic: text length (default 512, Wan's zero-padded length)")
+    p.add_argument("--text-tokens", type=int, default=32,
+                   help="--pretrained with --data synthetic: random-normal text embeddings before the zero padding "
+                        "(default 32)")
     p.add_argument("--samples", type=int, default=2, help="videos in the probed batch (default 2)")
     p.add_argument("--timestep", type=float, default=0.5,
                    help="flow-matching t in [0, 1] at which attention is probed (default 0.5; 1 = pure noise)")
@@ -95,8 +113,13 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
     for name in ("query_stride", "max_queries", "bins"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.model_override and args.load:
+    if args.model_override and not args.preset:
         p.error("--model-override applies to --preset only (a checkpoint carries its own model config)")
+    if not 1 <= args.text_tokens <= args.text_len:
+        p.error(f"--text-tokens must be in [1, --text-len = {args.text_len}], got {args.text_tokens}")
+    if args.pretrained and not os.path.isfile(os.path.join(args.pretrained, "wan_config.json")):
+        p.error(f"--pretrained must be a converted Wan checkpoint folder (written by `python "
+                f"tools/convert_checkpoint.py to-megatron`, holding wan_config.json), got {args.pretrained!r}")
     if args.trajectory and not os.path.isfile(args.trajectory):
         p.error(f"--trajectory {args.trajectory!r} is not a file")
 
@@ -120,22 +143,13 @@ def _device(choice: str) -> torch.device:
     return resolve_device(choice)
 
 
-def _live_model(args, device: torch.device, dtype: torch.dtype):
-    """A fresh VideoDiT of ``--preset`` with DSV attention (as load_model_for_inference sets up Megatron)."""
-    import ast
-
+def _init_megatron(args, device: torch.device) -> None:
+    """One process group and Megatron's parallel state (as load_model_for_inference sets them up)."""
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
-    from megatron_dsv.models.video_dit import VideoDiTConfig, build_video_dit
     from megatron_dsv.training.distributed import _init_default_group
 
-    overrides = {}
-    for key, text in args.model_override:
-        try:
-            overrides[key] = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            overrides[key] = text
     if not dist.is_initialized():
         _init_default_group("nccl" if device.type == "cuda" else "gloo", device)
     if not parallel_state.model_parallel_is_initialized():
@@ -143,13 +157,49 @@ def _live_model(args, device: torch.device, dtype: torch.dtype):
     torch.manual_seed(args.seed)
     if torch.cuda.is_available():
         tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+
+
+def _live_model(args, device: torch.device, dtype: torch.dtype):
+    """A fresh VideoDiT of ``--preset`` with DSV attention."""
+    import ast
+
+    from megatron_dsv.models.video_dit import VideoDiTConfig, build_video_dit
+
+    overrides = {}
+    for key, text in args.model_override:
+        try:
+            overrides[key] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            overrides[key] = text
+    _init_megatron(args, device)
     args.use_dsv_attention = True
     cfg = VideoDiTConfig.from_preset(args.preset, **overrides)
     return build_video_dit(cfg, dsv_config=dsv_config_from_args(args), dtype=dtype).to(device).eval()
 
 
+def _pretrained_wan(args, device: torch.device, dtype: torch.dtype):
+    """The Wan transformer of a converted checkpoint with its weights, DSV attention of the --dsv-* flags (fresh
+    state: stage 1, untrained predictors); loaded in the checkpoint's dtype, then cast to ``dtype``."""
+    import dataclasses
+
+    from megatron_dsv.models.wan import build_wan
+    from megatron_dsv.models.wan_convert import load_megatron_checkpoint, read_megatron_config
+
+    _init_megatron(args, device)
+    args.use_dsv_attention = True
+    cfg, saved = read_megatron_config(args.pretrained)
+    if args.grid:
+        cfg = dataclasses.replace(cfg, latent_grid=tuple(args.grid))
+    model = build_wan(cfg, dsv_config=dsv_config_from_args(args), dtype=saved, perform_initialization=False)
+    load_megatron_checkpoint(model, args.pretrained)
+    return model.to(device=device, dtype=dtype).eval()
+
+
 def _model(args, device: torch.device):
     dtype = torch.bfloat16 if args.bf16 else torch.float32
+    if args.pretrained:
+        return (_pretrained_wan(args, device, dtype),
+                f"converted Wan checkpoint {args.pretrained} (before training; DSV state fresh, predictors untrained)")
     if args.load:
         from megatron_dsv.training.checkpointing import load_model_for_inference
 
@@ -158,13 +208,13 @@ def _model(args, device: torch.device):
     return _live_model(args, device, dtype), f"fresh {args.preset} model (--preset)"
 
 
-def _dataset(args, cfg):
+def _dataset(args, cfg, num_classes: int):
     if args.data == "synthetic":
         from megatron_dsv.data.synthetic import SyntheticVideoDataset
 
         T, H, W = args.grid if args.grid else cfg.latent_grid
         return SyntheticVideoDataset(args.samples, channels=cfg.in_channels, frames=T, height=H, width=W,
-                                     num_classes=min(max(cfg.num_classes, 1), 8), seed=args.seed,
+                                     num_classes=min(max(num_classes, 1), 8), seed=args.seed,
                                      background=args.background)
     if args.grid:
         raise SystemExit("--grid applies to --data synthetic only (latent shards have their own grid)")
@@ -173,26 +223,45 @@ def _dataset(args, cfg):
     return LatentShardDataset(args.data)
 
 
-def _batch(args, model, device: torch.device):
-    """``(x_t, t, labels, text, text_mask)``: ``--samples`` videos noised to ``--timestep``."""
+def _model_config(args, model):
+    """(config, class count) of the model: a VideoDiT's dit_config, or a Wan transformer's wan_config (no classes)."""
+    if args.pretrained:
+        from megatron_dsv.models.wan import unwrap_wan
+
+        return unwrap_wan(model).wan_config, 0
     from megatron_dsv.models.video_dit import unwrap_video_dit
 
     cfg = unwrap_video_dit(model).dit_config
-    ds = _dataset(args, cfg)
+    return cfg, cfg.num_classes
+
+
+def synthetic_text(batch: int, length: int, tokens: int, dim: int, seed: int) -> torch.Tensor:
+    """``[batch, length, dim]``: ``tokens`` random-normal embeddings, then zeros (Wan's padding of its umT5 text)."""
+    text = torch.zeros(batch, length, dim)
+    text[:, :tokens] = torch.randn(batch, tokens, dim, generator=torch.Generator().manual_seed(seed + 7))
+    return text
+
+
+def _batch(args, model, device: torch.device):
+    """``(x_t, t, labels, text, text_mask)``: ``--samples`` videos noised to ``--timestep``."""
+    cfg, num_classes = _model_config(args, model)
+    ds = _dataset(args, cfg, num_classes)
     items = [ds[i % len(ds)] for i in range(args.samples)]
     x0 = torch.stack([it["latents"] for it in items]).float()
-    labels = torch.stack([it["label"] for it in items]).clamp(max=cfg.num_classes) if cfg.num_classes > 0 else None
+    labels = torch.stack([it["label"] for it in items]).clamp(max=num_classes) if num_classes > 0 else None
     text = text_mask = None
-    if cfg.text_dim is not None:
-        if "text" not in items[0]:
-            raise SystemExit("this model is text-conditioned: pass --data with latent shards that hold text")
+    dtype = next(model.parameters()).dtype
+    if cfg.text_dim is not None and "text" in items[0]:
         text = torch.stack([it["text"] for it in items]).to(device)
         if "text_mask" in items[0]:
             text_mask = torch.stack([it["text_mask"] for it in items]).to(device)
+    elif cfg.text_dim is not None and args.pretrained and args.data == "synthetic":
+        text = synthetic_text(x0.shape[0], args.text_len, args.text_tokens, cfg.text_dim, args.seed).to(device, dtype)
+    elif cfg.text_dim is not None:
+        raise SystemExit("this model is text-conditioned: pass --data with latent shards that hold text")
     g = torch.Generator().manual_seed(args.seed)
     noise = torch.randn(x0.shape, generator=g)
     x_t = (1.0 - args.timestep) * x0 + args.timestep * noise  # as video_dit.flow_matching_loss
-    dtype = next(model.parameters()).dtype
     t = torch.full((x0.shape[0],), args.timestep, device=device)
     return (x_t.to(device, dtype), t, None if labels is None else labels.to(device), text, text_mask)
 
@@ -386,13 +455,26 @@ def main(argv=None) -> int:
     x_t, t, labels, text, text_mask = _batch(args, model, device)
     print(f"analysing {source}: {args.samples} videos {tuple(x_t.shape[2:])} at t={args.timestep:g}, "
           f"theta={args.theta:g}, on {device}", flush=True)
+    coords = grid = cube = None
+    if args.pretrained:  # analyze() defaults to a VideoDiT's coordinates; a Wan model's are its own cube order
+        from megatron_dsv.attention.grouping import cube_order_coords
+        from megatron_dsv.models.wan import unwrap_wan
+
+        wan = unwrap_wan(model)
+        grid, cube = wan.wan_config.token_grid(x_t.shape[2:]), wan.cube
+        coords = cube_order_coords(grid, cube)
     result = analyze(model, x_t, t, labels, theta=args.theta, query_stride=args.query_stride,
-                     max_queries=args.max_queries, text=text, text_mask=text_mask, bins=args.bins,
+                     max_queries=args.max_queries, text=text, text_mask=text_mask, coords=coords, bins=args.bins,
                      radius=args.radius, progress=lambda line: print(line, flush=True))
+    if grid is not None:
+        result["grid"], result["cube"] = list(grid), list(cube)
     from benchmarks.common import collect_meta
 
     result["meta"] = {**collect_meta(), "source": source, "data": args.data, "samples": args.samples,
                       "timestep": args.timestep, "seed": args.seed, "device": str(device)}
+    if args.pretrained:
+        result["meta"]["text"] = (f"synthetic: {args.text_tokens} random-normal embeddings zero-padded to "
+                                  f"{args.text_len} (not umT5's)" if args.data == "synthetic" else "the shards'")
     if runs:
         result["trajectory"] = {"file": args.trajectory, "metric": args.trajectory_metric,
                                 "runs": _trajectory_summary(runs)}

@@ -407,3 +407,42 @@ def test_tool_help_and_bad_arguments(tmp_path):
     empty.write_text(json.dumps({"meta": {}, "rows": [{"bench": "recall", "layer": 1}]}))
     with pytest.raises(SystemExit, match="no rows with 'step', 'layer' and 'sparsity'"):
         load_trajectory(str(empty))
+
+
+def test_tool_on_a_converted_wan_before_training(megatron_cpu, tmp_path):
+    """--pretrained: a tiny diffusers Wan2.1, converted, analysed as it is (per layer and head) with synthetic text."""
+    diffusers = pytest.importorskip("diffusers", reason="diffusers is not installed: pip install -e .[wan]")
+    pytest.importorskip("safetensors", reason="safetensors is not installed: pip install -e .[wan]")
+    from megatron_dsv.models.wan import build_wan
+    from megatron_dsv.models.wan_config import WanConfig
+    from megatron_dsv.models.wan_convert import (diffusers_to_ours, load_diffusers_folder, load_into_model,
+                                                 save_megatron_checkpoint)
+    from tools.analyze_sparsity import main, synthetic_text
+
+    torch.manual_seed(0)
+    theirs = diffusers.WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=32,
+                                             in_channels=4, out_channels=4, text_dim=24, freq_dim=32, ffn_dim=64,
+                                             num_layers=2, rope_max_seq_len=32)
+    theirs.save_pretrained(str(tmp_path / "diffusers"), safe_serialization=True)
+    config, state = load_diffusers_folder(str(tmp_path / "diffusers"))
+    cfg = WanConfig.from_diffusers(config, latent_grid=(2, 8, 8))
+    model = build_wan(cfg, use_te=False)
+    load_into_model(model, diffusers_to_ours(state, cfg))
+    save_megatron_checkpoint(model, str(tmp_path / "wan"))
+    out = tmp_path / "out"
+    rc = main(["--pretrained", str(tmp_path / "wan"), "--device", "cpu", "--grid", "2", "8", "8", "--samples", "1",
+               "--dsv-query-group-shape", "1", "4", "4", "--dsv-granularity", "token", "--query-stride", "2",
+               "--bins", "8", "--text-len", "6", "--text-tokens", "4", "--out-dir", str(out)])
+    assert rc == 0
+    data = json.loads((out / "analysis.json").read_text())
+    assert data["S"] == 32 and data["grid"] == [2, 4, 4] and data["cube"] == [1, 4, 4]
+    assert [r["layer"] for r in data["layers"]] == [1, 2] and data["meta"]["source"].startswith("converted Wan")
+    assert data["meta"]["text"].startswith("synthetic: 4 random-normal")
+    for rep in data["layers"]:
+        assert len(rep["sparsity"]) == 2 and all(0 <= s < 1 for s in rep["sparsity"])
+    assert (out / "sparsity_heatmap.png").stat().st_size > 1000
+    text = synthetic_text(1, 6, 4, 24, seed=0)
+    assert text[:, 4:].abs().sum() == 0 and text[:, :4].abs().min() > 0  # Wan's zero padding after the tokens
+    with pytest.raises(SystemExit) as err:  # a diffusers folder is not a converted checkpoint
+        main(["--pretrained", str(tmp_path / "diffusers"), "--out-dir", str(out)])
+    assert err.value.code == 2
