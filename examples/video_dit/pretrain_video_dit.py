@@ -15,6 +15,13 @@ optimizer, checkpoints (DSV state travels in the model's sharded_state_dict) and
 override the preset; ``--seq-length`` only feeds Megatron's FLOP counter (tokens per video).
 ``--mock-data`` or no ``--data-path``: synthetic videos; ``--data-path DIR``: latent shards in DIR
 (use ``--dataloader-type cyclic`` to loop over a finite shard set).
+``--pretrained DIR`` fine-tunes a converted Wan2.1 checkpoint (``python tools/convert_checkpoint.py to-megatron``)
+instead of a --preset VideoDiT: the Wan transformer of DIR's wan_config.json, latent grid from the ``--data-path``
+shards (which must carry text embeddings of its text_dim; not ``--mock-data``), DIR's weights loaded in the model
+provider by the trainer's code (``megatron_dsv.training.trainer.pretrained_wan_config``,
+``wan_convert.load_megatron_checkpoint``), DSV state fresh; Megatron's shape flags must name DIR's shape
+(``--num-layers``, ``--hidden-size``, ``--num-attention-heads``, ``--kv-channels``). A checkpoint in ``--load``
+then replaces those weights, as Megatron resumes (resume with the same --pretrained: the shape comes from there).
 Without ``--eval-interval`` Megatron-LM core_v0.16.1 stops in ``get_train_valid_test_num_samples``
 (its default is None): this script defaults it to 1000, Megatron's long-standing default. Megatron's
 default ``--transformer-impl transformer_engine`` falls back to local layers, with a note, where
@@ -49,7 +56,38 @@ def extra_args_provider(parser):
     """DSV flags (--use-dsv-attention, --dsv-*) and the video DiT flags Megatron-LM does not define."""
     add_dsv_args(parser)
     add_video_dit_model_args(parser)
+    g = parser.add_argument_group(title="pretrained model")
+    g.add_argument("--pretrained", default=None, metavar="DIR",
+                   help="Fine-tune a converted Wan2.1 checkpoint (tools/convert_checkpoint.py to-megatron) instead of "
+                        "--preset: needs --data-path latent shards carrying text embeddings, and Megatron's shape "
+                        "flags equal to DIR's shape.")
     return parser
+
+
+def _train_path(args):
+    """The training shards' folder (the first --data-path or --train-data-path entry), or None."""
+    return (args.data_path or getattr(args, "train_data_path", None) or [None])[0]
+
+
+def wan_config_from_args(args):
+    """--pretrained: the converted checkpoint's WanConfig at the training shards' latent grid; ValueError naming
+    the flag when the data has no text or Megatron's shape flags disagree with the checkpoint."""
+    from megatron_dsv.training.trainer import pretrained_wan_config
+
+    train_path = _train_path(args)
+    if train_path is None or args.mock_data:
+        raise ValueError("--pretrained (a text-to-video Wan model) needs text embeddings: pass --data-path with latent "
+                         "shards carrying text, not --mock-data")
+    cfg = pretrained_wan_config(args.pretrained, train_path)
+    shape = (("--num-layers", "num_layers", cfg.num_layers), ("--hidden-size", "hidden_size", cfg.hidden),
+             ("--num-attention-heads", "num_attention_heads", cfg.num_attention_heads),
+             ("--kv-channels", "kv_channels", cfg.attention_head_dim))
+    wrong = [f"{flag} {getattr(args, dest)} (the checkpoint's: {want})" for flag, dest, want in shape
+             if getattr(args, dest, None) is not None and getattr(args, dest) != want]
+    if wrong:
+        raise ValueError(f"--pretrained {args.pretrained}: Megatron's shape flags must be the checkpoint's: "
+                         + ", ".join(wrong))
+    return cfg
 
 
 def video_dit_config_from_args(args):
@@ -69,9 +107,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     args = get_args()
     if args.pipeline_model_parallel_size != 1:
         raise ValueError("--pipeline-model-parallel-size must be 1 for the video DiT (one stage)")
-    cfg = video_dit_config_from_args(args)
     dsv_config = dsv_config_from_args(args)
-    print_rank_0(f"> building VideoDiT {args.preset} ({cfg}) with {'DSV' if dsv_config else 'dense'} attention")
     overrides = dict(tensor_model_parallel_size=args.tensor_model_parallel_size,
                      context_parallel_size=args.context_parallel_size, sequence_parallel=args.sequence_parallel)
     if args.recompute_granularity is not None:
@@ -85,8 +121,28 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
             print_rank_0("> transformer_engine does not import: the video DiT uses megatron.core's local layers "
                          "(pass --transformer-impl local to say so)")
             use_te = False
+    if getattr(args, "pretrained", None):
+        return _pretrained_wan(args, dsv_config, use_te, pg_collection, overrides)
+    cfg = video_dit_config_from_args(args)
+    print_rank_0(f"> building VideoDiT {args.preset} ({cfg}) with {'DSV' if dsv_config else 'dense'} attention")
     return build_video_dit(cfg, dsv_config=dsv_config, use_te=use_te, pg_collection=pg_collection,
                            dtype=args.params_dtype, **overrides)
+
+
+def _pretrained_wan(args, dsv_config, use_te: bool, pg_collection, overrides: dict):
+    """--pretrained: the Wan transformer with the converted checkpoint's weights (DSV state fresh)."""
+    from megatron_dsv.models.wan import build_wan
+    from megatron_dsv.models.wan_convert import load_megatron_checkpoint
+
+    cfg = wan_config_from_args(args)
+    print_rank_0(f"> building the Wan transformer of --pretrained {args.pretrained} ({cfg}) with "
+                 f"{'DSV' if dsv_config else 'dense'} attention")
+    model = build_wan(cfg, dsv_config=dsv_config, use_te=use_te, pg_collection=pg_collection, dtype=args.params_dtype,
+                      **overrides)
+    load_megatron_checkpoint(model, args.pretrained)  # a checkpoint in --load replaces them afterwards
+    print_rank_0(f"> loaded the Wan weights of --pretrained {args.pretrained}"
+                 + (" (DSV state fresh: stage 1)" if dsv_config else ""))
+    return model
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
@@ -96,7 +152,9 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     from megatron_dsv.data import CycledDataset, LatentShardDataset, SyntheticVideoDataset
 
     args = get_args()
-    train_path = (args.data_path or getattr(args, "train_data_path", None) or [None])[0]
+    train_path = _train_path(args)
+    if getattr(args, "pretrained", None) and (train_path is None or args.mock_data):
+        wan_config_from_args(args)  # raises, naming --data-path
     if train_path and not args.mock_data:
         valid_path = (getattr(args, "valid_data_path", None) or [None])[0]
         valid = None

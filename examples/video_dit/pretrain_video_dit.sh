@@ -12,6 +12,9 @@
 #   FRAMES*(SIZE/2)^2 tokens), ITERS [10000], SWITCH [1000: DSV stage 1 -> 2], LR [1e-4],
 #   OUT [runs/video-dit-mlm, from the current folder], SAVE_INTERVAL [1000], LOG_INTERVAL [10],
 #   EVAL_INTERVAL [SAVE_INTERVAL], EVAL_ITERS [10; 0 = no validation], DSV_DRY_RUN=1 prints the command.
+#   PRETRAINED=DIR with DATA_PATH=SHARDS: fine-tune a converted Wan2.1 checkpoint (tools/convert_checkpoint.py
+#   to-megatron) on latent shards carrying text, instead of PRESET on synthetic videos; the shape flags come from
+#   DIR/wan_config.json, the latent grid from the shards; SEQ_LEN [FRAMES*(SIZE/2)^2] feeds only the FLOP counter.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/../.." && pwd)
 PYTHON=${PYTHON:-python3}
@@ -32,22 +35,35 @@ EVAL_INTERVAL=${EVAL_INTERVAL:-$SAVE_INTERVAL}; EVAL_ITERS=${EVAL_ITERS:-10}
 if (( SIZE % 2 )); then
     echo "error: SIZE=$SIZE must be even (the video DiT patches 1x2x2)" >&2; exit 2
 fi
-SEQ_LEN=$(( FRAMES * (SIZE / 2) * (SIZE / 2) ))
+SEQ_LEN=${SEQ_LEN:-$(( FRAMES * (SIZE / 2) * (SIZE / 2) ))}
+if [[ -n "${PRETRAINED:-}" ]]; then
+    : "${DATA_PATH:?PRETRAINED needs DATA_PATH: a folder of latent shards carrying text embeddings}"
+    if [[ ! -f "$PRETRAINED/wan_config.json" ]]; then
+        echo "error: PRETRAINED=$PRETRAINED holds no wan_config.json (convert with tools/convert_checkpoint.py to-megatron)" >&2
+        exit 2
+    fi
+    PRETRAINED=$(cd "$PRETRAINED" && pwd); DATA_PATH=$(cd "$DATA_PATH" && pwd)  # we cd below
+    read -r LAYERS HIDDEN HEADS HEAD_DIM < <("$PYTHON" -c 'import json, sys
+c = json.load(open(sys.argv[1])); h, d = c["num_attention_heads"], c["attention_head_dim"]
+print(c["num_layers"], h * d, h, d)' "$PRETRAINED/wan_config.json")
+    model=(--pretrained "$PRETRAINED" --data-path "$DATA_PATH" --dataloader-type cyclic)
+else
+    model=(--preset "$PRESET" --model-override "latent_frames=$FRAMES" --model-override "latent_height=$SIZE"
+           --model-override "latent_width=$SIZE" --mock-data)
+fi
 fusion=()
 if [[ "${FUSION_FLAGS:-1}" != 0 ]]; then
     mapfile -t fusion < <("$PYTHON" "$here/examples/megatron_lm/fusion_flags.py" --explain)
 fi
 cmd=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC"
      "$here/examples/video_dit/pretrain_video_dit.py"
-     --use-dsv-attention --dsv-stage-switch-rule steps --dsv-stage-switch-steps "$SWITCH" --preset "$PRESET"
-     --model-override "latent_frames=$FRAMES" --model-override "latent_height=$SIZE"
-     --model-override "latent_width=$SIZE"
+     --use-dsv-attention --dsv-stage-switch-rule steps --dsv-stage-switch-steps "$SWITCH" "${model[@]}"
      --num-layers "$LAYERS" --hidden-size "$HIDDEN" --num-attention-heads "$HEADS" --kv-channels "$HEAD_DIM"
      --seq-length "$SEQ_LEN" --max-position-embeddings "$SEQ_LEN" --attention-dropout 0.0
      --tokenizer-type NullTokenizer --vocab-size 1
      --tensor-model-parallel-size "$TP" --context-parallel-size "$CP" --dsv-cp-mode hybrid
      --micro-batch-size 1 --global-batch-size "$NPROC" --train-iters "$ITERS" --lr "$LR" --min-lr 1e-6
-     --lr-decay-style cosine --clip-grad 1.0 --bf16 --mock-data
+     --lr-decay-style cosine --clip-grad 1.0 --bf16
      --eval-interval "$EVAL_INTERVAL" --eval-iters "$EVAL_ITERS"
      --save "$OUT/checkpoints" --load "$OUT/checkpoints" --save-interval "$SAVE_INTERVAL"
      --log-interval "$LOG_INTERVAL"

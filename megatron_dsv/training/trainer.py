@@ -33,7 +33,7 @@ from megatron_dsv.training.logging_utils import (TensorBoardWriter, format_args_
                                                  format_layer_lines, format_validation_lines)
 from megatron_dsv.training.optim import build_optimizer, build_scheduler, unwrap, wrap_model
 
-__all__ = ["TrainResult", "train", "build_model", "print_rank0"]
+__all__ = ["TrainResult", "train", "build_model", "pretrained_wan_config", "print_rank0"]
 
 
 @dataclass
@@ -98,22 +98,31 @@ def build_model(args, env: DistEnv):
     return model.to(env.device), cfg, dsv_config
 
 
+def pretrained_wan_config(pretrained: str, data_path: str):
+    """The WanConfig of a converted checkpoint (``pretrained``: its wan_config.json) with the latent grid of the
+    ``data_path`` latent shards, which must carry text embeddings of the model's text_dim (ValueError naming
+    both flags otherwise). The trainer's --pretrained and Megatron-LM's example share it."""
+    from megatron_dsv.data import LatentShardDataset
+    from megatron_dsv.models.wan_convert import read_megatron_config
+
+    cfg, _ = read_megatron_config(pretrained)
+    shards = LatentShardDataset(data_path)
+    text = shards.shards[0].shapes.get("text")
+    if text is None or int(text[-1]) != cfg.text_dim:
+        held = "none" if text is None else f"[L, {int(text[-1])}]"
+        raise ValueError(f"--pretrained {pretrained!r} needs text embeddings [L, {cfg.text_dim}] in the "
+                         f"--data-path shards; {data_path!r} holds {held} (write them with write_shard(text=...))")
+    return dataclasses.replace(cfg, latent_grid=tuple(int(g) for g in shards.sample_shape[1:]))
+
+
 def _build_pretrained_wan(args, env: DistEnv, dsv_config, dtype):
     """--pretrained DIR: the Wan transformer of DIR's wan_config.json (latent grid: the --data-path shards') with
     DIR's weights, loaded before the optimizer and EMA exist; DSV state fresh (stage 1). A run resuming from
     --load takes its weights from there instead."""
-    from megatron_dsv.data import LatentShardDataset
     from megatron_dsv.models.wan import build_wan
-    from megatron_dsv.models.wan_convert import load_megatron_checkpoint, read_megatron_config
+    from megatron_dsv.models.wan_convert import load_megatron_checkpoint
 
-    cfg, _ = read_megatron_config(args.pretrained)
-    shards = LatentShardDataset(args.data_path)
-    text = shards.shards[0].shapes.get("text")
-    if text is None or int(text[-1]) != cfg.text_dim:
-        held = "none" if text is None else f"[L, {int(text[-1])}]"
-        raise ValueError(f"--pretrained {args.pretrained!r} needs text embeddings [L, {cfg.text_dim}] in the "
-                         f"--data-path shards; {args.data_path!r} holds {held} (write them with write_shard(text=...))")
-    cfg = dataclasses.replace(cfg, latent_grid=tuple(int(g) for g in shards.sample_shape[1:]))
+    cfg = pretrained_wan_config(args.pretrained, args.data_path)
     model = build_wan(cfg, dsv_config=dsv_config, use_te=None, pg_collection=env.pg_collection, dtype=dtype,
                       **_transformer_overrides(args)).to(env.device)
     if args.load is not None and has_checkpoint(args.load):
