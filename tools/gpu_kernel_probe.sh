@@ -20,8 +20,8 @@ timeout 130 python3 benchmarks/bench_sparse_attention.py --head-dim 64 --heads 8
 echo "kernels exit $?"; grep -v -i warn "$out/probe_kernels.log" | tail -n 12
 for f in "$out"/sparse_attention-*.json; do [ -e "$f" ] && mv "$f" "${f/sparse_attention-/sparse_attention-d64-}"; done
 timeout 110 python3 benchmarks/bench_e2e.py "${width[@]}" --arms full dsv_stage2 dsv_stage1 window \
-  --out-dir "$out" --tag -w512 > "$out/probe_e2e.log" 2>&1
+  --out-dir "$out" --tag=-w512 > "$out/probe_e2e.log" 2>&1
 echo "e2e exit $?"; grep "ms/step" "$out/probe_e2e.log"
 timeout 60 python3 benchmarks/bench_e2e.py "${width[@]}" --arms full dsv_stage2 --local-radius 1 1 1 \
-  --out-dir "$out" --tag -w512-local111 > "$out/probe_e2e_local.log" 2>&1
+  --out-dir "$out" --tag=-w512-local111 > "$out/probe_e2e_local.log" 2>&1
 echo "e2e local exit $?"; grep "ms/step" "$out/probe_e2e_local.log"

@@ -273,7 +273,15 @@ def build_video_dit(cfg: VideoDiTConfig, dsv_config=None, use_te: Optional[bool]
     if window_config is not None:
         spec = get_window_layer_spec(spec, window_config, cfg.token_grid())
     model = VideoDiT(config, cfg, spec, cube, pg_collection=pg_collection)
-    return model.to(dtype)
+    return model.to(device=init_device(config), dtype=dtype)
+
+
+def init_device(config: TransformerConfig) -> torch.device:
+    """Where Megatron-Core put the layers' weights (the GPU unless ``use_cpu_initialization``): the
+    builders move the model's own parameters (embeddings, heads) there too, so a model is on one device."""
+    if config.use_cpu_initialization or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _transformer_config(cfg: VideoDiTConfig, dtype, overrides: dict) -> TransformerConfig:

@@ -31,7 +31,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_dsv.attention.grouping import cube_order_coords, from_cube_order, to_cube_order
 from megatron_dsv.models.dit_config import _check_dtype
 from megatron_dsv.models.rope3d import rope_3d_freqs
-from megatron_dsv.models.video_dit import VideoDiT, _cp_group, patchify, timestep_features, unwrap_model
+from megatron_dsv.models.video_dit import VideoDiT, _cp_group, init_device, patchify, timestep_features, unwrap_model
 from megatron_dsv.models.wan_config import WAN_PRESETS, WanConfig
 from megatron_dsv.models.wan_layer import WanLayerNorm, get_wan_layer_spec
 
@@ -181,7 +181,8 @@ def build_wan(cfg: WanConfig, dsv_config=None, use_te: Optional[bool] = None, pg
     config = _transformer_config(cfg, dtype, transformer_overrides)
     spec = get_wan_layer_spec(use_dsv=dsv_config is not None, use_te=use_te, dsv_config=dsv_config,
                               cross_attn_norm=cfg.cross_attn_norm)
-    return WanTransformer(config, cfg, spec, cube, pg_collection=pg_collection).to(dtype)
+    model = WanTransformer(config, cfg, spec, cube, pg_collection=pg_collection)
+    return model.to(device=init_device(config), dtype=dtype)
 
 
 def _transformer_config(cfg: WanConfig, dtype, overrides: dict) -> TransformerConfig:

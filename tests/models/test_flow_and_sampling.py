@@ -22,7 +22,9 @@ def _eval_loss(model, x, y, seed=123):
 def test_tiny_loss_decreases_with_adam(megatron_cpu):
     torch.manual_seed(0)
     cfg = VideoDiTConfig.from_preset("tiny")
-    model = build_video_dit(cfg, use_te=False)
+    # on the CPU wherever it runs (the builders put the model on the GPU where there is one), since the noise
+    # comes from a CPU generator
+    model = build_video_dit(cfg, use_te=False).cpu()
     ds = SyntheticVideoDataset(4, channels=cfg.in_channels, frames=cfg.latent_frames, height=cfg.latent_height,
                                width=cfg.latent_width, num_classes=cfg.num_classes, seed=0)
     x = torch.stack([ds[i]["latents"] for i in range(4)])

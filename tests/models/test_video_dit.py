@@ -234,6 +234,19 @@ def test_dist_checkpoint_roundtrip(megatron_cpu, tmp_path):
 
 
 @pytest.mark.gpu
+def test_builders_put_the_whole_model_on_the_gpu(megatron_cpu):
+    # Megatron-Core builds its layers on the GPU; the model's own embedders and heads must follow, or a
+    # user's first forward fails on mixed devices (seen on the H200 before the builders moved them)
+    from megatron_dsv.models.wan import build_wan
+    from megatron_dsv.models.wan_config import WanConfig
+
+    cfg = VideoDiTConfig.from_preset("tiny", layers=1, **SMALL)
+    wan = WanConfig(num_attention_heads=2, attention_head_dim=64, ffn_dim=128, num_layers=1, text_dim=32)
+    for model in (build_video_dit(cfg, use_te=False), build_wan(wan, use_te=False)):
+        assert {p.device.type for p in model.parameters()} == {"cuda"}, type(model).__name__
+
+
+@pytest.mark.gpu
 def test_recompute_matches_and_bf16_runs(megatron_cpu):
     # Megatron's activation checkpoint stores CUDA RNG states: GPU only. The conditioning travels in the
     # block's attention_mask slot, so recomputation must still give the embedders their gradients.

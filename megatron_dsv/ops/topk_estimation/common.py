@@ -124,8 +124,9 @@ def check_forced(forced, num_groups: int, num_items: int, device) -> torch.Tenso
     """Validated forced items: int64 ``[num_groups, F]`` on ``device`` (entries in [0, num_items), or -1
     padding), from an integer tensor of that shape shared by every batch and head (or ``[1, F]`` for all
     groups). Every backend ranks a group's forced items first (see the module docstring). The entries are
-    checked on CPU tensors only: on a GPU the check would sync the stream on every call, and the lists DSV
-    passes (``attention/neighbourhood.py``) are valid by construction."""
+    checked when ``forced`` is a CPU tensor (before its copy to ``device``): on a GPU the check would sync
+    the stream on every call, and the lists DSV passes (``attention/neighbourhood.py``) are valid by
+    construction."""
     if not isinstance(forced, torch.Tensor) or forced.dim() != 2:
         _fail("forced", f"must be an integer tensor [num_groups, F] (-1 padded), got "
                         f"{tuple(getattr(forced, 'shape', ())) or type(forced).__name__}")
@@ -134,11 +135,11 @@ def check_forced(forced, num_groups: int, num_items: int, device) -> torch.Tenso
     if forced.shape[0] not in (1, num_groups):
         _fail("forced", f"must have one row per query group ({num_groups}) or one row for all, got "
                         f"{tuple(forced.shape)}")
-    f = forced.to(device=device, dtype=torch.int64)
-    if f.device.type == "cpu" and f.numel() and bool(((f < -1) | (f >= num_items)).any()):
-        _fail("forced", f"entries must be item ids in [0, {num_items}) or -1 padding, got min {int(f.min())}, "
-                        f"max {int(f.max())}")
-    return f.expand(num_groups, -1)
+    # checked where the given tensor lives on the host (before any copy to the GPU): no stream sync
+    if forced.device.type == "cpu" and forced.numel() and bool(((forced < -1) | (forced >= num_items)).any()):
+        _fail("forced", f"entries must be item ids in [0, {num_items}) or -1 padding, got min {int(forced.min())}, "
+                        f"max {int(forced.max())}")
+    return forced.to(device=device, dtype=torch.int64).expand(num_groups, -1)
 
 
 def forced_mask(rows: torch.Tensor, num_items: int) -> torch.Tensor:
