@@ -45,23 +45,37 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import collect_meta, init_dist, write_results  # noqa: E402
 from benchmarks.video_runs import add_run_args, parse_arm, tokens_of  # noqa: E402
+from megatron_dsv.config import DSVConfig  # noqa: E402
 
 # name -> arm keys over the data arm. "control" is DSV that never leaves stage 1 (dense attention through
 # DSV's path, predictors and profiler running): it must come out at 0 within the error.
 FRONTIER: Dict[str, str] = {
     "full": "attn=full",
     "control": "attn=dsv,stage1=1000000000",
-    "default": "attn=dsv",
+    "default": f"attn=dsv,rule={DSVConfig().budget_rule},recall={DSVConfig().recall_target:g},local=auto",
     "recall90": "attn=dsv,rule=recall,recall=0.9",
     "recall80": "attn=dsv,rule=recall,recall=0.8",
     "paper": "attn=dsv,rule=sparsity",
     "local": "attn=dsv,rule=sparsity,local=0.1.1",
     "local111": "attn=dsv,rule=sparsity,local=1.1.1",
+    "local111_thr07": "attn=dsv,rule=sparsity,local=1.1.1,thr=0.7",
     "local_recall90": "attn=dsv,rule=recall,recall=0.9,local=0.1.1",
     "window": "attn=window",
 }
 DEFAULT_ARMS = "full,control,paper,local,window"
 QUICK_ARM = "data=synthetic,frames=4,res=64,steps=8,stage1=4,minutes=2"
+
+
+def is_library_default(arm: dict) -> bool:
+    """True when a DSV arm's lists are the library's defaults as committed (DSVConfig) on its token grid."""
+    if arm.get("attn") != "dsv":
+        return False
+    d = DSVConfig()
+    grid = (arm["frames"], arm["res"] // 8, arm["res"] // 8)
+    local = DSVConfig(local_radius=arm.get("local_radius")).local_radius_for(grid)
+    return (arm.get("gran") == d.granularity and arm.get("rule") == d.budget_rule
+            and (d.budget_rule != "recall" or arm.get("recall") == d.recall_target)
+            and arm.get("thr", d.sparsity_threshold) == d.sparsity_threshold and local == d.local_radius_for(grid))
 
 
 def arm_of(name: str, base: str, args) -> dict:
@@ -329,7 +343,7 @@ def report(args, names: List[str]) -> List[dict]:
                    seeds=sorted(at), attn=arm["attn"], budget_rule=arm.get("rule"), recall_target=arm.get("recall"),
                    local_radius=arm.get("local"), granularity=arm.get("gran"), stage1=arm.get("stage1"),
                    window_frac=arm.get("window_frac") if arm["attn"] == "window" else None,
-                   library_default=(name == "default"),
+                   library_default=is_library_default(arm),
                    val_loss=loss, val_loss_se=loss_se, val_loss_per_seed=at, val_loss_full=sum(full_at.values()) /
                    len(full_at), full_loss_target=full_mean, full_loss_target_step=full_step,
                    delta_vs_full_pct=delta, delta_vs_full_se_pct=delta_se,

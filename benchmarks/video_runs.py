@@ -12,7 +12,8 @@ patch (1, 2, 2), tokens S = frames * (res / 8)^2), ``attn`` (``full``, ``dsv`` o
 parameters that set the attention logits' scale under QK-norm), ``rope`` (RoPE base), ``gran`` (DSV's KV list
 granularity, ``block`` or ``token``: ``DSVConfig.granularity``), ``rule`` and ``recall`` (DSV's budget rule, ``recall`` or
 ``sparsity``, and the recall rule's target: ``DSVConfig.budget_rule`` / ``recall_target``), ``local`` (DSV's local +
-predicted lists, the always-on radius in cubes as ``rt.rh.rw``, ``0.0.0`` = off: ``DSVConfig.local_radius``),
+predicted lists, the always-on radius in cubes as ``rt.rh.rw``, ``0.0.0`` = off, ``auto`` = the library's
+default: ``DSVConfig.local_radius``), ``thr`` (the dispatcher's ``DSVConfig.sparsity_threshold``),
 ``steps`` and ``minutes`` (the run stops at
 whichever comes first, so a run fits the device time), ``stage1`` (DSV's stage-1 steps; default
 half of ``steps``), ``window_frac`` (the window baseline's kept fraction of keys), ``label`` (a
@@ -41,10 +42,10 @@ from megatron_dsv.attention.schedule import is_profile_step  # noqa: E402
 from megatron_dsv.config import DSVConfig  # noqa: E402
 
 ARM_DEFAULTS = dict(data="vizdoom", frames=32, res=256, attn="dsv", lr=3e-4, qk_norm=1, qk_lr=1.0, rope=10000.0,
-                    gran="block", rule="recall", recall=0.96, local="0.0.0", steps=1000, minutes=3.0, stage1=None,
-                    window_frac=0.1, label=None)
+                    gran="block", rule="recall", recall=0.96, local="0.0.0", thr=0.8, steps=1000, minutes=3.0,
+                    stage1=None, window_frac=0.1, label=None)
 _INT_KEYS = ("frames", "res", "qk_norm", "steps", "stage1")
-_FLOAT_KEYS = ("lr", "qk_lr", "rope", "minutes", "window_frac", "recall")
+_FLOAT_KEYS = ("lr", "qk_lr", "rope", "minutes", "window_frac", "recall", "thr")
 DATA_SOURCES = ("vizdoom", "ale", "footage", "synthetic")
 GRANULARITIES = ("block", "token")  # DSVConfig.granularity
 BUDGET_RULES = ("recall", "sparsity")  # DSVConfig.budget_rule
@@ -83,7 +84,8 @@ def parse_arm(text: str) -> dict:
             variants += [f"{arm['gran']}lists"] if arm["gran"] != "block" else []
             variants += ["paperrule"] if arm["rule"] == "sparsity" else []
             variants += [f"recall{arm['recall']:g}"] if arm["rule"] == "recall" and arm["recall"] != 0.96 else []
-            variants += [f"local{arm['local']}"] if any(arm["local_radius"]) else []
+            variants += [f"thr{arm['thr']:g}"] if arm["thr"] != ARM_DEFAULTS["thr"] else []
+            variants += [f"local{arm['local']}"] if arm["local_radius"] is None or any(arm["local_radius"]) else []
             variants += ["staysdense"] if arm["stage1"] >= arm["steps"] else []
         if arm["attn"] == "window":
             variants += [f"frac{arm['window_frac']:g}"]
@@ -92,7 +94,10 @@ def parse_arm(text: str) -> dict:
 
 
 def local_radius(text: str):
-    """``"0.1.1"`` -> ``(0, 1, 1)`` (the ``local`` arm key: DSVConfig.local_radius in cubes)."""
+    """``"0.1.1"`` -> ``(0, 1, 1)``, ``"auto"`` -> None (the ``local`` arm key: DSVConfig.local_radius in cubes;
+    None is the library's automatic choice)."""
+    if str(text) == "auto":
+        return None
     parts = str(text).split(".")
     if len(parts) != 3 or not all(p.isdigit() for p in parts):
         raise ValueError(f"arm local must be three ints >= 0 joined by dots (rt.rh.rw), got {text!r}")
@@ -231,6 +236,7 @@ def build_model(arm: dict, args, device, dtype):
     if arm["attn"] == "dsv":
         dsv = DSVConfig(stage_switch_rule="steps", stage_switch_steps=arm["stage1"], granularity=arm["gran"],
                         budget_rule=arm["rule"], recall_target=arm["recall"], local_radius=arm["local_radius"],
+                        sparsity_threshold=arm["thr"],
                         profile_interval=args.profile_every, profile_warmup_steps=10**9,
                         speedup_table=args.speedup_table if device.type == "cuda" else None)
     elif arm["attn"] == "window":
@@ -420,7 +426,7 @@ def _optimizer(model, arm: dict) -> MainWeightsAdamW:
 
 
 _RESUME_KEYS = ("data", "frames", "res", "attn", "lr", "qk_norm", "qk_lr", "rope", "gran", "rule", "recall", "local",
-                "stage1", "window_frac")
+                "thr", "stage1", "window_frac")
 _FORMATS = ("megatron_dsv.video_run.v2", "megatron_dsv.video_run.v3")  # v3: + the weight EMA
 
 
@@ -449,7 +455,7 @@ def load_run(path: str, arm: dict, model, opt, g, ema=None):
     if not isinstance(state, dict) or state.get("format") not in _FORMATS:
         raise ValueError(f"{path!r} is not a video-run checkpoint (format one of {_FORMATS})")
     saved = dict(state["arm"])
-    for key in ("qk_lr", "gran", "rule", "recall", "local"):  # written before the key existed
+    for key in ("qk_lr", "gran", "rule", "recall", "local", "thr"):  # written before the key existed
         saved.setdefault(key, ARM_DEFAULTS[key])
     differ = {k: (saved.get(k), arm[k]) for k in _RESUME_KEYS if saved.get(k) != arm[k]}
     if differ:

@@ -53,6 +53,22 @@ def _none_or(conv):
     return parse
 
 
+class _OptionalTriple(argparse.Action):
+    """``--flag T H W`` -> (T, H, W) ints; ``--flag auto`` -> None (the field's automatic choice)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if len(values) == 1 and values[0].lower() in ("auto", "none"):
+            setattr(namespace, self.dest, None)
+            return
+        try:
+            triple = tuple(int(v) for v in values)
+        except ValueError:
+            triple = ()
+        if len(triple) != 3:
+            parser.error(f"{option_string} takes three ints T H W or 'auto', got {' '.join(values)!r}")
+        setattr(namespace, self.dest, triple)
+
+
 def add_dsv_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``--use-dsv-attention`` and the ``--dsv-*`` flags; returns the parser (Megatron's contract)."""
     group = parser.add_argument_group(title="DSV sparse attention")
@@ -66,8 +82,10 @@ def add_dsv_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         kwargs = dict(dest="dsv_" + f.name, default=f.default, help=help_text)
         if "choices" in f.metadata:
             kwargs["choices"] = list(f.metadata["choices"])
-        if typing.get_origin(tp) is tuple:
+        if typing.get_origin(tp) is tuple:  # (t, h, w) triples
             kwargs.update(nargs=len(typing.get_args(tp)), type=int, metavar=("T", "H", "W"))
+        elif typing.get_origin(_base_type(tp)) is tuple:  # Optional triples: T H W, or 'auto' for None
+            kwargs.update(nargs="+", action=_OptionalTriple, metavar="R")
         else:
             base = _base_type(tp)
             optional = base is not tp

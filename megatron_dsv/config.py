@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 __all__ = ["DSVConfig", "PREDICTOR_INPUTS", "STAGE_SWITCH_RULES", "GRANULARITIES", "KERNEL_BACKENDS",
            "TOPK_BACKENDS", "CP_MODES", "GROUP_PROXIES", "BLOCK_SCORES", "BUDGET_RULES"]
@@ -25,6 +25,8 @@ GROUP_PROXIES = ("mean", "middle")
 BLOCK_SCORES = ("max", "lse")
 BUDGET_RULES = ("recall", "sparsity")
 SUPPORTED_GROUP_SIZES = (16, 32, 64, 128)
+# the neighbourhood (rt, rh, rw) in query cubes that local_radius=None (auto) gives where it applies
+DEFAULT_LOCAL_RADIUS = (1, 1, 1)
 SUPPORTED_KV_BLOCKS = (64, 128)
 
 
@@ -92,17 +94,20 @@ class DSVConfig:
 
     # ---- dispatcher ---------------------------------------------------------
     budget_rule: str = _knob(
-        "recall", "Per-head KV budget rule: 'recall' = the smallest list length whose predicted lists reach "
-        "recall_target of the critical mass on the profiled queries; 'sparsity' = (1 - s_h) * S tokens.",
+        "sparsity", "Per-head KV budget rule: 'sparsity' = (1 - s_h) * S tokens (the paper's), floored at the "
+        "local neighbourhood; 'recall' = the smallest list length whose predicted lists reach recall_target "
+        "of the critical mass on the profiled queries.",
         choices=BUDGET_RULES)
     """How the dispatcher sizes each head's KV list.
 
-    'sparsity' (the paper): ``K_h = (1 - s_h) * S`` tokens, right for per-query token lists but far
-    too small for key blocks shared by a query cube (benchmarks/NOTES_recall.md: 0.60-0.81 recall on
-    the H200 at 4x4x8 cubes x 128-key blocks). 'recall': at each profile step the recall curve of the
-    lists the estimator would build is measured per head and ``K_h`` is where it reaches
-    ``recall_target``; the budget density ``K_h / S`` (rising at once, falling with ``sparsity_momentum``)
-    then decides sparse vs dense."""
+    'sparsity' (the paper): ``K_h = (1 - s_h) * S`` tokens. For key blocks shared by a query cube its lists
+    alone hold only 0.44 of the critical mass and cost +0.66 +- 0.28% validation loss (H200 frontier,
+    benchmarks/NOTES_quality.md run 2); with the always-on neighbourhood (``local_radius``, on by default
+    for the video DiT) they hold 0.57 and come out at -0.49 +- 0.38%: the default. 'recall': at each
+    profile step the recall curve of the lists the estimator would build is measured per head and ``K_h``
+    is where it reaches ``recall_target``; the budget density ``K_h / S`` (rising at once, falling with
+    ``sparsity_momentum``) then decides sparse vs dense. At targets of 0.9 and above its budgets kept
+    55-66% of the keys in every model trained here, so no layer ran sparse."""
     recall_target: float = _knob(0.96, "Budget rule 'recall': recall of the critical mass each head's lists "
                                  "must reach on the profiled queries (0 < target <= 1).")
     """Target recall of the theta-critical mass for the 'recall' budget rule."""
@@ -125,10 +130,11 @@ class DSVConfig:
     Default G = 128: on the H200 (S=64K, 90% sparse, benchmarks/results/sparse_attention-h200-*.json)
     the block-level forward at G=128 is 1.9x / 3.0x faster than at G=64 / 32 and the backward
     1.1x / 1.5x, and 4x4x8 is the most compact 128-token cube (neighbours share critical keys)."""
-    local_radius: Tuple[int, int, int] = _knob(
-        (0, 0, 0), "Local + predicted lists: every query cube always keeps the keys of the cubes within "
-        "(rt, rh, rw) cubes of it, and the predictor's top-k fills the rest of its budget (0 0 0: off, "
-        "predicted lists alone).")
+    local_radius: Optional[Tuple[int, int, int]] = _knob(
+        None, "Local + predicted lists: every query cube always keeps the keys of the cubes within "
+        "(rt, rh, rw) cubes of it, and the predictor's top-k fills the rest of its budget. None (auto): "
+        "1 1 1 where the model gives a token grid the query cube tiles (the video DiT), with block lists "
+        "and an estimator that takes it; off elsewhere (text, Wan's grids with partial cubes). 0 0 0: off.")
     """Always-on 3D neighbourhood of each query cube, in cubes per axis (DESIGN.md: the strongest peers
     pair their top-k branch with an always-on local one).
 
@@ -136,7 +142,12 @@ class DSVConfig:
     floored at the largest neighbourhood), and the estimator ranks the neighbourhood's items above all
     others, so the top-k fills what is left. The profiler's recall curve ranks the same way, so the
     'recall' rule sizes the lists that run. Needs the token grid (the video DiT sets it on every
-    forward) and a grid divisible by the cube; the CUDA estimator does not take it (Triton's does)."""
+    forward) and a grid divisible by the cube; the CUDA estimator does not take it (Triton's does).
+
+    Default None resolves per sequence (:meth:`local_radius_for`) to :data:`DEFAULT_LOCAL_RADIUS` where it
+    applies: on the H200 quality frontier (ViZDoom 16K, 2 seeds, benchmarks/NOTES_quality.md run 2) the
+    paper's rule with a (1, 1, 1) neighbourhood was -0.49 +- 0.38% against full attention at equal steps
+    where the rule alone was +0.66 +- 0.28%."""
     granularity: str = _knob("block", "KV list granularity: 'token' (the paper) or 'block' (contiguous KV blocks).",
                              choices=GRANULARITIES)
     """Whether KV lists name single key tokens or contiguous key blocks."""
@@ -173,8 +184,22 @@ class DSVConfig:
 
     @property
     def uses_local(self) -> bool:
-        """True when lists are local + predicted (``local_radius`` not all zero)."""
-        return any(self.local_radius)
+        """True when local + predicted lists are asked for explicitly (``local_radius`` set, not all zero)."""
+        return self.local_radius is not None and any(self.local_radius)
+
+    def local_radius_for(self, token_grid: Optional[Sequence[int]]) -> Optional[Tuple[int, int, int]]:
+        """The neighbourhood radius in effect on a sequence of ``token_grid`` (None: no local part).
+
+        An explicit ``local_radius`` holds as given ((0, 0, 0): off; a radius without a grid is refused
+        where the lists are built). The default None gives :data:`DEFAULT_LOCAL_RADIUS` when the grid is
+        known and tiled by ``query_group_shape``, lists are blocks and ``topk_backend`` is not 'cuda'."""
+        if self.local_radius is not None:
+            return self.local_radius if any(self.local_radius) else None
+        if token_grid is None or self.block_size == 0 or self.topk_backend == "cuda":
+            return None
+        if len(token_grid) != 3 or any(int(g) % c for g, c in zip(token_grid, self.query_group_shape)):
+            return None
+        return DEFAULT_LOCAL_RADIUS
 
     @property
     def block_size(self) -> int:
@@ -222,9 +247,9 @@ class DSVConfig:
              "query_group_shape", "three positive ints (t, h, w)")
         need(self.group_size in SUPPORTED_GROUP_SIZES, "query_group_shape",
              f"a cube whose volume is one of {list(SUPPORTED_GROUP_SIZES)}")
-        need(isinstance(self.local_radius, tuple) and len(self.local_radius) == 3
+        need(self.local_radius is None or isinstance(self.local_radius, tuple) and len(self.local_radius) == 3
              and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in self.local_radius),
-             "local_radius", "three ints >= 0 (rt, rh, rw), in cubes")
+             "local_radius", "None (auto) or three ints >= 0 (rt, rh, rw), in cubes")
         need(not (self.uses_local and self.topk_backend == "cuda"), "topk_backend",
              "'auto', 'triton' or 'naive' with local_radius (the CUDA estimator takes no local part)")
         need(self.kv_block_size in SUPPORTED_KV_BLOCKS, "kv_block_size", f"one of {list(SUPPORTED_KV_BLOCKS)}")

@@ -9,8 +9,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_quality import (FRONTIER, arm_of, build_parser, equal_step, mean_se, time_to_reach,  # noqa: E402
-                                      wall_clock)
+from benchmarks.bench_quality import (FRONTIER, arm_of, build_parser, equal_step, is_library_default,  # noqa: E402
+                                      mean_se, time_to_reach, wall_clock)
 
 
 def _rec(curve):
@@ -53,3 +53,11 @@ def test_frontier_arms_parse_with_their_settings():
     assert arm_of("window", args.arm, args)["window_frac"] == 0.2
     with pytest.raises(ValueError, match="unknown frontier arm"):
         arm_of("nope", args.arm, args)
+    assert arm_of("local111_thr07", args.arm, args)["thr"] == 0.7
+
+
+def test_library_default_marks_the_arms_whose_lists_are_the_defaults():
+    # 16K ViZDoom grid (16, 32, 32): the 4x4x8 cube tiles it, so the auto neighbourhood is (1, 1, 1)
+    args = build_parser().parse_args(["--arm", "data=vizdoom,frames=16,res=256", "--save-dir", "x"])
+    marked = {name for name in FRONTIER if is_library_default(arm_of(name, args.arm, args))}
+    assert marked == {"default", "local111"}

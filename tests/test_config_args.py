@@ -56,6 +56,17 @@ def test_optional_none_flag():
     assert c.stage_switch_steps is None
 
 
+def test_local_radius_flag_takes_three_ints_or_auto():
+    def radius(*argv):
+        return dsv_config_from_args(_parse(["--use-dsv-attention", *argv])).local_radius
+
+    assert radius() is None and radius("--dsv-local-radius", "auto") is None
+    assert radius("--dsv-local-radius", "0", "1", "2") == (0, 1, 2)
+    for bad in (["1", "2"], ["a", "b", "c"], ["1", "2", "3", "4"]):
+        with pytest.raises(SystemExit):
+            _parse(["--use-dsv-attention", "--dsv-local-radius", *bad])
+
+
 def test_bad_choice_flag_is_rejected():
     with pytest.raises(SystemExit):
         _parse(["--use-dsv-attention", "--dsv-granularity", "row"])

@@ -19,6 +19,15 @@ def test_gran_key_parses_labels_and_rejects_unknown():
         parse_arm("gran=tokens")
 
 
+def test_local_auto_and_threshold_keys():
+    arm = parse_arm("data=synthetic,frames=4,res=64,rule=sparsity,local=auto,thr=0.7")
+    assert arm["local_radius"] is None and arm["thr"] == 0.7
+    assert arm["label"] == "synthetic-dsv-paperrule-thr0.7-localauto-S256"
+    assert parse_arm("data=synthetic,frames=4,res=64")["thr"] == 0.8
+    with pytest.raises(ValueError, match="arm local must be"):
+        parse_arm("local=1.1")
+
+
 @pytest.mark.timeout(300)
 def test_token_lists_arm_trains_into_stage_two(megatron_cpu, tmp_path):
     """gran=token reaches the DSV layers (token lists, no key blocks) and a short run profiles and

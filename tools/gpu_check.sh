@@ -9,6 +9,9 @@
 #   e2etok (bench_e2e's full and stage-2 arms with token lists, as e2e otherwise),
 #   topkkeys (the Triton top-k's method "keys", its "auto" for block lists: its tests on the GPU, then beside the
 #   CUDA kernel at every S, G=32 / block 64 and G=128 / block 128, and "search" at 16K in the same run)
+#   models (every test of tests/models and the local-list tests on the GPU host, not only the gpu-marked ones:
+#   with GPU_WHEEL_DIRS=".whl-mc019 .whl-wan" it checks megatron-core 0.19.2 and the Wan bf16 test against
+#   diffusers; .whl-mc019 = megatron-core 0.19.2, .whl-wan = diffusers 0.42.1 and its pure-Python deps)
 # Each stage logs to OUT_DIR/<stage>.log and a failing stage does not stop the others.
 set -u
 out=${1:?usage: gpu_check.sh OUT_DIR [stage ...]}; shift
@@ -58,8 +61,10 @@ for s in $stages; do
               python3 benchmarks/bench_topk_estimation.py --backends cuda,triton --group-size 128 --block-size 128 \
                 --triton-method keys --granularity block --sizes 16384,32768,65536,131072 --triton-max-s 131072 \
                 --out '$out/g128'" ;;
+    models) run models 300 python3 -m pytest -q -p no:cacheprovider -rs tests/models tests/attention/test_local_lists.py \
+              tests/ops/test_topk_forced.py ;;
     sweep) run sweep 420 python3 benchmarks/bench_sparse_attention.py --sweep --warm-shards 8 --time-budget-s 300 \
              --out "$out" ;;
-    *) echo "unknown stage $s (build tests train recall predictor topk e2e e2etok topksample topkkeys sweep)"; exit 2 ;;
+    *) echo "unknown stage $s (build tests train recall predictor topk e2e e2etok topksample topkkeys models sweep)"; exit 2 ;;
   esac
 done

@@ -8,9 +8,24 @@
 #   $w -d .whl megatron-core==0.16.1 ale-py==0.12.1; $w -d .whl-vizdoom vizdoom==1.3.2
 #   python tools/fetch_footage.py --out .footage
 # shellcheck shell=bash
+# GPU_WHEEL_DIRS="DIR ..." picks the folders (default: every .whl*/ here; a warm machine keeps the folders of
+# earlier calls, so name them when two folders hold different versions of one package, e.g. .whl-mc019/).
 export PYTHONUNBUFFERED=1
-if ls .whl*/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl*/*.whl
+if [ -n "${GPU_WHEEL_DIRS:-}" ]; then
+  read -r -a _wheel_dirs <<< "$GPU_WHEEL_DIRS"
+else
+  _wheel_dirs=(.whl*/)
+fi
+_wheels=()
+for _d in "${_wheel_dirs[@]}"; do
+  for _w in "${_d%/}"/*.whl; do [ -e "$_w" ] && _wheels+=("$_w"); done
+done
+if [ "${#_wheels[@]}" -gt 0 ]; then
+  if [ "$(printf '%s\n' "${_wheels[@]##*/}" | cut -d- -f1 | sort | uniq -d)" != "" ]; then
+    echo "gpu_env.sh: two wheels of one package in ${_wheel_dirs[*]}; set GPU_WHEEL_DIRS to the folders to install" >&2
+    exit 2
+  fi
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${_wheels[@]}"
   export PYTHONPATH=/tmp/site:$PWD
 else
   export PYTHONPATH=$PWD

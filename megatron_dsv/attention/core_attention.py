@@ -421,13 +421,15 @@ class DSVCoreAttention(MegatronModule):
     def _local_items(self, S: int, device) -> Optional[torch.Tensor]:
         """The local part of local + predicted lists (``[NG, F]`` items, -1 padded), or None when off."""
         cfg = self.dsv_config
-        if not cfg.uses_local:
+        grid = self.token_grid if self.token_grid is not None and math.prod(self.token_grid) == S else None
+        radius = cfg.local_radius_for(grid)
+        if radius is None:
             return None
-        if self.token_grid is None or math.prod(self.token_grid) != S:
+        if grid is None:
             raise ValueError(f"DSVConfig.local_radius (--dsv-local-radius) {cfg.local_radius} needs the token grid "
                              f"(T, H, W) of this sequence of {S} tokens on DSVCoreAttention.token_grid (the video DiT "
                              f"sets it on every forward); got {self.token_grid}")
-        return local_item_lists(self.token_grid, cfg.query_group_shape, cfg.local_radius, cfg.block_size, device)
+        return local_item_lists(grid, cfg.query_group_shape, radius, cfg.block_size, device)
 
     def rule_budgets(self, S: int, density: Optional[torch.Tensor] = None, sparsity: Optional[torch.Tensor] = None):
         """``(budgets, tokens)`` (host ``[H]``) by the budget rule, from per-head ``density`` (rule 'recall') or

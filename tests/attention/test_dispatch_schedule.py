@@ -152,5 +152,21 @@ def test_bad_config_errors(kw, name):
 
 def test_budget_knob_defaults():
     c = DSVConfig()
-    assert (c.budget_rule, c.recall_target, c.predictor_train_interval) == ("recall", 0.96, 1)
+    # the frontier's best point (NOTES_quality.md run 2): the paper's rule with the auto neighbourhood
+    assert (c.budget_rule, c.recall_target, c.predictor_train_interval, c.local_radius) == ("sparsity", 0.96, 1, None)
     assert DSVConfig(recall_target=1.0, predictor_train_interval=0).recall_target == 1.0
+
+
+def test_local_radius_auto_resolves_per_grid():
+    c = DSVConfig()
+    assert c.local_radius_for((16, 32, 32)) == (1, 1, 1)  # the 4x4x8 cube tiles it
+    assert c.local_radius_for(None) is None  # text (GPT): no grid
+    assert c.local_radius_for((21, 30, 52)) is None  # partial cubes (Wan's native grid)
+    assert DSVConfig(granularity="token").local_radius_for((16, 32, 32)) is None
+    assert DSVConfig(topk_backend="cuda").local_radius_for((16, 32, 32)) is None  # takes no local part
+    assert DSVConfig(local_radius=(0, 0, 0)).local_radius_for((16, 32, 32)) is None
+    assert DSVConfig(local_radius=(0, 1, 1)).local_radius_for(None) == (0, 1, 1)  # explicit: refused later
+    with pytest.raises(ValueError, match="topk_backend"):
+        DSVConfig(local_radius=(1, 1, 1), topk_backend="cuda")
+    with pytest.raises(ValueError, match="local_radius"):
+        DSVConfig(local_radius=(1, -1, 1))

@@ -45,7 +45,9 @@ def _layer_saved_bytes(qk_layernorm: bool, dsv: bool):
                                      latent_frames=8, latent_height=16, latent_width=16, num_classes=4,
                                      qk_layernorm=qk_layernorm)
     # 1 key block of 4 per head is 75% sparse: below the default threshold (0.8) at this small S
-    dsv_config = DSVConfig(kernel_backend="triton", topk_backend="naive", sparsity_threshold=0.5) if dsv else None
+    # (and no neighbourhood: on this 2 x 2 x 1 cube grid the (1, 1, 1) default would keep every key)
+    dsv_config = (DSVConfig(kernel_backend="triton", topk_backend="naive", sparsity_threshold=0.5,
+                            local_radius=(0, 0, 0)) if dsv else None)
     torch.manual_seed(0)
     model = build_video_dit(cfg, dsv_config=dsv_config, use_te=False)
     model.train()
