@@ -112,52 +112,22 @@ def test_matches_dense_masked_reference(megatron_cpu, heads, groups, grid, radiu
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"d{name}: {m}")
 
 
-def test_size_classes_permutation():
-    from megatron_dsv.models.window_attention import _size_classes
-
-    ncubes, radius, G = (5, 3, 2), (2, 1, 1), 64
-    perm, inv, classes = _size_classes(ncubes, radius, G, torch.device("cpu"))
-    assert _size_classes(ncubes, radius, G, torch.device("cpu"))[0] is perm  # cached
-    S = 30 * G
-    assert torch.equal(perm.sort().values, torch.arange(S)) and torch.equal(perm[inv], torch.arange(S))
-    idx, counts = window_block_lists((10, 12, 16), (2, 4, 8), radius)
-    assert [c for c, *_ in classes] == sorted(set(counts.tolist()))
-    assert sum(n for _, _, n, _ in classes) == 30
-    for c, first, n, lists in classes:
-        cubes = perm[first * G:(first + n) * G:G] // G  # each class is whole cubes, ascending ids
-        assert torch.equal(perm[first * G:(first + n) * G], (cubes[:, None] * G + torch.arange(G)).reshape(-1))
-        assert (counts[cubes] == c).all() and (cubes.diff() > 0).all()
-        assert lists.dtype == torch.int32 and lists.shape == (n, c) and torch.equal(lists, idx[cubes, :c])
-    # one class (the window spans the grid): no permutation at all
-    assert _size_classes(ncubes, (4, 2, 1), G, torch.device("cpu"))[:2] == (None, None)
-
-
-def test_flex_request_falls_back_for_partial_queries(monkeypatch):
-    from megatron_dsv.models.window_attention import _class_backend
-
-    monkeypatch.setenv("DSV_SPARSE_ATTN_BACKEND", "flex")
-    assert _class_backend(256, 1024) == "triton"  # flex refuses Sq != Sk
-    assert _class_backend(1024, 1024) == "auto"
-    monkeypatch.setenv("DSV_SPARSE_ATTN_BACKEND", "auto")
-    assert _class_backend(256, 1024) == "auto"
-
-
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1")
-def test_triton_path_per_class_matches_reference(megatron_cpu, monkeypatch):
-    """The module's calls routed through the Triton kernels (interpreter, fp32): each class runs
-    on its own cubes only (query rows sum to S, KV work to the kept fraction), forward and
-    gradients equal the dense masked reference."""
+def test_triton_path_one_call_matches_reference(megatron_cpu, monkeypatch):
+    """The module routed through the Triton kernels (interpreter, fp32): one call over every query and key,
+    one list length per query cube (edge cubes shorter), forward and gradients equal the dense masked
+    reference."""
     import megatron_dsv.models.window_attention as wa
     from megatron_dsv.ops.sparse_attention import sparse_attention
 
     calls = []
 
     def triton_op(q, k, v, idx, counts, G, BS, scale):
-        calls.append((q.shape[2], k.shape[2], idx.shape[2], int(counts[0, 0])))
+        calls.append((q.shape[2], k.shape[2], tuple(idx.shape), counts[0, 0].tolist()))
         return sparse_attention(q, k, v, idx, counts, G, BS, scale, backend="triton")
 
     monkeypatch.setattr(wa, "sparse_attention_naive", triton_op)
-    grid, radius = (6, 12, 8), (1, 1, 0)  # cube grid 3 x 3 x 1: classes of 4, 6 and 9 cubes
+    grid, radius = (6, 12, 8), (1, 1, 0)  # cube grid 3 x 3 x 1: lists of 4, 6 and 9 cubes
     wc = WindowConfig(cube=(2, 4, 8), radius=radius, block_size=64)
     core = _core(megatron_cpu, wc, grid, heads=2, groups=1)
     S, B, D = math.prod(grid), 2, 64
@@ -167,8 +137,8 @@ def test_triton_path_per_class_matches_reference(megatron_cpu, monkeypatch):
     out = core(q, k, v, None)
     grads = torch.autograd.grad(out, (q, k, v), do)
     _, counts = window_block_lists(grid, wc.cube, radius)
-    assert calls == [(n * 64, S, n, c) for c, n in ((4, 4), (6, 4), (9, 1))]  # ascending list length
-    assert sum(n * c for _, _, n, c in calls) == int(counts.sum())
+    assert calls == [(S, S, (B, 2, 9, 9), counts.tolist())]
+    assert sorted(set(counts.tolist())) == [4, 6, 9]
     ref = _reference(q, k, v, _token_mask(grid, wc.cube, radius), 1.0 / math.sqrt(D))
     ref_grads = torch.autograd.grad(ref, (q, k, v), do)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)

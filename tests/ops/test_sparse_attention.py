@@ -5,7 +5,6 @@ budgets, empty and full lists, both granularities, GQA, head dim 96 (padded).
 """
 
 import math
-import os
 
 import pytest
 import torch
@@ -388,3 +387,52 @@ def test_inverse_map_matches_a_direct_scan(keys, lists, monkeypatch):
                 i = (b * H + h) * nkb + blk
                 assert grp[ptr[i]:ptr[i + 1]].tolist() == want
     assert ptr[-1] == int(cnt.sum()) * NG
+
+
+@pytest.mark.parametrize("BS,G,D,dtype", [pytest.param(0, 32, 64, torch.float32, id="tok"),
+                                          pytest.param(64, 64, 96, torch.float16, id="blk64"),
+                                          pytest.param(128, 128, 64, torch.float32, id="blk128-fused")])
+def test_per_group_counts_match_naive_and_a_dense_reference(BS, G, D, dtype, monkeypatch):
+    """kv_counts [B, H, NG]: each query group reads its own number of entries (a window's edge cubes); the
+    Triton kernels (fwd, both backwards) equal the naive twin, which equals dense attention under the mask
+    those counts define; empty groups give zeros."""
+    if BS == 128:
+        monkeypatch.setenv("DSV_SPARSE_BWD", "fused")
+    B, H, S = 1, 2, 300  # partial last group and block
+    NG, nk = math.ceil(S / G), (S if BS == 0 else math.ceil(S / BS))
+    gen = torch.Generator().manual_seed(5)
+    counts = torch.randint(1, nk + 1, (B, H, NG), generator=gen, dtype=torch.int32)
+    counts[0, 1, 0] = 0  # an empty group
+    idx = torch.full((B, H, NG, nk + 1), -1, dtype=torch.int32)
+    for h in range(H):
+        for g in range(NG):
+            c = int(counts[0, h, g])
+            idx[0, h, g, :c] = torch.randperm(nk, generator=gen)[:c].sort().values
+    torch.manual_seed(5)
+    q, k, v, do = (torch.randn(B, H, S, D, dtype=dtype) for _ in range(4))
+    outs = []
+    for fn in (sparse_attention, sparse_attention_naive):
+        qi, ki, vi = (t.clone().requires_grad_() for t in (q, k, v))
+        o = fn(qi, ki, vi, idx, counts, G, BS)
+        o.backward(do)
+        outs.append((o, qi.grad, ki.grad, vi.grad))
+    tol = 2e-3 if dtype == torch.float32 else 2e-2
+    for name, a, b in zip(("o", "dq", "dk", "dv"), *outs):
+        assert rel_rmse(a, b) < tol, (name, rel_rmse(a, b))
+    # the naive twin against dense attention masked by hand from the per-group counts
+    allowed = torch.zeros(B, H, S, S, dtype=torch.bool)
+    for h in range(H):
+        for g in range(NG):
+            rows = slice(g * G, min((g + 1) * G, S))
+            for item in idx[0, h, g, :int(counts[0, h, g])].tolist():
+                cols = slice(item, item + 1) if BS == 0 else slice(item * BS, min((item + 1) * BS, S))
+                allowed[0, h, rows, cols] = True
+    scores = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(D)
+    ref = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0) @ v.float()
+    assert rel_rmse(outs[1][0], ref) < tol
+    assert outs[0][0][0, 1, :G].abs().max() == 0  # the empty group
+    # per-head counts given as [B, H] or broadcast to [B, H, NG] are the same call
+    idx2, cnt2 = make_lists(B, H, S, G, BS, 0.3, seed=6)
+    cnt3 = cnt2[:, :, None].expand(B, H, NG).contiguous()
+    torch.testing.assert_close(sparse_attention(q, k, v, idx2, cnt3, G, BS), sparse_attention(q, k, v, idx2, cnt2, G, BS),
+                               rtol=0, atol=0)

@@ -24,7 +24,7 @@ def check_shapes(q, k, v, kv_indices, kv_counts, group_size: int, block_size: in
 
     q ``[B, H, Sq, D]``; k, v ``[B, Hkv, Sk, D]`` with any ``Sk >= 1`` (Sk != Sq: a context-parallel
     rank's queries against its gathered keys); kv_indices ``[B, H, ceil(Sq / G), Kmax]``;
-    kv_counts ``[B, H]``.
+    kv_counts ``[B, H]`` (one list length per head) or ``[B, H, NG]`` (one per query group).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -55,12 +55,19 @@ def check_shapes(q, k, v, kv_indices, kv_counts, group_size: int, block_size: in
         raise ValueError(f"kv_indices must be [B={B}, H={H}, NG=ceil(S/group_size)={ng}, Kmax] "
                          f"(S = q's length); "
                          f"got {tuple(kv_indices.shape)}")
-    if not isinstance(kv_counts, torch.Tensor) or kv_counts.dtype != torch.int32 or tuple(kv_counts.shape) != (B, H):
-        raise ValueError(f"kv_counts must be an int32 tensor [B={B}, H={H}]; got "
+    if (not isinstance(kv_counts, torch.Tensor) or kv_counts.dtype != torch.int32
+            or tuple(kv_counts.shape) not in ((B, H), (B, H, ng))):
+        raise ValueError(f"kv_counts must be an int32 tensor [B={B}, H={H}] or [B, H, NG={ng}]; got "
                          f"{getattr(kv_counts, 'dtype', type(kv_counts))} {tuple(getattr(kv_counts, 'shape', ()))}")
     for name, t in (("k", k), ("v", v), ("kv_indices", kv_indices), ("kv_counts", kv_counts)):
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}; all inputs must share one device")
+
+
+def group_counts(kv_counts: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """kv_counts as ``[B, H, NG]``: per-head counts ``[B, H]`` broadcast over the query groups (a view),
+    per-group counts as they are."""
+    return kv_counts if kv_counts.dim() == 3 else kv_counts[:, :, None].expand(-1, -1, num_groups)
 
 
 def num_keys(S: int, block_size: int) -> int:
@@ -85,7 +92,7 @@ def check_values(kv_indices: torch.Tensor, kv_counts: torch.Tensor, S: int, bloc
     kmax = kv_indices.shape[-1]
     nk = num_keys(S, block_size)
     pos = torch.arange(kmax, device=kv_indices.device, dtype=torch.int32)
-    valid = pos < kv_counts[:, :, None, None]
+    valid = pos < group_counts(kv_counts, kv_indices.shape[2])[..., None]
     idx = kv_indices
     big = torch.iinfo(torch.int32).max
     lo = torch.where(valid, idx, big).amin()

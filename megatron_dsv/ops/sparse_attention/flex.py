@@ -15,6 +15,8 @@ from typing import Optional
 
 import torch
 
+from .checks import group_counts
+
 
 def flex_supported(S: int, group_size: int, block_size: int) -> bool:
     """Only 128x128 blocks lower on the H200 with torch 2.11: (G, block) = (128, 64), (64, 128),
@@ -30,12 +32,13 @@ def build_block_mask(kv_indices: torch.Tensor, kv_counts: torch.Tensor, S: int,
 
     B, H, NG, KM = kv_indices.shape
     nkb = math.ceil(S / block_size)
-    valid = torch.arange(KM, device=kv_indices.device, dtype=torch.int32) < kv_counts[:, :, None, None]
+    counts = group_counts(kv_counts, NG)
+    valid = torch.arange(KM, device=kv_indices.device, dtype=torch.int32) < counts[..., None]
     # BlockMask wants one index row as wide as the number of key blocks; padding -> 0, never read
     full_idx = torch.zeros(B, H, NG, nkb, device=kv_indices.device, dtype=torch.int32)
     width = min(KM, nkb)
     full_idx[..., :width] = torch.where(valid, kv_indices, 0)[..., :width]
-    full_num = kv_counts[:, :, None].expand(B, H, NG).contiguous()
+    full_num = counts.contiguous()
     zero_num = torch.zeros_like(full_num)
     return BlockMask.from_kv_blocks(zero_num, torch.zeros_like(full_idx), full_num, full_idx,
                                     BLOCK_SIZE=(group_size, block_size), seq_lengths=(S, S))

@@ -20,6 +20,7 @@ from typing import Dict, Optional, Tuple
 import torch
 import triton
 
+from .checks import group_counts
 from .triton_bwd import bwd_delta_kernel, bwd_kv_kernel, bwd_q_kernel
 from .triton_fwd import LOG2E, sparse_attn_fwd_kernel
 
@@ -116,10 +117,15 @@ def sparse_fwd(q, k, v, kv_indices, kv_counts, G: int, BS: int, scale: float,
     lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
     grid = (NG * (G // cfg["BM"]), B * H)
     sparse_attn_fwd_kernel[grid](
-        q, k, v, o, lse, kv_indices, kv_counts, T, TK, NG, kv_indices.shape[3], scale * LOG2E,
+        q, k, v, o, lse, kv_indices, _kernel_counts(kv_counts, NG), T, TK, NG, kv_indices.shape[3], scale * LOG2E,
         H=H, HR=H // k.shape[1], K=D, BD=_bd(D), G=G, BM=cfg["BM"], BN=cfg["BN"], BS=BS,
         EVEN_T=_even_keys(TK, BS), **_launch_opts(cfg))
     return o, lse
+
+
+def _kernel_counts(kv_counts: torch.Tensor, NG: int) -> torch.Tensor:
+    """The kernels read one count per (batch, head, query group): int32 ``[B, H, NG]``, contiguous."""
+    return group_counts(kv_counts, NG).contiguous()
 
 
 def _even_keys(TK: int, BS: int) -> bool:
@@ -133,7 +139,7 @@ INT32_KEYS_BELOW = 2**31 - 1  # the inverse map's sort keys are int32 below this
 def build_inverse_map(kv_indices: torch.Tensor, kv_counts: torch.Tensor, nkb: int):
     """CSR map key block -> query groups, per (batch, head), groups ascending.
 
-    kv_indices int32 [B, H, NG, Kmax] (NG groups of the queries), kv_counts int32 [B, H];
+    kv_indices int32 [B, H, NG, Kmax] (NG groups of the queries), kv_counts int32 [B, H] or [B, H, NG];
     nkb = ceil(TK / BS), the number of key blocks of the KEY length.
 
     inv_ptr [B*H*nkb + 1] int32, inv_grp [B*H*NG*Kmax] int32 (tail unused).
@@ -151,7 +157,7 @@ def build_inverse_map(kv_indices: torch.Tensor, kv_counts: torch.Tensor, nkb: in
     dev = kv_indices.device
     n_keys = B * H * nkb
     key_dtype = torch.int32 if n_keys < INT32_KEYS_BELOW else torch.int64
-    pad = torch.arange(KM, device=dev, dtype=torch.int32) >= kv_counts[:, :, None, None]
+    pad = torch.arange(KM, device=dev, dtype=torch.int32) >= group_counts(kv_counts, NG)[..., None]
     base = torch.arange(B * H, device=dev, dtype=key_dtype).view(B, H, 1, 1) * nkb
     key = kv_indices.to(key_dtype) + base  # a new tensor: the lists stay untouched
     key.masked_fill_(pad, n_keys)
@@ -219,7 +225,7 @@ def sparse_bwd_q(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, sc
     else:
         dk32 = dv32 = dq  # unused by the kernel when ATOMIC_KV is off
     bwd_q_kernel[(NG * (G // cfg_q["BM"]), B * H)](
-        q, k, v, o, do, lse, delta, dq, dk32, dv32, kv_indices, kv_counts,
+        q, k, v, o, do, lse, delta, dq, dk32, dv32, kv_indices, _kernel_counts(kv_counts, NG),
         T, TK, NG, kv_indices.shape[3], scale * LOG2E, scale,
         H=H, HR=H // k.shape[1], K=D, BD=_bd(D), G=G, BS=BS,
         BM=cfg_q["BM"], BN=cfg_q["BN"], EVEN_T=_even_keys(TK, BS), ATOMIC_KV=atomic_kv,

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from .checks import check_shapes, check_values, num_keys
+from .checks import check_shapes, check_values, group_counts, num_keys
 
 
 def build_dense_mask(kv_indices: torch.Tensor, kv_counts: torch.Tensor, S: int,
@@ -27,7 +27,7 @@ def build_dense_mask(kv_indices: torch.Tensor, kv_counts: torch.Tensor, S: int,
     B, H, NG, kmax = kv_indices.shape
     nk = num_keys(Sk, block_size)
     pos = torch.arange(kmax, device=kv_indices.device)
-    valid = pos < kv_counts[:, :, None, None].long()
+    valid = pos < group_counts(kv_counts, kv_indices.shape[2])[..., None].long()
     # padding entries go to a spare column nk, dropped below, so they are never used
     col = torch.where(valid, kv_indices.long(), nk)
     sel = torch.zeros(B, H, NG, nk + 1, dtype=torch.bool, device=kv_indices.device)

@@ -157,13 +157,14 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_indic
             against its gathered keys (not the flex backend).
         kv_indices: int32 ``[B, H, NG, Kmax]``, ``NG = ceil(Sq / group_size)``.
             Query group g is tokens ``[g*G, min((g+1)*G, Sq))``. For each (b, h, g)
-            the first ``kv_counts[b, h]`` entries are sorted ascending and unique;
+            the first ``kv_counts[b, h]`` (or ``kv_counts[b, h, g]``) entries are sorted ascending and unique;
             later entries are padding and are never read (any value, e.g. -1).
             ``block_size == 0``: entries are key token positions in ``[0, Sk)``.
             ``block_size in {64, 128}``: entries are key-block ids in
             ``[0, ceil(Sk / block_size))``; the last block may be partial.
-        kv_counts: int32 ``[B, H]``, each in ``[0, min(Kmax, #keys or #blocks)]``.
-            A count of 0 gives zero output and zero gradients for that head.
+        kv_counts: int32 ``[B, H]`` (one length per head) or ``[B, H, NG]`` (one per query group, e.g.
+            a window's edge cubes), each in ``[0, min(Kmax, #keys or #blocks)]``. A count of 0 gives
+            zero output and zero gradients for that head (or group).
         group_size: G in {16, 32, 64, 128}.
         block_size: 0 (token-level lists) or 64 / 128 (block-level lists).
         softmax_scale: defaults to ``1 / sqrt(D)``.

@@ -55,7 +55,7 @@ def bwd_q_kernel(
     b_delta = tl.sum(b_o * b_do.to(tl.float32), 1)
     tl.store(delta + i_bh.to(tl.int64) * T + o_m, b_delta, mask=m_m)
 
-    cnt = tl.load(cnt_ptr + i_bh)
+    cnt = tl.load(cnt_ptr + i_bh.to(tl.int64) * NG + i_g)  # [B, H, NG] counts
     p_idx = idx + (i_bh.to(tl.int64) * NG + i_g) * KMAX
     n_it = _num_steps(cnt, BN, BS)
 

@@ -87,7 +87,7 @@ def sparse_attn_fwd_kernel(
     # [BM, BD]
     b_q = tl.load(q + p_q_base + o_m[:, None] * K + o_d[None, :], mask=m_q, other=0.)
 
-    cnt = tl.load(cnt_ptr + i_bh)
+    cnt = tl.load(cnt_ptr + i_bh.to(tl.int64) * NG + i_g)  # [B, H, NG] counts
     p_idx = idx + (i_bh.to(tl.int64) * NG + i_g) * KMAX
     n_it = _num_steps(cnt, BN, BS)
 
