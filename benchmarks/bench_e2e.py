@@ -73,7 +73,8 @@ def build(arm: str, args, frames: int, res: int, device, dtype):
         over.update(heads=args.heads, head_dim=args.head_dim, hidden=args.heads * args.head_dim)
     cfg = VideoDiTConfig.from_preset(args.preset, **over)
     table = args.speedup_table if device.type == "cuda" else None
-    dsv = (DSVConfig(speedup_table=table, granularity=args.granularity, local_radius=tuple(args.local_radius))
+    local = None if args.local_radius is None else tuple(args.local_radius)
+    dsv = (DSVConfig(speedup_table=table, granularity=args.granularity, local_radius=local)
            if arm.startswith("dsv") else None)
     kwargs = {}
     if arm == "window":
@@ -207,10 +208,21 @@ def attention_parts(arm, cfg, S, out, args, device, dtype, dsv):
         sp = torch.tensor(head_sparsity(H, args.sparsity_min, args.sparsity_max, args.sparsity_mean))
         from megatron_dsv.attention.dispatcher import density_budgets
 
-        budgets, _ = density_budgets(1.0 - sp, S, dsv)
+        from megatron_dsv.attention.neighbourhood import local_item_lists
+
+        radius = dsv.local_radius_for(cfg.token_grid())
+        forced = (None if radius is None else
+                  local_item_lists(cfg.token_grid(), dsv.query_group_shape, radius, dsv.block_size, device))
+        floor = 0 if forced is None else min(S, forced.shape[1] * max(1, dsv.block_size))
+        budgets, _ = density_budgets(1.0 - sp, S, dsv, floor)
         q_lr, k_lr = (torch.randn(1, H, S, dsv.predictor_rank, device=device, dtype=dtype) for _ in range(2))
-        sel = _time_ms(lambda: estimate_topk(q_lr, k_lr, budgets, dsv.group_size, dsv.block_size), args.reps)
-        idx, cnt = estimate_topk(q_lr, k_lr, budgets, dsv.group_size, dsv.block_size)
+        backend_topk = _ops.resolve_backends(dsv)[1]
+
+        def select():  # as the layer does: local + predicted lists go to Triton where auto says CUDA
+            return _ops.run_estimate_topk(backend_topk, q_lr, k_lr, budgets, dsv.group_size, dsv.block_size,
+                                          dsv.group_proxy, dsv.block_score, forced)
+        sel = _time_ms(select, args.reps)
+        idx, cnt = select()
         backend = _ops.resolve_backends(dsv)[0]
 
         def attn():
@@ -256,8 +268,9 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=None,
                     help="attention heads instead of the preset's, with --head-dim; hidden = heads x head dim")
     ap.add_argument("--head-dim", type=int, default=64, help="head dim with --heads")
-    ap.add_argument("--local-radius", type=int, nargs=3, default=(0, 0, 0), metavar=("T", "H", "W"),
-                    help="DSV arms: local + predicted lists (DSVConfig.local_radius), in query cubes")
+    ap.add_argument("--local-radius", type=int, nargs=3, default=None, metavar=("T", "H", "W"),
+                    help="DSV arms: local + predicted lists (DSVConfig.local_radius), in query cubes; default: the "
+                         "library's auto (1 1 1 on a grid the query cube tiles); 0 0 0: predicted lists alone")
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     ap.add_argument("--granularity", default="block", choices=("block", "token"),
                     help="DSV's KV lists (DSVConfig.granularity): 128-key blocks (default) or tokens (the paper's)")

@@ -9,7 +9,8 @@
 #   python tools/fetch_footage.py --out .footage
 # shellcheck shell=bash
 # GPU_WHEEL_DIRS="DIR ..." picks the folders (default: every .whl*/ here; a warm machine keeps the folders of
-# earlier calls, so name them when two folders hold different versions of one package, e.g. .whl-mc019/).
+# earlier calls, so name them when two folders hold different versions of one package, e.g. .whl-mc019/);
+# GPU_SITE the install folder (default /tmp/site).
 export PYTHONUNBUFFERED=1
 if [ -n "${GPU_WHEEL_DIRS:-}" ]; then
   read -r -a _wheel_dirs <<< "$GPU_WHEEL_DIRS"
@@ -25,8 +26,9 @@ if [ "${#_wheels[@]}" -gt 0 ]; then
     echo "gpu_env.sh: two wheels of one package in ${_wheel_dirs[*]}; set GPU_WHEEL_DIRS to the folders to install" >&2
     exit 2
   fi
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${_wheels[@]}"
-  export PYTHONPATH=/tmp/site:$PWD
+  _site=${GPU_SITE:-/tmp/site}  # another folder for a second set beside running jobs (e.g. /tmp/site019)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$_site" "${_wheels[@]}"
+  export PYTHONPATH=$_site:$PWD
 else
   export PYTHONPATH=$PWD
 fi

@@ -4,8 +4,8 @@
 #      (benchmarks/bench_sparse_attention.py -> sparse_attention-d64-<gpu>-<date>.json);
 #   2. one training step per arm with its breakdown (attention, selection, predictor, profiler, rest) at the
 #      frontier's model (8 heads x 64, 4 layers) at 16K and 32K tokens (benchmarks/bench_e2e.py ->
-#      e2e-w512-*.json + PNG), DSV stage 2 with synthetic budgets around the trained density (0.18), and
-#      again with local + predicted lists (radius 1,1,1).
+#      e2e-w512-*.json + PNG), DSV stage 2 (library defaults: local 1,1,1 + predicted) with synthetic budgets
+#      around the trained density (0.18), and again with predicted lists alone (the paper's).
 # Usage: bash tools/gpu_kernel_probe.sh OUT_DIR   (run it alone on the GPU: its figures are speed figures)
 set -u
 out=${1:?usage: gpu_kernel_probe.sh OUT_DIR}
@@ -22,6 +22,6 @@ for f in "$out"/sparse_attention-*.json; do [ -e "$f" ] && mv "$f" "${f/sparse_a
 timeout 110 python3 benchmarks/bench_e2e.py "${width[@]}" --arms full dsv_stage2 dsv_stage1 window \
   --out-dir "$out" --tag=-w512 > "$out/probe_e2e.log" 2>&1
 echo "e2e exit $?"; grep "ms/step" "$out/probe_e2e.log"
-timeout 60 python3 benchmarks/bench_e2e.py "${width[@]}" --arms full dsv_stage2 --local-radius 1 1 1 \
-  --out-dir "$out" --tag=-w512-local111 > "$out/probe_e2e_local.log" 2>&1
+timeout 60 python3 benchmarks/bench_e2e.py "${width[@]}" --arms full dsv_stage2 --local-radius 0 0 0 \
+  --out-dir "$out" --tag=-w512-predicted > "$out/probe_e2e_local.log" 2>&1
 echo "e2e local exit $?"; grep "ms/step" "$out/probe_e2e_local.log"

@@ -190,6 +190,9 @@ def _transformer_config(cfg: WanConfig, dtype, overrides: dict) -> TransformerCo
         num_layers=cfg.num_layers, hidden_size=cfg.hidden, num_attention_heads=cfg.num_attention_heads,
         kv_channels=cfg.attention_head_dim, ffn_hidden_size=cfg.ffn_dim, hidden_dropout=0.0, attention_dropout=0.0,
         layernorm_epsilon=cfg.eps, add_bias_linear=True, gated_linear_unit=False,
+        # the spec's q/k norms are Wan's (WanQKNorm): megatron-core >= 0.19 refuses a spec norm without this,
+        # and Megatron-LM's finalize_model_grads then sums their partial gradients over TP, as they need
+        qk_layernorm=True,
         activation_func=lambda x: F.gelu(x, approximate="tanh"), rotary_interleaved=True, apply_rope_fusion=False,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, gradient_accumulation_fusion=False, params_dtype=dtype, pipeline_dtype=dtype,

@@ -12,7 +12,11 @@ Both attentions normalise q and k with an RMSNorm over the **whole projection** 
 at once, ``hidden`` wide: diffusers' ``rms_norm_across_heads``), not per head as Megatron's
 ``q_layernorm`` usually does. :class:`WanQKNorm` takes Megatron's per-head ``[s, b, np, hn]`` tensors
 and normalises over ``np * hn``; under tensor parallelism a rank holds only its heads, so the mean
-square is summed over the TP group (autograd: the sum's backward is a sum too).
+square is summed over the TP group (autograd: the sum's backward is a sum too). Its ``hidden``-wide gain
+is replicated on every TP rank, each rank applying its heads' slice, as Megatron-Core treats
+``q_layernorm`` (``config.qk_layernorm``): the gain's gradient is partial per rank and summed over the TP
+group, by Megatron-LM's ``finalize_model_grads`` and by the core trainer
+(:func:`megatron_dsv.training.optim.sum_partial_grads_over_tp`).
 
 As in ``dit_layer.py``, the block's ``attention_mask`` slot carries the conditioning ``e``: a DiT
 has no self-attention mask, and the slot is threaded through TransformerBlock's recomputation.
@@ -98,7 +102,8 @@ def _tp_group_and_size(config):
 
 class WanQKNorm(torch.nn.Module):
     """RMSNorm over all heads' channels of q or k: ``[s, b, np, hn]`` normalised over ``(np, hn)`` of
-    the whole model (``num_attention_heads * hn``), weight ``[np_local * hn]`` TP-sharded along heads."""
+    the whole model (``num_attention_heads * hn``), weight ``[num_attention_heads * hn]`` replicated over
+    TP ranks, each rank applying the slice of its heads (so its gradient is partial: summed over TP)."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -109,10 +114,10 @@ class WanQKNorm(torch.nn.Module):
                              f"({self.tp})")
         self.heads_local, self.head_dim, self.eps = heads // self.tp, int(hidden_size), float(eps)
         self.full_width = heads * self.head_dim
+        rank = dist.get_rank(self.group) if self.group is not None else 0
+        self._slice = slice(rank * self.heads_local * self.head_dim, (rank + 1) * self.heads_local * self.head_dim)
         dtype = getattr(config, "params_dtype", torch.float32)
-        self.weight = torch.nn.Parameter(torch.ones(self.heads_local * self.head_dim, dtype=dtype))
-        # Megatron's TP attributes: the optimizer's grad norm and the checkpoint treat it as sharded.
-        self.weight.tensor_model_parallel, self.weight.partition_dim, self.weight.partition_stride = True, 0, 1
+        self.weight = torch.nn.Parameter(torch.ones(self.full_width, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-2:] != (self.heads_local, self.head_dim):
@@ -122,11 +127,11 @@ class WanQKNorm(torch.nn.Module):
         if self.group is not None:
             sq = _SumOverGroup.apply(sq, self.group)
         y = x32 * torch.rsqrt(sq / self.full_width + self.eps)
-        return (y * self.weight.float().view(self.heads_local, self.head_dim)).to(x.dtype)
+        return (y * self.weight[self._slice].float().view(self.heads_local, self.head_dim)).to(x.dtype)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         state = self.state_dict(prefix="", keep_vars=True)
-        return make_sharded_tensors_for_checkpoint(state, prefix, {"weight": 0}, sharded_offsets)
+        return make_sharded_tensors_for_checkpoint(state, prefix, {}, sharded_offsets)  # replicated
 
 
 class TextCrossCoreAttention(DenseCoreAttention):
@@ -153,9 +158,11 @@ class WanCrossAttention(CrossAttention):
     """Megatron-Core CrossAttention with Wan's q/k RMSNorm over all heads (applied after the projections)."""
 
     def __init__(self, config, submodules: WanCrossAttentionSubmodules, layer_number: int,
-                 attn_mask_type=AttnMaskType.padding, cp_comm_type=None, pg_collection=None):
+                 attn_mask_type=AttnMaskType.padding, cp_comm_type=None, pg_collection=None, **kwargs):
+        # kwargs: what newer megatron-core layers pass on (0.19: ``name``), handed to CrossAttention as is
         super().__init__(config=config, submodules=submodules, layer_number=layer_number,
-                         attn_mask_type=attn_mask_type, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+                         attn_mask_type=attn_mask_type, cp_comm_type=cp_comm_type, pg_collection=pg_collection,
+                         **kwargs)
         self.q_layernorm = self.k_layernorm = None
         for name in ("q_layernorm", "k_layernorm"):
             spec = getattr(submodules, name, None)

@@ -71,6 +71,28 @@ def is_qk_norm_param(name: str) -> bool:
     return any(fnmatch.fnmatch(name, pattern) for pattern in QK_NORM_PARAMS)
 
 
+@torch.no_grad()
+def sum_partial_grads_over_tp(model: torch.nn.Module, tp_group) -> None:
+    """Sum over the TP group the gradients of the QK-norm parameters replicated over TP ranks: each rank's
+    q/k norms see only its own heads, so each holds part of the gradient (Megatron-LM's
+    ``finalize_model_grads`` does the same for ``qk_layernorm``). Megatron DDP's ``main_grad`` where present."""
+    if tp_group is None or dist.get_world_size(tp_group) == 1:
+        return
+    grads = []
+    for name, p in model.named_parameters():
+        if is_qk_norm_param(name) and not getattr(p, "tensor_model_parallel", False):
+            g = getattr(p, "main_grad", None)
+            g = p.grad if g is None else g
+            if g is not None:
+                grads.append(g)
+    if not grads:
+        return
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=tp_group)
+    for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        g.copy_(synced)
+
+
 def _param_groups(model: torch.nn.Module, args):
     """Megatron's rule: no weight decay on biases and 1-D (norm) parameters; with ``--qk-norm-lr-mult``
     != 1, the QK-norm parameters in a group of their own whose ``max_lr`` / ``min_lr`` (what

@@ -31,7 +31,7 @@ from megatron_dsv.training.distributed import DistEnv, initialize_distributed, i
 from megatron_dsv.training.ema import ModelEMA
 from megatron_dsv.training.logging_utils import (TensorBoardWriter, format_args_block, format_iteration_line,
                                                  format_layer_lines, format_validation_lines)
-from megatron_dsv.training.optim import build_optimizer, build_scheduler, unwrap, wrap_model
+from megatron_dsv.training.optim import build_optimizer, build_scheduler, sum_partial_grads_over_tp, unwrap, wrap_model
 
 __all__ = ["TrainResult", "train", "build_model", "pretrained_wan_config", "print_rank0"]
 
@@ -156,6 +156,7 @@ def train_step(loss_model, ddp_model, optimizer, micro_batches, consumed: int, a
         (loss / len(micro_batches)).backward()
         total += loss.detach().float()
     ddp_model.finish_grad_sync()
+    sum_partial_grads_over_tp(ddp_model, env.pg_collection.tp)
     ok, grad_norm, _ = optimizer.step()
     mean = total / len(micro_batches)
     if env.dp_size > 1:
