@@ -210,7 +210,7 @@ def attention_parts(arm, cfg, S, out, args, device, dtype, dsv):
 
         from megatron_dsv.attention.neighbourhood import local_item_lists
 
-        radius = dsv.local_radius_for(cfg.token_grid())
+        radius = dsv.local_radius_for(cfg.token_grid(), _ops.resolve_backends(dsv)[1])
         forced = (None if radius is None else
                   local_item_lists(cfg.token_grid(), dsv.query_group_shape, radius, dsv.block_size, device))
         floor = 0 if forced is None else min(S, forced.shape[1] * max(1, dsv.block_size))

@@ -57,7 +57,7 @@ class _OptionalTriple(argparse.Action):
     """``--flag T H W`` -> (T, H, W) ints; ``--flag auto`` -> None (the field's automatic choice)."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        if len(values) == 1 and values[0].lower() in ("auto", "none"):
+        if len(values) == 1 and values[0].lower() == "auto":  # not 'none': it reads as "off", which is 0 0 0
             setattr(namespace, self.dest, None)
             return
         try:

@@ -187,15 +187,18 @@ class DSVConfig:
         """True when local + predicted lists are asked for explicitly (``local_radius`` set, not all zero)."""
         return self.local_radius is not None and any(self.local_radius)
 
-    def local_radius_for(self, token_grid: Optional[Sequence[int]]) -> Optional[Tuple[int, int, int]]:
+    def local_radius_for(self, token_grid: Optional[Sequence[int]],
+                         topk_backend: Optional[str] = None) -> Optional[Tuple[int, int, int]]:
         """The neighbourhood radius in effect on a sequence of ``token_grid`` (None: no local part).
 
         An explicit ``local_radius`` holds as given ((0, 0, 0): off; a radius without a grid is refused
         where the lists are built). The default None gives :data:`DEFAULT_LOCAL_RADIUS` when the grid is
-        known and tiled by ``query_group_shape``, lists are blocks and ``topk_backend`` is not 'cuda'."""
+        known and tiled by ``query_group_shape``, lists are blocks and the top-k backend is not 'cuda'
+        (``topk_backend``: the one the layer resolved, e.g. from ``DSV_TOPK_BACKEND``; default the field's)."""
         if self.local_radius is not None:
             return self.local_radius if any(self.local_radius) else None
-        if token_grid is None or self.block_size == 0 or self.topk_backend == "cuda":
+        backend = self.topk_backend if topk_backend is None else topk_backend
+        if token_grid is None or self.block_size == 0 or backend == "cuda":
             return None
         if len(token_grid) != 3 or any(int(g) % c for g, c in zip(token_grid, self.query_group_shape)):
             return None

@@ -62,7 +62,7 @@ def test_local_radius_flag_takes_three_ints_or_auto():
 
     assert radius() is None and radius("--dsv-local-radius", "auto") is None
     assert radius("--dsv-local-radius", "0", "1", "2") == (0, 1, 2)
-    for bad in (["1", "2"], ["a", "b", "c"], ["1", "2", "3", "4"]):
+    for bad in (["1", "2"], ["a", "b", "c"], ["1", "2", "3", "4"], ["none"]):
         with pytest.raises(SystemExit):
             _parse(["--use-dsv-attention", "--dsv-local-radius", *bad])
 

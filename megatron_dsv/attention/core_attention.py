@@ -163,7 +163,8 @@ class DSVCoreAttention(MegatronModule):
         # contiguous copy would be a second v; without q/k norms nothing else keeps the buffer (3x v) alive,
         # and the copy is the cheaper one to keep. (apex/TE norms save contiguous copies of q and k: there
         # the view keeps what dense SDPA keeps too.)
-        self.save_v_view = bool(getattr(config, "qk_layernorm", False))
+        # A model whose q/k norms copy their input (Wan's fp32 RMSNorm) says so in ``config.dsv_save_v_view``.
+        self.save_v_view = bool(getattr(config, "dsv_save_v_view", getattr(config, "qk_layernorm", False)))
         # the buffers (stage, step, profiles, sparsity, budget_density, recall, predictor_loss and the
         # per-step accumulator 'pending'), their host mirrors and the step-end update: state.py
         self.dsv_state = LayerState(self.num_heads)
@@ -422,7 +423,7 @@ class DSVCoreAttention(MegatronModule):
         """The local part of local + predicted lists (``[NG, F]`` items, -1 padded), or None when off."""
         cfg = self.dsv_config
         grid = self.token_grid if self.token_grid is not None and math.prod(self.token_grid) == S else None
-        radius = cfg.local_radius_for(grid)
+        radius = cfg.local_radius_for(grid, self.topk_backend)  # DSV_TOPK_BACKEND=cuda: no local part
         if radius is None:
             return None
         if grid is None:

@@ -200,9 +200,13 @@ def _transformer_config(cfg: WanConfig, dtype, overrides: dict) -> TransformerCo
         use_cpu_initialization=not torch.cuda.is_available())
     kwargs.update(overrides)
     try:
-        return TransformerConfig(**kwargs)
+        config = TransformerConfig(**kwargs)
     except TypeError as err:
         raise ValueError(f"transformer_overrides has a key TransformerConfig does not accept: {err}") from err
+    # read by DSVCoreAttention: WanQKNorm computes in fp32, so below fp32 it saves a copy of q/k, not a view of
+    # the fused QKV buffer; a v view would then keep that whole buffer alive for backward (DSV copies v instead)
+    config.dsv_save_v_view = config.params_dtype == torch.float32
+    return config
 
 
 def unwrap_wan(model) -> WanTransformer:

@@ -137,3 +137,23 @@ def test_video_dit_trains_with_local_lists(megatron_cpu, fast_table):
     for c in cores:  # the lists keep fewer keys than the sequence, the neighbourhood at least
         tokens = c.decide(512)[2]
         assert (tokens >= c._local_tokens(512)).all() and (tokens < 512).all() and c._local_tokens(512) == 128
+
+
+def test_auto_neighbourhood_follows_the_resolved_topk_backend(monkeypatch, megatron_cpu):
+    """DSV_TOPK_BACKEND=cuda with the default (auto) radius: no local part (the CUDA estimator takes none),
+    instead of forced items the CUDA backend would refuse at the first sparse step."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_dsv.attention.core_attention import DSVCoreAttention
+    from tests.attention.conftest import tf_config
+
+    monkeypatch.setenv("DSV_TOPK_BACKEND", "cuda")
+    layer = DSVCoreAttention(tf_config(), 1, AttnMaskType.no_mask, "self", pg_collection=megatron_cpu,
+                             dsv_config=DSVConfig())
+    layer.token_grid = (16, 32, 32)
+    assert layer.topk_backend == "cuda" and layer._local_items(16 * 32 * 32, "cpu") is None
+    monkeypatch.setenv("DSV_TOPK_BACKEND", "naive")
+    layer = DSVCoreAttention(tf_config(), 1, AttnMaskType.no_mask, "self", pg_collection=megatron_cpu,
+                             dsv_config=DSVConfig())
+    layer.token_grid = (16, 32, 32)
+    assert layer._local_items(16 * 32 * 32, "cpu") is not None

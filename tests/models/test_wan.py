@@ -374,3 +374,13 @@ def test_dsv_finetune_steps_and_exact_resume(megatron_cpu, wan_folder, tmp_path)
     for (name, p), (_, q) in zip(model.state_dict().items(), resumed.state_dict().items()):
         if isinstance(p, torch.Tensor):
             assert torch.equal(p, q), name
+
+
+def test_dsv_saves_a_copy_of_v_below_fp32():
+    # WanQKNorm computes in fp32: in bf16 it keeps a copy of q/k, not a view of the fused QKV buffer, so a
+    # saved v view would pin that whole buffer; DSVCoreAttention reads config.dsv_save_v_view
+    from megatron_dsv.models.wan import _transformer_config
+
+    cfg = WanConfig(num_attention_heads=2, attention_head_dim=64, ffn_dim=128, num_layers=1, text_dim=32)
+    assert _transformer_config(cfg, torch.float32, {}).dsv_save_v_view is True
+    assert _transformer_config(cfg, torch.bfloat16, {}).dsv_save_v_view is False

@@ -94,6 +94,9 @@ class _ListRecall:
             raise ValueError(f"critical_mass_recall: `kv_indices` must be [B, H, {NG}, Kmax], "
                              f"got {tuple(kv_indices.shape)}")
         counts = torch.as_tensor(kv_counts, device=q.device)
+        if counts.dim() not in (1, 2):
+            raise ValueError(f"critical_mass_recall: `kv_counts` must be [H] or [B, H] (one length per head), "
+                             f"got {tuple(counts.shape)}")
         if counts.dim() == 1:
             counts = counts.unsqueeze(0).expand(B, H)
         self.S, self.group_size, self.block_size, self.lists = S, group_size, block_size, kv_indices
