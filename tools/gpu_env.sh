@@ -7,6 +7,9 @@
 #   w="pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64"
 #   $w -d .whl megatron-core==0.16.1 ale-py==0.12.1; $w -d .whl-vizdoom vizdoom==1.3.2
 #   python tools/fetch_footage.py --out .footage
+#   $w -d .whl-mc019 megatron-core==0.19.2          # the PyPI 0.19.2 check (GPU_WHEEL_DIRS, never with .whl)
+#   pip download --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+#     --platform manylinux2014_x86_64 -d .whl-wan diffusers==0.42.1   # then delete numpy, pillow, hf_xet
 # shellcheck shell=bash
 # GPU_WHEEL_DIRS="DIR ..." picks the folders (default: every .whl*/ here; a warm machine keeps the folders of
 # earlier calls, so name them when two folders hold different versions of one package, e.g. .whl-mc019/);
