@@ -34,15 +34,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import (MainWeightsAdamW, flow_matching_step, head_sparsity, init_dist, sync,  # noqa: E402
+from benchmarks.common import (MainWeightsAdamW, flow_matching_step, head_sparsity, init_dist, median_ms,  # noqa: E402
                                write_results)
 from megatron_dsv.attention import dsv_layers, dsv_on_step_end  # noqa: E402
 from megatron_dsv.attention.schedule import is_profile_step, trains_predictor  # noqa: E402
@@ -50,17 +48,6 @@ from megatron_dsv.config import DSVConfig  # noqa: E402
 
 ARMS = ("full", "dsv_stage2", "dsv_stage1", "window")
 PARTS = ("attention", "selection", "predictor", "profiler", "linear_rest")
-
-
-def _time_ms(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
 
 
 def build(arm: str, args, frames: int, res: int, device, dtype):
@@ -147,7 +134,7 @@ def run_arm(arm: str, args, frames: int, res: int, device, dtype) -> dict:
             torch.cuda.reset_peak_memory_stats()
         for _ in range(args.warmup):
             fn()
-        ms[name] = _time_ms(fn, args.reps)
+        ms[name] = median_ms(fn, args.reps)
         if device.type == "cuda":  # per step kind: which of them sets the peak
             peaks[name] = torch.cuda.max_memory_allocated() / 2**30
     out = dict(arm=arm, S=S, frames=frames, res=res, preset=args.preset, layers=args.layers, hidden=cfg.hidden,
@@ -195,7 +182,6 @@ def attention_parts(arm, cfg, S, out, args, device, dtype, dsv):
     """(attention fwd+bwd, selection) milliseconds for all layers, measured alone at the arm's shapes."""
     from megatron_dsv.attention import _ops
     from megatron_dsv.ops.dense import dense_attention
-    from megatron_dsv.ops.topk_estimation import estimate_topk
 
     if arm == "window":
         return 0.0, 0.0  # inside "linear and rest": its kernel calls are not separated here
@@ -221,7 +207,7 @@ def attention_parts(arm, cfg, S, out, args, device, dtype, dsv):
         def select():  # as the layer does: local + predicted lists go to Triton where auto says CUDA
             return _ops.run_estimate_topk(backend_topk, q_lr, k_lr, budgets, dsv.group_size, dsv.block_size,
                                           dsv.group_proxy, dsv.block_score, forced)
-        sel = _time_ms(select, args.reps)
+        sel = median_ms(select, args.reps)
         idx, cnt = select()
         backend = _ops.resolve_backends(dsv)[0]
 
@@ -232,7 +218,7 @@ def attention_parts(arm, cfg, S, out, args, device, dtype, dsv):
         def attn():
             torch.autograd.grad(dense_attention(q, k, v), (q, k, v), do)
     attn()
-    return args.layers * _time_ms(attn, args.reps), args.layers * sel
+    return args.layers * median_ms(attn, args.reps), args.layers * sel
 
 
 def plot(rows, path):

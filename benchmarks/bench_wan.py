@@ -42,16 +42,14 @@ import argparse
 import gc
 import math
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_e2e import force, schedule_step  # noqa: E402
-from benchmarks.common import MainWeightsAdamW, flow_matching_step, head_sparsity, init_dist, sync  # noqa: E402
+from benchmarks.common import MainWeightsAdamW, flow_matching_step, head_sparsity, init_dist, median_ms  # noqa: E402
 from benchmarks.common import write_results  # noqa: E402
 from megatron_dsv.attention import dsv_layers, dsv_on_step_end  # noqa: E402
 from megatron_dsv.config import DSVConfig  # noqa: E402
@@ -110,18 +108,6 @@ def _recompute_overrides(mode: str) -> dict:
     return {}
 
 
-def _time_steps(fn, reps: int):
-    """(median ms, [ms]) of ``reps`` calls."""
-    times = []
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times), times
-
-
 def run_arm(arm: str, args, cfg, recompute: str, device, dtype) -> dict:
     from megatron_dsv.models.wan import build_wan, count_wan_parameters
 
@@ -164,7 +150,7 @@ def run_arm(arm: str, args, cfg, recompute: str, device, dtype) -> dict:
             fn()
         if static is None and cuda:  # between steps: weights, fp32 main weights, Adam moments (grads freed)
             static = torch.cuda.memory_allocated() / 2**30
-        ms[name], _ = _time_steps(fn, args.reps)
+        ms[name] = median_ms(fn, args.reps)
     out = dict(arm=arm, preset="tiny (--quick)" if args.quick else PRESET, layers=cfg.num_layers,
                preset_layers=None if args.quick else _preset_layers(), hidden=cfg.hidden,
                heads=cfg.num_attention_heads, head_dim=cfg.attention_head_dim, ffn=cfg.ffn_dim,

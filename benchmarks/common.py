@@ -12,7 +12,9 @@ import json
 import os
 import re
 import socket
+import statistics
 import subprocess
+import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
@@ -149,6 +151,19 @@ def sync():
     """Wait for the device (no-op on CPU)."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def median_ms(fn: Callable[[], object], reps: int) -> float:
+    """Median wall-clock milliseconds of ``reps`` calls of ``fn``, the device synced around each (whole
+    training steps, where host work counts too; ``bench_ms`` times kernels by CUDA events)."""
+    times = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
 
 
 def flow_matching_step(model, opt, latents, labels, generator, text=None) -> torch.Tensor:

@@ -4,6 +4,7 @@ Without a GPU, Triton kernels run under the interpreter: ``TRITON_INTERPRET``
 must be set before the first ``import triton``, so it is set here.
 """
 
+import json
 import os
 
 import pytest
@@ -91,3 +92,13 @@ def megatron_lm_tree(tmp_path_factory):
         return trees[key]
 
     return get
+
+
+@pytest.fixture
+def fast_table(tmp_path):
+    """A speedup-table JSON (benchmark format) saying sparse is 2x faster at every sparsity."""
+    rows = [dict(S=s, sparsity=sp, granularity=gr, speedup_fwd=2.0, speedup_bwd=2.0)
+            for s in (128, 512, 4096) for sp in (0.0, 0.5, 0.9) for gr in ("token", "block")]
+    path = tmp_path / "sparse_attention-test.json"
+    path.write_text(json.dumps({"meta": {"gpu": "test"}, "rows": rows}))
+    return str(path)

@@ -81,21 +81,13 @@ def _world_size() -> int:
 
 
 def to_megatron(args) -> None:
-    from megatron_dsv.models.wan import build_wan
-    from megatron_dsv.models.wan_config import WanConfig
-    from megatron_dsv.models.wan_convert import (diffusers_to_ours, load_diffusers_folder, load_into_model,
-                                                 save_megatron_checkpoint)
+    from megatron_dsv.models.wan_convert import convert_diffusers_folder
 
     tp = args.tp or _world_size()
     _init_distributed(tp)
-    config, state = load_diffusers_folder(args.diffusers)
-    cfg = WanConfig.from_diffusers(config)
-    full = diffusers_to_ours(state, cfg)
-    dtype = DTYPES[args.dtype] or next(iter(state.values())).dtype
-    # every weight is overwritten: skip Megatron's random init (minutes for 14B on a CPU)
-    model = build_wan(cfg, use_te=False, dtype=dtype, tensor_model_parallel_size=tp, perform_initialization=False)
-    load_into_model(model, full)
-    save_megatron_checkpoint(model, args.out)
+    cfg, model = convert_diffusers_folder(args.diffusers, args.out, dtype=DTYPES[args.dtype],
+                                          tensor_model_parallel_size=tp)
+    dtype = next(model.parameters()).dtype
     _log(f"wrote {args.out}: {cfg.num_layers} layers, hidden {cfg.hidden}, TP {tp}, {dtype}")
 
 

@@ -356,6 +356,26 @@ def read_megatron_config(directory: str) -> Tuple[WanConfig, torch.dtype]:
     return WanConfig(**values), dtype
 
 
+def convert_diffusers_folder(folder: str, directory: str, latent_grid=None, dtype=None,
+                             tensor_model_parallel_size: int = 1):
+    """A diffusers ``WanTransformer3DModel`` folder -> a Megatron dist checkpoint in ``directory`` (the
+    ``to-megatron`` step of tools/convert_checkpoint.py): ``(WanConfig, the converted model)``. ``dtype`` None keeps the
+    folder's; ``latent_grid`` None is WanConfig's default. Needs the TP group set up when TP > 1."""
+    from megatron_dsv.models.wan import build_wan
+
+    config, state = load_diffusers_folder(folder)
+    cfg = WanConfig.from_diffusers(config) if latent_grid is None else WanConfig.from_diffusers(
+        config, latent_grid=tuple(latent_grid))
+    full = diffusers_to_ours(state, cfg)
+    dtype = dtype or next(iter(state.values())).dtype
+    # every weight is overwritten: skip Megatron's random init (minutes for 14B on a CPU)
+    model = build_wan(cfg, use_te=False, dtype=dtype, tensor_model_parallel_size=tensor_model_parallel_size,
+                      perform_initialization=False)
+    load_into_model(model, full)
+    save_megatron_checkpoint(model, directory)
+    return cfg, model
+
+
 def load_megatron_checkpoint(model, directory: str, ema: bool = False) -> None:
     """Load the Wan weights of a dist_checkpointing checkpoint (a converted one or a trainer's ``iter_*``)
     into ``model`` at any TP degree; the model's DSV state is left as it is (a fresh DSV run starts its

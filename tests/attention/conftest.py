@@ -1,7 +1,5 @@
 """Helpers for the DSV-method tests: a standalone DSVCoreAttention and planted sparse inputs."""
 
-import json
-
 import pytest
 import torch
 from megatron.core.transformer.enums import AttnMaskType
@@ -78,12 +76,3 @@ def make_layer(megatron_cpu):
 
     return make
 
-
-@pytest.fixture
-def fast_table(tmp_path):
-    """A speedup-table JSON (benchmark format) saying sparse is 2x faster at every sparsity."""
-    rows = [dict(S=s, sparsity=sp, granularity=gr, speedup_fwd=2.0, speedup_bwd=2.0)
-            for s in (128, 512, 4096) for sp in (0.0, 0.5, 0.9) for gr in ("token", "block")]
-    path = tmp_path / "sparse_attention-test.json"
-    path.write_text(json.dumps({"meta": {"gpu": "test"}, "rows": rows}))
-    return str(path)

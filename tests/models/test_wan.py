@@ -323,14 +323,6 @@ def test_sparsity_analysis_of_the_converted_model(megatron_cpu, wan_folder):
     assert all(0.0 <= s <= 1.0 for layer in report["layers"] for s in layer["sparsity"])
 
 
-def _fast_table(tmp_path):
-    rows = [dict(S=s, sparsity=sp, granularity=gr, speedup_fwd=2.0, speedup_bwd=2.0)
-            for s in (128, 512, 4096) for sp in (0.0, 0.5, 0.9) for gr in ("token", "block")]
-    path = tmp_path / "sparse_attention-test.json"
-    path.write_text(json.dumps({"meta": {"gpu": "test"}, "rows": rows}))
-    return str(path)
-
-
 def _flow_step(model, opt, step, seed):
     from megatron_dsv.attention import dsv_on_step_end
 
@@ -346,7 +338,7 @@ def _flow_step(model, opt, step, seed):
     return float(loss.detach())
 
 
-def test_dsv_finetune_steps_and_exact_resume(megatron_cpu, wan_folder, tmp_path):
+def test_dsv_finetune_steps_and_exact_resume(megatron_cpu, wan_folder, tmp_path, fast_table):
     from megatron.core import dist_checkpointing
 
     from megatron_dsv.attention import dsv_layers, dsv_stage
@@ -354,7 +346,7 @@ def test_dsv_finetune_steps_and_exact_resume(megatron_cpu, wan_folder, tmp_path)
 
     dsv = DSVConfig(query_group_shape=(1, 4, 4), granularity="token", k_min=16, kernel_backend="naive",
                     topk_backend="naive", predictor_query_stride=8, profile_interval=1, stage_switch_rule="steps",
-                    stage_switch_steps=2, sparsity_threshold=0.0, speedup_table=_fast_table(tmp_path))
+                    stage_switch_steps=2, sparsity_threshold=0.0, speedup_table=fast_table)
     model, cfg, _ = _converted(wan_folder, dsv_config=dsv)
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)

@@ -413,10 +413,7 @@ def test_tool_on_a_converted_wan_before_training(megatron_cpu, tmp_path):
     """--pretrained: a tiny diffusers Wan2.1, converted, analysed as it is (per layer and head) with synthetic text."""
     diffusers = pytest.importorskip("diffusers", reason="diffusers is not installed: pip install -e .[wan]")
     pytest.importorskip("safetensors", reason="safetensors is not installed: pip install -e .[wan]")
-    from megatron_dsv.models.wan import build_wan
-    from megatron_dsv.models.wan_config import WanConfig
-    from megatron_dsv.models.wan_convert import (diffusers_to_ours, load_diffusers_folder, load_into_model,
-                                                 save_megatron_checkpoint)
+    from megatron_dsv.models.wan_convert import convert_diffusers_folder
     from tools.analyze_sparsity import main, synthetic_text
 
     torch.manual_seed(0)
@@ -424,11 +421,7 @@ def test_tool_on_a_converted_wan_before_training(megatron_cpu, tmp_path):
                                              in_channels=4, out_channels=4, text_dim=24, freq_dim=32, ffn_dim=64,
                                              num_layers=2, rope_max_seq_len=32)
     theirs.save_pretrained(str(tmp_path / "diffusers"), safe_serialization=True)
-    config, state = load_diffusers_folder(str(tmp_path / "diffusers"))
-    cfg = WanConfig.from_diffusers(config, latent_grid=(2, 8, 8))
-    model = build_wan(cfg, use_te=False)
-    load_into_model(model, diffusers_to_ours(state, cfg))
-    save_megatron_checkpoint(model, str(tmp_path / "wan"))
+    convert_diffusers_folder(str(tmp_path / "diffusers"), str(tmp_path / "wan"), latent_grid=(2, 8, 8))
     out = tmp_path / "out"
     rc = main(["--pretrained", str(tmp_path / "wan"), "--device", "cpu", "--grid", "2", "8", "8", "--samples", "1",
                "--dsv-query-group-shape", "1", "4", "4", "--dsv-granularity", "token", "--query-stride", "2",

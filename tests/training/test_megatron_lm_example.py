@@ -105,10 +105,7 @@ def converted_wan(megatron_cpu, tmp_path_factory):
     diffusers = pytest.importorskip("diffusers", reason="diffusers is not installed: pip install -e .[wan]")
     pytest.importorskip("safetensors", reason="safetensors is not installed: pip install -e .[wan]")
     from megatron_dsv.data import write_shard
-    from megatron_dsv.models.wan import build_wan
-    from megatron_dsv.models.wan_config import WanConfig
-    from megatron_dsv.models.wan_convert import (diffusers_to_ours, load_diffusers_folder, load_into_model,
-                                                 save_megatron_checkpoint)
+    from megatron_dsv.models.wan_convert import convert_diffusers_folder
 
     root = tmp_path_factory.mktemp("mlm_wan")
     torch.manual_seed(0)
@@ -117,11 +114,7 @@ def converted_wan(megatron_cpu, tmp_path_factory):
         for p in theirs.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     theirs.save_pretrained(str(root / "diffusers"), safe_serialization=True)
-    config, state = load_diffusers_folder(str(root / "diffusers"))
-    cfg = WanConfig.from_diffusers(config, latent_grid=(2, 8, 8))
-    model = build_wan(cfg, use_te=False)
-    load_into_model(model, diffusers_to_ours(state, cfg))
-    save_megatron_checkpoint(model, str(root / "wan"))
+    cfg, model = convert_diffusers_folder(str(root / "diffusers"), str(root / "wan"), latent_grid=(2, 8, 8))
     (root / "shards").mkdir()
     g = torch.Generator().manual_seed(1)
     write_shard(str(root / "shards" / "s0.safetensors"), torch.randn(4, 4, 2, 8, 8, generator=g),

@@ -21,10 +21,7 @@ TEXT_LEN = 5
 @pytest.fixture(scope="module")
 def converted(megatron_cpu, tmp_path_factory):
     """(converted checkpoint folder, shard folder, the converted model's state dict)."""
-    from megatron_dsv.models.wan import build_wan
-    from megatron_dsv.models.wan_config import WanConfig
-    from megatron_dsv.models.wan_convert import (diffusers_to_ours, load_diffusers_folder, load_into_model,
-                                                 save_megatron_checkpoint)
+    from megatron_dsv.models.wan_convert import convert_diffusers_folder
 
     root = tmp_path_factory.mktemp("pretrained_wan")
     torch.manual_seed(0)
@@ -33,11 +30,7 @@ def converted(megatron_cpu, tmp_path_factory):
         for p in ref.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     ref.save_pretrained(str(root / "diffusers"), safe_serialization=True)
-    config, state = load_diffusers_folder(str(root / "diffusers"))
-    cfg = WanConfig.from_diffusers(config, latent_grid=LATENT)
-    model = build_wan(cfg, use_te=False)
-    load_into_model(model, diffusers_to_ours(state, cfg))
-    save_megatron_checkpoint(model, str(root / "megatron"))
+    cfg, model = convert_diffusers_folder(str(root / "diffusers"), str(root / "megatron"), latent_grid=LATENT)
     (root / "shards").mkdir()
     (root / "no_text").mkdir()
     g = torch.Generator().manual_seed(3)
