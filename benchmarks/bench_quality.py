@@ -52,12 +52,13 @@ from megatron_dsv.config import DSVConfig  # noqa: E402
 FRONTIER: Dict[str, str] = {
     "full": "attn=full",
     "control": "attn=dsv,stage1=1000000000",
-    "default": f"attn=dsv,rule={DSVConfig().budget_rule},recall={DSVConfig().recall_target:g},local=auto",
+    "default": f"attn=dsv,rule={DSVConfig().budget_rule},recall={DSVConfig().recall_target:g},local=auto,"
+               f"thr={DSVConfig().sparsity_threshold:g}",
     "recall90": "attn=dsv,rule=recall,recall=0.9",
     "recall80": "attn=dsv,rule=recall,recall=0.8",
     "paper": "attn=dsv,rule=sparsity",
     "local": "attn=dsv,rule=sparsity,local=0.1.1",
-    "local111": "attn=dsv,rule=sparsity,local=1.1.1",
+    "local111": "attn=dsv,rule=sparsity,local=1.1.1,thr=0.8",
     "local111_thr07": "attn=dsv,rule=sparsity,local=1.1.1,thr=0.7",
     "local_recall90": "attn=dsv,rule=recall,recall=0.9,local=0.1.1",
     "window": "attn=window",
@@ -179,15 +180,16 @@ def time_arms(names: List[str], args) -> dict:
     for name in names:
         out[name] = {}
         for S in lengths:
-            out[name][str(S)] = time_arm(name, S, args)
+            out[name][str(S)] = time_arm(name, S, args, profile=args.time_profile and S == lengths[-1])
             print(f"[time] {name} S={S}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in out[name][str(S)].items()),
                   flush=True)
     _write_json(os.path.join(args.save_dir, "timing.json"), out)
     return out
 
 
-def time_arm(name: str, S: int, args) -> dict:
-    """ms per training step of arm ``name`` at S tokens (frames scaled), from its trained run."""
+def time_arm(name: str, S: int, args, profile: bool = False) -> dict:
+    """ms per training step of arm ``name`` at S tokens (frames scaled), from its trained run; ``profile``: after
+    the clock, print the kernels of one profile period of the trained stage (:func:`print_kernel_profile`)."""
     from benchmarks.common import MainWeightsAdamW, flow_matching_step, sync
     from benchmarks.video_runs import build_model, run_path
     from megatron_dsv.attention import dsv_layers, dsv_on_step_end
@@ -223,8 +225,10 @@ def time_arm(name: str, S: int, args) -> dict:
     result = {}
     kinds = ["stage2", "stage1"] if layers and layers[0].stage_host == 2 else ["step"]
     # DSV's steps differ by the schedule (a profile every `period` steps): the warm-up runs a whole period (every
-    # kernel, the profile's included, compiled before the clock starts) and the clock covers whole periods
-    period = layers[0].dsv_config.profile_interval if layers else 1
+    # kernel, the profile's included, compiled before the clock starts) and the clock covers whole periods. The
+    # period is the one in effect at the run's step (after the profiler's warm-up: profile_interval_after_warmup);
+    # timing whole periods of the warm-up's shorter one would catch 0 or 1 profile steps by chance
+    period = profile_period(layers[0].dsv_config, layers[0].step_host) if layers else 1
     n_timed = period * max(1, -(-args.time_steps // period))
     for kind in kinds:
         for layer in layers:
@@ -236,12 +240,40 @@ def time_arm(name: str, S: int, args) -> dict:
         steps(n_timed)
         sync()
         result[kind] = 1e3 * (time.perf_counter() - t0) / n_timed
+        if profile and kind in ("stage2", "step"):
+            print_kernel_profile(f"{name} S={S} {kind}", lambda: steps(period), period, device)
     if "step" in result:
         result = {"stage2": result["step"], "stage1": result["step"]}
     del model, opt
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def profile_period(cfg, step: int) -> int:
+    """Steps between two profile steps of the DSV schedule at ``step`` (attention.schedule.is_profile_step)."""
+    return cfg.profile_interval if step < cfg.profile_warmup_steps else cfg.profile_interval_after_warmup
+
+
+def print_kernel_profile(label: str, run, n_steps: int, device: torch.device, rows: int = 25) -> None:
+    """Where a step's device time goes: ``run()`` (``n_steps`` steps) under torch.profiler, the top kernels by
+    self device time per step (CPU time on a CPU). Profiling slows the steps: read the shares, not the clock."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    total = sum(getattr(e, attr) for e in events) / n_steps / 1e3
+    print(f"[profile] {label}: {total:.1f} ms of self {'device' if device.type == 'cuda' else 'CPU'} time per step "
+          f"over {n_steps} steps (profiled); top kernels:", flush=True)
+    for e in sorted(events, key=lambda e: -getattr(e, attr))[:rows]:
+        ms = getattr(e, attr) / n_steps / 1e3
+        print(f"[profile]   {ms:8.3f} ms {100 * ms / max(total, 1e-9):5.1f}%  x{e.count / n_steps:6.1f}  {e.key[:110]}",
+              flush=True)
 
 
 # ---------------------------------------------------------------- report
@@ -354,11 +386,20 @@ def report(args, names: List[str]) -> List[dict]:
                    budget_density=_mean([s.get("budget_density") for s in summaries]),
                    ms_step_alone=(t_arm or {}).get("stage2"), ms_step_alone_stage1=(t_arm or {}).get("stage1"),
                    ms_step_alone_by_S={k: v for k, v in (timing.get(name) or {}).items()},
-                   time_to_full_loss_s=reach, curve=mean_curve, wall_clock=wc)
+                   time_to_full_loss_s=reach, curve=mean_curve, wall_clock=wc,
+                   time_to_full_loss_s_by_S={
+                       length: time_to_reach(wall_clock(mean_curve, arm, t), full_mean)
+                       for length, t in (timing.get(name) or {}).items()})
         rows.append(row)
+    full_by_S = next((r["time_to_full_loss_s_by_S"] for r in rows if r["name"] == "full"), {})
     for row in rows:
         t = row["time_to_full_loss_s"]
         row["time_to_full_loss_ratio"] = t / full_time if t is not None and full_time else None
+        # the same loss curve (trained at the arm's length) on the step times measured at each timed length
+        # with the same budgets: what the run would take there if its curve held
+        row["time_to_full_loss_ratio_by_S"] = {
+            length: (t / full_by_S[length] if t is not None and full_by_S.get(length) else None)
+            for length, t in row["time_to_full_loss_s_by_S"].items()}
     return rows
 
 
@@ -452,6 +493,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--time-lengths", default="32768", help="more lengths (tokens) for --time, comma-separated")
     ap.add_argument("--time-steps", type=int, default=30)
     ap.add_argument("--time-warmup", type=int, default=5)
+    ap.add_argument("--time-profile", action="store_true",
+                    help="--time: also print each arm's top kernels over one profile period at the longest length")
     ap.add_argument("--report", action="store_true", help="write the frontier JSON and plots")
     ap.add_argument("--note", default=None, help="a note kept in the JSON's meta (what a reader must know)")
     ap.add_argument("--meta-from", default=None,
@@ -469,7 +512,7 @@ def main(argv=None):
         args.preset, args.layers, args.samples, args.val_samples = "tiny", 2, 4, 2
         args.profile_every, args.log_every, args.val_every, args.warmup = 2, 4, 4, 2
         args.arm = args.arm or QUICK_ARM
-        args.time_lengths, args.time_steps, args.time_warmup = "", 2, 1
+        args.time_lengths, args.time_steps, args.time_warmup, args.time_profile = "", 2, 1, True
         args.save_dir = args.save_dir or os.path.join(args.out_dir or ".", "frontier-quick")
     if args.arm is None or args.save_dir is None:
         raise SystemExit("bench_quality: give --arm and --save-dir (or --quick)")
@@ -514,13 +557,14 @@ def main(argv=None):
         except ImportError as err:
             print(f"no plot ({err}): pip install -e '.[plots]'")
         print(f"{'arm':16s} {'step':>5s} {'val loss':>10s} {'vs full %':>14s} {'kept':>6s} {'sparse':>7s} "
-              f"{'recall':>7s} {'ms alone':>9s} {'t->full':>8s}")
+              f"{'recall':>7s} {'ms alone':>9s} {'t->full':>8s} {'t->full at each timed S':s}")
         for r in rows:
             fmt = lambda x, f: "-" if x is None or x != x else format(x, f)  # noqa: E731
             print(f"{r['name']:16s} {r['steps']:5d} {r['val_loss']:10.4f} {fmt(r['delta_vs_full_pct'], '+7.2f')} +-"
                   f"{fmt(r['delta_vs_full_se_pct'], '4.2f')} {fmt(r['kept_fraction'], '6.3f')} "
                   f"{fmt(r['sparse_layer_fraction'], '7.2f')} {fmt(r['recall'], '7.3f')} "
-                  f"{fmt(r['ms_step_alone'], '9.1f')} {fmt(r['time_to_full_loss_ratio'], '8.2f')}")
+                  f"{fmt(r['ms_step_alone'], '9.1f')} {fmt(r['time_to_full_loss_ratio'], '8.2f')} "
+                  + " ".join(f"{k}:{fmt(v, '.2f')}" for k, v in r["time_to_full_loss_ratio_by_S"].items()))
         print("wrote", path)
 
 

@@ -133,7 +133,7 @@ def main():
     ap.add_argument("--backends", default="cuda,triton,torch_topk", help="comma-separated subset to run")
     ap.add_argument("--granularity", default="token,block", help="comma-separated list kinds: token, block")
     ap.add_argument("--triton-method", default="auto", choices=METHODS,
-                    help="method of the Triton backend (auto: sample for token lists, keys for block lists)")
+                    help="method of the Triton backend (auto: sample for token lists, gemm for block lists)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")

@@ -362,12 +362,12 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
             break
     steps_done = step + 1
     if align and path and steps_done < arm["steps"]:
-        # stopped by the minutes: the run continues from its last validation step, where it was saved, so
-        # every run of a study has validations at the same steps (the steps past it are trained again)
+        # stopped by the minutes: the run is saved where it stopped (the next launch resumes there, no step is
+        # trained twice; validations stay at multiples of val_every), and what it reports (steps, loss,
+        # counters) is its last validation step's, so every run of a study reports at validated steps
+        save_run(path, arm, model, opt, g, steps_done, counters, ema)
+        print(f" [{arm['label']}] saved at step {steps_done}; reports its validation step {aligned[0]}", flush=True)
         steps_done, final_val, counters = aligned
-        if os.path.exists(path):  # what is returned (model, DSV state, metrics) is the state saved at that step
-            load_run(path, arm, model, opt, g, ema)
-        print(f" [{arm['label']}] resumes from its validation step {steps_done} next time", flush=True)
     else:
         if path:
             save_run(path, arm, model, opt, g, steps_done, counters, ema)

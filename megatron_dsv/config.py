@@ -112,9 +112,16 @@ class DSVConfig:
                                  "must reach on the profiled queries (0 < target <= 1).")
     """Target recall of the theta-critical mass for the 'recall' budget rule."""
     sparsity_threshold: float = _knob(
-        0.8, "A layer runs sparse when its sparsity is at least this: the smoothed sparsity (budget_rule "
+        0.7, "A layer runs sparse when its sparsity is at least this: the smoothed sparsity (budget_rule "
         "'sparsity') or 1 - mean(K_h) / S of its budgets (budget_rule 'recall').")
-    """Minimum sparsity for a layer to run sparse (rule 'recall': the effective sparsity of its budgets)."""
+    """Minimum sparsity for a layer to run sparse (rule 'recall': the effective sparsity of its budgets).
+
+    Default 0.7 (H200 frontier run 3, benchmarks/NOTES_quality.md: 16K tokens, 4 layers, 2 seeds, 1750 steps,
+    with the neighbourhood): at 0.8 two of four layers stayed dense (46% of stage-2 layer-steps sparse on
+    ViZDoom and on footage); at 0.7 every layer ran sparse by the end (77% / 64% of the layer-steps, kept
+    fraction 0.24 / 0.35 instead of 0.61 / 0.51) at +0.14 +- 0.05% / +1.00 +- 0.91% validation loss against
+    full attention, where 0.8 gave +0.34 +- 0.14% / +0.61 +- 0.11% (paired 0.7 - 0.8: -0.20 / +0.39%, within
+    the seeds' spread on both)."""
     k_min: int = _knob(64, "Smallest per-head KV budget in tokens.")
     """Floor of the per-head budget K_h (tokens)."""
     speedup_table: Optional[str] = _knob(

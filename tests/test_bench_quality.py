@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_quality import (FRONTIER, arm_of, build_parser, equal_step, is_library_default,  # noqa: E402
-                                      mean_se, time_to_reach, wall_clock)
+                                      mean_se, profile_period, time_to_reach, wall_clock)
 
 
 def _rec(curve):
@@ -60,4 +60,19 @@ def test_library_default_marks_the_arms_whose_lists_are_the_defaults():
     # 16K ViZDoom grid (16, 32, 32): the 4x4x8 cube tiles it, so the auto neighbourhood is (1, 1, 1)
     args = build_parser().parse_args(["--arm", "data=vizdoom,frames=16,res=256", "--save-dir", "x"])
     marked = {name for name in FRONTIER if is_library_default(arm_of(name, args.arm, args))}
-    assert marked == {"default", "local111"}
+    assert marked == {"default", "local111_thr07"}  # local111 keeps the old threshold (0.8)
+
+
+def test_profile_period_is_the_schedules_at_the_runs_step():
+    """--time clocks whole profile periods: the period in effect where the trained run stands (a run past the
+    profiler's warm-up profiles every profile_interval_after_warmup steps, not every profile_interval)."""
+    from megatron_dsv.attention.schedule import is_profile_step
+    from megatron_dsv.config import DSVConfig
+
+    cfg = DSVConfig(profile_interval=25, profile_interval_after_warmup=100, profile_warmup_steps=1000)
+    for step in (0, 700, 999, 1000, 1750, 5000):
+        period = profile_period(cfg, step)
+        window = [s for s in range(step, step + 4 * period) if is_profile_step(s, cfg)]
+        assert period == (25 if step < 1000 else 100)
+        if step + 4 * period <= 1000 or step >= 1000:  # a window inside one phase holds one profile a period
+            assert len(window) == 4, (step, window)

@@ -15,7 +15,7 @@ def _parse(argv):
 
 def test_defaults_match_design():
     c = DSVConfig()
-    assert (c.predictor_rank, c.theta, c.sparsity_momentum, c.sparsity_threshold) == (16, 0.9, 0.9, 0.8)
+    assert (c.predictor_rank, c.theta, c.sparsity_momentum, c.sparsity_threshold) == (16, 0.9, 0.9, 0.7)
     assert (c.predictor_loss_cos_weight, c.predictor_loss_mse_weight) == (0.9, 0.1)
     assert (c.profile_interval, c.profile_interval_after_warmup, c.predictor_query_stride) == (25, 100, 64)
     assert c.stage_switch_loss == 0.01 and c.group_size == 128 and c.block_size == 128

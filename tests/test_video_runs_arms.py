@@ -76,9 +76,9 @@ def test_footage_arm_trains_and_validates_on_held_out_frames(megatron_cpu, tmp_p
 
 
 @pytest.mark.timeout(300)
-def test_align_stops_end_at_the_last_validation_and_resume_exactly(megatron_cpu, tmp_path):
-    """--align-stops: a run stopped by its minutes ends at its last validation step (saved there, the steps
-    past it dropped) and resumes from it to the same curve and weights as an uninterrupted run; seeds change
+def test_align_stops_save_where_they_stop_report_the_last_validation_and_resume_exactly(megatron_cpu, tmp_path):
+    """--align-stops: a run stopped by its minutes is saved where it stopped (no step is trained twice), reports
+    its last validation step, and resumes to the same curve and weights as an uninterrupted run; seeds change
     the data order and the initial weights, not the clips."""
     import torch
 
@@ -91,14 +91,17 @@ def test_align_stops_end_at_the_last_validation_and_resume_exactly(megatron_cpu,
                          on_val=lambda s, v: curves["straight"].append((s, v)))
     args = _run_args(tmp_path, "--val-every", "2", "--save-dir", str(tmp_path / "runs"), "--align-stops")
     cut = train_arm(parse_arm(arm + ",minutes=0.0000001"), args, on_val=lambda s, v: curves["cut"].append((s, v)))
-    assert cut[2]["steps"] == 0 and not (tmp_path / "runs").exists()  # stopped before any validation: nothing kept
+    run = tmp_path / "runs" / "synthetic-dsv-S256.pt"
+    assert cut[2]["steps"] == 0 and run.exists()  # stopped after step 1, before any validation: saved at step 1
+    assert torch.load(run, map_location="cpu", weights_only=True)["step"] == 1
     args.val_every = 1
     cut = train_arm(parse_arm(arm + ",minutes=0.0000001"), args, on_val=lambda s, v: curves["cut"].append((s, v)))
-    assert cut[2]["steps"] == 1 and (tmp_path / "runs" / "synthetic-dsv-S256.pt").exists()
+    assert cut[2]["steps"] == 2 and curves["cut"] == [(2, cut[2]["val_loss"])]  # resumed at 1, validated at 2
     args.val_every = 2
     resumed = train_arm(parse_arm(arm), args, on_val=lambda s, v: curves["cut"].append((s, v)))
-    assert resumed[2]["steps"] == 8 and [s for s, _ in curves["cut"]] == [1, 2, 4, 6, 8]
+    assert resumed[2]["steps"] == 8 and [s for s, _ in curves["cut"]] == [2, 4, 6, 8]
     assert dict(curves["cut"])[8] == dict(curves["straight"])[8] == straight[2]["val_loss"]
+    assert dict(curves["cut"])[2] == dict(curves["straight"])[2]
     a, b = straight[0].state_dict(), resumed[0].state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a if torch.is_tensor(a[k]))
     clips0 = Clips.for_arm(parse_arm(arm), _run_args(tmp_path, "--data-seed", "0"), 4, torch.device("cpu"),

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Where a training step's time goes at the quality frontier's width (head dim 64), alone on the GPU:
+#   0. the block-list top-k with the triton backend's methods "gemm" and "keys" beside the CUDA kernel;
 #   1. the sparse kernels at D=64, H=8, G=128 block lists, S 16K/32K, vs same-run cuDNN and FlexAttention
 #      (benchmarks/bench_sparse_attention.py -> sparse_attention-d64-<gpu>-<date>.json);
 #   2. one training step per arm with its breakdown (attention, selection, predictor, profiler, rest) at the
@@ -15,6 +16,16 @@ cd "$(dirname "$0")/.." || exit 2
 . tools/gpu_env.sh
 width=(--preset 0.8b --heads 8 --head-dim 64 --layers 4 --res 256 --frames 16 32
        --sparsity-min 0.74 --sparsity-max 0.9 --sparsity-mean 0.82)
+# 0. the block-list selection with forced items (the default's local + predicted lists run on the triton
+#    backend; the CUDA kernel takes no forced items): method "gemm" (auto since 2026-12-02) and "keys" beside the
+#    CUDA kernel, G=128 / 128-key blocks (bench_topk_estimation.py: H=16, r=16, 90% sparsity)
+for m in gemm keys; do
+  timeout 100 python3 benchmarks/bench_topk_estimation.py --backends cuda,triton --triton-method $m --group-size 128 \
+    --block-size 128 --granularity block --sizes 16384,32768,65536,131072 --triton-max-s 131072 --out "$out" \
+    > "$out/probe_topk_$m.log" 2>&1
+  echo "topk $m exit $?"; grep -E "^ +[0-9]+ +block" "$out/probe_topk_$m.log"
+  for f in "$out"/topk_estimation-*.json; do [ -e "$f" ] && mv "$f" "${f/topk_estimation-/topk_method_$m-}"; done
+done
 timeout 130 python3 benchmarks/bench_sparse_attention.py --head-dim 64 --heads 8 --group-size 128 \
   --granularity block --seq-lens 16K,32K --sparsities 0.7,0.8,0.9 --out "$out" > "$out/probe_kernels.log" 2>&1
 echo "kernels exit $?"; grep -v -i warn "$out/probe_kernels.log" | tail -n 12

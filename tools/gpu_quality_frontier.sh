@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
 # The quality-speed frontier on one GPU (benchmarks/bench_quality.py), over back-to-back device calls.
 # Usage: bash tools/gpu_quality_frontier.sh OUT_DIR PHASE
-#   train   GPU tests of the local + predicted path beside (unless SKIP_GPU_TESTS=1) every (arm, seed) as
-#           concurrent processes for MINUTES [7.0], saved under runs/frontier/ and resumed from there by the
-#           next call (call back to back: the device machine keeps runs/ only while warm); with MEGATRON_CHECK=1
-#           tools/gpu_megatron_lm_check.sh runs beside the arms (its JSON lands in OUT_DIR)
-#   finish  TRAIN_MINUTES [3] more training, then each arm's step time alone (--time) and the report:
-#           quality-frontier-<gpu>-<date>.json + PNGs in OUT_DIR
-#   report  the report alone (curves and timing already under runs/frontier/)
-# Settings (environment): ARM [ViZDoom 16K: frames=16,res=256,steps=4000,stage1=700,qk_lr=10], ARMS
-# (bench_quality's default frontier), SEEDS [0,1], WIDTH ["--heads 8 --head-dim 64 --layers 4": hidden 512, the
-# attention-dominated regime at 16K tokens], TIME_LENGTHS [32768]. Training uses the naive top-k (exact,
-# backend-independent lists); the timing phase uses the library's auto backends, as a user runs them.
-# Carry [".whl", ".whl-vizdoom"] (and ".whl-mlm", ".mlm" for MEGATRON_CHECK=1).
+#   train   GPU tests of the local + predicted path beside (unless SKIP_GPU_TESTS=1) every (data, arm, seed) as
+#           concurrent processes for MINUTES [7.0], saved under runs/frontier-<data>/ and resumed from there by
+#           the next call (call back to back: the device machine keeps runs/ only while warm); with
+#           MEGATRON_CHECK=1 tools/gpu_megatron_lm_check.sh runs beside the arms (its JSON lands in OUT_DIR)
+#   finish  TRAIN_MINUTES [3] more training, then each study's arms timed alone, one after the other (--time,
+#           with a kernel profile of each arm's stage-2 step at the last length), and the reports:
+#           OUT_DIR/<data>/quality-frontier-<gpu>-<date>.json + PNGs
+#   report  the reports alone (curves and timing already under runs/frontier-<data>/)
+# Settings (environment): DATA ["vizdoom"; e.g. "vizdoom footage": one study per source, trained side by side],
+# ARM_KEYS [frames=16,res=256,stage1=700,qk_lr=10,lr=3e-4: 16K tokens], STEPS [4000: every arm stops there, so
+# fast arms free the GPU for the others], ARMS (bench_quality's default frontier), SEEDS [0,1], WIDTH ["--heads 8
+# --head-dim 64 --layers 4": hidden 512, the attention-dominated regime at 16K tokens], TIME_LENGTHS [32768].
+# Training uses the naive top-k (exact, backend-independent lists); the timing phase uses the library's auto
+# backends, as a user runs them.
+# Carry [".whl", ".whl-vizdoom"] (".footage" for data footage: in a call of its own before, the carry cap is
+# 64 MiB; ".whl-mlm", ".mlm" for MEGATRON_CHECK=1).
 set -u
 out=${1:?usage: gpu_quality_frontier.sh OUT_DIR PHASE}; phase=${2:?phase: train, finish or report}
 mkdir -p "$out/logs"
@@ -20,17 +24,25 @@ cd "$(dirname "$0")/.." || exit 2
 # shellcheck disable=SC1091  # tools/gpu_env.sh, checked on its own
 . tools/gpu_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-arm=${ARM:-data=vizdoom,frames=16,res=256,steps=4000,stage1=700,qk_lr=10,lr=3e-4}
+read -r -a studies <<< "${DATA:-vizdoom}"
+keys=${ARM_KEYS:-frames=16,res=256,stage1=700,qk_lr=10,lr=3e-4},steps=${STEPS:-4000}
 read -r -a width <<< "${WIDTH:---heads 8 --head-dim 64 --layers 4}"
-common=(--arm "$arm" --seeds "${SEEDS:-0,1}" --save-dir runs/frontier --out-dir "$out" --samples 256
-        --val-samples 64 --val-every 250 --val-batch 8 --workers 15 "${width[@]}")
-[ -n "${ARMS:-}" ] && common+=(--arms "$ARMS")
-bench=(python3 benchmarks/bench_quality.py "${common[@]}")
 
-train() {  # $1: minutes per arm
-  DSV_TOPK_BACKEND=naive "${bench[@]}" --launch --arm "$arm,minutes=$1" > "$out/logs/launch.log" 2>&1
-  echo "launch exit $?"
-  tail -n 14 "$out/logs/launch.log"
+bench() {  # $1: data source; the rest: bench_quality arguments
+  local d=$1; shift
+  mkdir -p "$out/$d"
+  local common=(--arm "data=$d,$keys" --seeds "${SEEDS:-0,1}" --save-dir "runs/frontier-$d" --out-dir "$out/$d"
+                --samples 256 --val-samples 64 --val-every 250 --val-batch 8 --workers 15 "${width[@]}")
+  [ -n "${ARMS:-}" ] && common+=(--arms "$ARMS")
+  python3 benchmarks/bench_quality.py "${common[@]}" "$@"
+}
+
+train() {  # $1: minutes per arm; the studies side by side
+  for d in "${studies[@]}"; do
+    DSV_TOPK_BACKEND=naive bench "$d" --launch --arm "data=$d,$keys,minutes=$1" > "$out/logs/launch-$d.log" 2>&1 &
+  done
+  wait
+  for d in "${studies[@]}"; do echo "== $d"; tail -n 8 "$out/logs/launch-$d.log"; done
 }
 case "$phase" in
   train)
@@ -49,17 +61,23 @@ case "$phase" in
     ;;
   finish)
     train "${TRAIN_MINUTES:-3}"
-    timeout 240 "${bench[@]}" --time --time-lengths "${TIME_LENGTHS:-32768}" > "$out/logs/time.log" 2>&1
-    echo "time exit $?"; tail -n 20 "$out/logs/time.log"
-    "${bench[@]}" --report 2>&1 | tail -n 14
+    for d in "${studies[@]}"; do  # one arm at a time on the GPU: these are speed figures
+      timeout "${TIME_TIMEOUT:-240}" bench "$d" --time --time-lengths "${TIME_LENGTHS:-32768}" --time-profile \
+        > "$out/logs/time-$d.log" 2>&1
+      echo "time $d exit $?"; grep "^\[time\]" "$out/logs/time-$d.log"
+    done
+    for d in "${studies[@]}"; do echo "== $d"; bench "$d" --report 2>&1 | tail -n 10; done
     ;;
   report)
-    "${bench[@]}" --report 2>&1 | tail -n 14
+    for d in "${studies[@]}"; do echo "== $d"; bench "$d" --report 2>&1 | tail -n 10; done
     ;;
   *) echo "unknown phase $phase (train, finish, report)" >&2; exit 2 ;;
 esac
 # at most 8 files come back from a device call: the results JSON/PNGs stay, the rest goes in one tarball
-cp -r runs/frontier/curves runs/frontier/logs "$out/logs/" 2>/dev/null
-cp runs/frontier/timing.json "$out/logs/" 2>/dev/null
+for d in "${studies[@]}"; do
+  mkdir -p "$out/logs/$d"
+  cp -r "runs/frontier-$d/curves" "runs/frontier-$d/logs" "$out/logs/$d/" 2>/dev/null
+  cp "runs/frontier-$d/timing.json" "$out/logs/$d/" 2>/dev/null
+done
 tar czf "$out/logs.tgz" -C "$out" logs && rm -rf "$out/logs"
-ls "$out"
+find "$out" -type f | sort

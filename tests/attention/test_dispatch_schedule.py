@@ -152,8 +152,10 @@ def test_bad_config_errors(kw, name):
 
 def test_budget_knob_defaults():
     c = DSVConfig()
-    # the frontier's best point (NOTES_quality.md run 2): the paper's rule with the auto neighbourhood
+    # the frontier's best point (NOTES_quality.md runs 2 and 3): the paper's rule with the auto neighbourhood,
+    # every layer at 0.7 sparsity or more sparse
     assert (c.budget_rule, c.recall_target, c.predictor_train_interval, c.local_radius) == ("sparsity", 0.96, 1, None)
+    assert c.sparsity_threshold == 0.7
     assert DSVConfig(recall_target=1.0, predictor_train_interval=0).recall_target == 1.0
 
 

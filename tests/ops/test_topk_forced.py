@@ -1,7 +1,7 @@
 """Forced items (DSV's local + predicted lists): every backend ranks a group's forced items first,
 then the rest by low-rank score; the budget counts both. Checked against a brute-force sort per group,
 with heavy ties (small-integer inputs), -1 padding, budgets below the forced count, token and block
-granularity, and the Triton "keys" method under the interpreter (fp32, fp16)."""
+granularity, and the triton backend's "keys" (under the interpreter) and "gemm" methods (fp32, fp16)."""
 
 import os
 
@@ -76,15 +76,18 @@ def test_naive_forced_equals_brute_force(B, H, S, r, G, bs, proxy, budgets, widt
                     reason="Triton on CPU needs TRITON_INTERPRET=1 (set by tests/conftest.py)")
 @pytest.mark.parametrize("B,H,S,r,G,bs,proxy,budgets,width", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_triton_forced_equals_naive(B, H, S, r, G, bs, proxy, budgets, width, dtype):
+@pytest.mark.parametrize("method", ["keys", "gemm"])
+def test_triton_forced_equals_naive(B, H, S, r, G, bs, proxy, budgets, width, dtype, method):
     from megatron_dsv.ops.topk_estimation.triton_impl import estimate_topk_triton
 
     q, k = _ints((B, H, S, r), dtype, 4), _ints((B, H, S, r), dtype, 5)
     n_items = S if bs == 0 else -(-S // bs)
     forced = _forced(-(-S // G), n_items, width, 6).to(DEV)
     ref = estimate_topk_naive(q, k, torch.tensor(budgets), G, bs, proxy, forced=forced)
-    for chunk in (1 << 25, 2 * n_items * B * H + 1):  # one chunk; two groups per chunk
-        got = estimate_topk_triton(q, k, torch.tensor(budgets), G, bs, proxy, forced=forced, chunk_elems=chunk)
+    per_group = n_items if method == "keys" else -(-S // 4)  # "gemm" chunks by its float32 scores
+    for chunk in (1 << 25, 2 * per_group * B * H + 1):  # one chunk; two groups per chunk
+        got = estimate_topk_triton(q, k, torch.tensor(budgets), G, bs, proxy, forced=forced, chunk_elems=chunk,
+                                   method=method)
         assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
 
 

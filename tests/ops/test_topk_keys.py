@@ -1,5 +1,6 @@
-"""Triton top-k, method "keys" (one scoring pass writing every item's key, then one packed int64
-torch.topk per chunk of groups): the same lists as naive, exactly; "auto" takes it for block lists.
+"""Triton top-k, methods "keys" (one scoring pass writing every item's key, then one packed int64
+torch.topk per chunk of groups) and "gemm" (the same keys from one batched matrix product): the same lists
+as naive, exactly on integer inputs, up to last-bit ties on continuous ones; "auto" takes "gemm" for blocks.
 
 Runs under the Triton interpreter on this CPU machine (fp32, fp16) and on CUDA when a GPU is present;
 the GPU tests of ``test_topk_estimation.py`` reach it too, through "auto" on their block-list cases.
@@ -10,6 +11,7 @@ import torch
 
 from megatron_dsv.ops.topk_estimation import estimate_topk_naive
 from megatron_dsv.ops.topk_estimation.triton_impl import _select_from_keys, estimate_topk_triton, resolve_method
+from tests.ops.test_topk_estimation import _near_tie_equal
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -33,13 +35,14 @@ CASES = [  # B, H, Sq, Sk, r, G, block_size, proxy, block_score, budgets
 @pytest.mark.parametrize("B,H,Sq,Sk,r,G,bs,proxy,bscore,budgets", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("chunk", [1 << 25, 7], ids=["one-chunk", "group-per-chunk"])
-def test_keys_equals_naive_integer_ties(B, H, Sq, Sk, r, G, bs, proxy, bscore, budgets, dtype, chunk):
-    """Small-integer inputs: every score exact, heavy ties at every threshold; chunking over groups
-    (down to one group per chunk) changes nothing."""
+@pytest.mark.parametrize("method", ["keys", "gemm"])
+def test_keys_equals_naive_integer_ties(B, H, Sq, Sk, r, G, bs, proxy, bscore, budgets, dtype, chunk, method):
+    """Small-integer inputs: every score exact (in any order of summation), heavy ties at every threshold;
+    chunking over groups (down to one group per chunk) changes nothing."""
     q, k = _ints((B, H, Sq, r), dtype, 41), _ints((B, H, Sk, r), dtype, 42)
     budgets = torch.tensor(budgets)
     ref = estimate_topk_naive(q, k, budgets, G, bs, proxy, bscore)
-    got = estimate_topk_triton(q, k, budgets, G, bs, proxy, bscore, method="keys", chunk_elems=chunk)
+    got = estimate_topk_triton(q, k, budgets, G, bs, proxy, bscore, method=method, chunk_elems=chunk)
     assert torch.equal(ref[1], got[1]) and got[0].dtype == torch.int32
     assert torch.equal(ref[0], got[0])
 
@@ -58,15 +61,18 @@ def test_keys_chunks_with_a_remainder(bs, BG):
     for groups in (3, 5):
         got = estimate_topk_triton(q, k, budgets, 32, bs, method="keys", BG=BG, chunk_elems=groups * 4 * n_items + 1)
         assert torch.equal(ref[1], got[1]) and torch.equal(ref[0], got[0]), groups
+        # "gemm" chunks by its float32 scores (4 * chunk_elems of them): 3 and 5 groups a chunk again
+        got = estimate_topk_triton(q, k, budgets, 32, bs, method="gemm", chunk_elems=groups * 1100 + 1)
+        _near_tie_equal(q, k, ref[0], got[0], ref[1], 32, bs, "mean", "max", who=f"gemm {groups}")
 
 
-def test_auto_takes_keys_for_blocks_and_all_methods_agree():
+def test_auto_takes_gemm_for_blocks_and_all_methods_agree():
     q, k = _ints((1, 2, 64, 16), torch.float32, 43), _ints((1, 2, 900, 16), torch.float32, 44)
-    lists = {m: estimate_topk_triton(q, k, 3, 32, 64, method=m)[0] for m in ("auto", "keys", "search", "sample")}
+    lists = {m: estimate_topk_triton(q, k, 3, 32, 64, method=m)[0] for m in ("auto", "keys", "gemm", "search", "sample")}
     assert all(torch.equal(lists["keys"], v) for v in lists.values())
     with pytest.raises(ValueError, match="`chunk_elems`"):
         estimate_topk_triton(q, k, 3, 32, 64, method="keys", chunk_elems=0)
-    assert resolve_method("auto", 64) == "keys" and resolve_method("auto", 0) == "sample"
+    assert resolve_method("auto", 64) == "gemm" and resolve_method("auto", 0) == "sample"
     assert resolve_method("search", 128) == "search"
     with pytest.raises(ValueError, match="`method`"):
         resolve_method("radix", 0)

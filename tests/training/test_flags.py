@@ -81,7 +81,7 @@ def test_help_shows_the_defaults_in_effect(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "(default: 0.4) [the demo's; DSVConfig default: 0.8]" in text  # --dsv-sparsity-threshold
+    assert "(default: 0.4) [the demo's; DSVConfig default: 0.7]" in text  # --dsv-sparsity-threshold
     assert "(default: 150) [the demo's; DSVConfig default:" in text  # --dsv-stage-switch-steps
 
 

@@ -9,7 +9,7 @@
     exists.
   forced: optional int tensor (num_groups, F), -1 padded, shared by every batch and head: items each
     group keeps before any other (DSV's local + predicted lists: the always-on neighbourhood); the
-    budget counts them. Naive and triton backends ("auto" on CUDA then takes triton's "keys" method).
+    budget counts them. Naive and triton backends ("auto" on CUDA then takes triton's "gemm" method).
   Returns idx int32 (batch, heads, ceil(seqlen / group_size), Kmax): for each query group, the
     counts[b, h] best items by proxy . key (ties: lower index), ascending, then -1 padding;
     and counts int32 (batch, heads).
@@ -88,7 +88,7 @@ def estimate_topk(q_lr, k_lr, budgets, group_size, block_size=0, proxy="mean", b
         if not reason.startswith("auto"):
             raise ValueError("estimate_topk: `forced` items (DSVConfig.local_radius) are not supported by the "
                              "cuda backend; use backend 'triton' or 'naive' (or 'auto')")
-        backend, reason = "triton", "auto: forced items (local + predicted lists) run on Triton's 'keys' method"
+        backend, reason = "triton", "auto: forced items (local + predicted lists) run on the triton backend's 'gemm' method"
     if (backend, reason) not in _LOGGED:
         _LOGGED.add((backend, reason))
         (_log.warning if backend == "triton" and reason.startswith("auto") else _log.info)(

@@ -10,7 +10,9 @@ Method "sample" (``_tk_sample``, see its docstring): a sampled threshold window,
 over all items into a per-group candidate buffer, exact selection on the buffer; groups whose window
 missed are redone by the two kernels above (flagged groups only, no host sync). Method "keys"
 (``_tk_keys``): one scoring pass writing every item's key, then ``torch.topk`` on packed (key, index)
-values; for block lists. "auto": "sample" for token lists, "keys" for block lists.
+values; method "gemm" (``_gemm_keys``): the same keys from one batched float32 matrix product (cuBLAS) and a
+torch block reduction, then the same selection. "auto": "sample" for token lists, "gemm" for block lists
+and wherever items are forced.
 The kernels' ``S`` is the KEY length (k_lr's Sk, may differ from q_lr's Sq):
 proxies are precomputed per query group, so the kernels never see Sq.
 """
@@ -323,17 +325,51 @@ def _select_from_keys(keys: torch.Tensor, counts: torch.Tensor, kmax: int) -> to
     return torch.where(idx == n_items, -1, idx).to(torch.int32)
 
 
-METHODS = ("auto", "search", "sample", "keys")
+def _gemm_keys(proxies: torch.Tensor, k: torch.Tensor, g0: int, n: int, block_size: int, lse: bool,
+               n_items: int) -> torch.Tensor:
+    """Method "gemm": the ordered int32 keys ``[B * H, n, n_items]`` of groups ``[g0, g0 + n)`` from ONE batched
+    matrix product (cuBLAS on a GPU) of the groups' proxies with every key, in float32, then the block
+    reduction (max or log-sum-exp over each block's tokens) in torch. Products of bf16/fp16 operands are exact
+    in float32 (and in TF32, which holds their mantissas); the sum over r runs in the library's order, so a
+    score may differ from the reference's (d = 0..r-1) in its last bit: only items tied at that level can
+    swap, as on the CUDA kernel's tensor-core path. fp32 inputs run with TF32 off."""
+    BH, NG, r = proxies.shape[0] * proxies.shape[1], proxies.shape[2], proxies.shape[3]
+    Sk = k.shape[2]
+    p = proxies.reshape(BH, NG, r)[:, g0:g0 + n].float()
+    kf = k.reshape(BH, Sk, r).float()
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    try:
+        if k.dtype == torch.float32:
+            torch.backends.cuda.matmul.allow_tf32 = False
+        s = torch.bmm(p, kf.transpose(1, 2))  # [BH, n, Sk]
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    if block_size:
+        pad = n_items * block_size - Sk
+        if pad:
+            s = torch.nn.functional.pad(s, (0, pad), value=float("-inf"))
+        s3 = s.view(BH, n, n_items, block_size)
+        s = s3.amax(dim=-1)
+        if lse:
+            m_safe = torch.where(s == float("-inf"), torch.zeros_like(s), s)
+            s = m_safe + torch.log(torch.exp(s3 - m_safe.unsqueeze(-1)).sum(dim=-1))
+        del s3
+    s = s + 0.0  # -0.0 -> +0.0
+    key = s.view(torch.int32)
+    return torch.where(key >= 0, key, key ^ 0x7FFFFFFF)  # monotone int32 key of the float
+
+
+METHODS = ("auto", "search", "sample", "keys", "gemm")
 
 
 def resolve_method(method: str, block_size: int) -> str:
     """The method :func:`estimate_topk_triton` runs: ``method`` itself, or for "auto" "sample" with token
-    lists (``block_size`` 0) and "keys" with block lists."""
+    lists (``block_size`` 0) and "gemm" with block lists."""
     if method not in METHODS:
         raise ValueError(f"estimate_topk_triton: `method` must be one of {METHODS}, got {method!r}")
     if method != "auto":
         return method
-    return "sample" if block_size == 0 else "keys"
+    return "sample" if block_size == 0 else "gemm"
 
 
 def sample_plan(n_items: int, kmax: int, sample_size: int = 1024, z: float = 4.0):
@@ -375,20 +411,26 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     ONE scoring pass writing every item's ordered key, ``chunk_elems`` keys at a time (but at least one
     group of every batch and head), then one int64 ``torch.topk`` per chunk, :func:`_select_from_keys`;
     about 12 bytes per key of a chunk, so meant for block lists, whose n_items is S / block_size), or
+    "gemm" (:func:`_gemm_keys`: the keys of "keys" from one batched matrix product per chunk, on cuBLAS,
+    then the same selection; the chunk's float32 scores take ``4 * chunk_elems`` elements; the same lists
+    up to items tied within the last bit of their score), or
     "auto" (:func:`resolve_method`): "sample" for token lists (H200, 2026-12-01, S=16K, G=32, 90%
-    sparsity: 58.7 ms vs "search" 149.6 ms), "keys" for block lists (one scoring pass where "search"
-    makes ten: 9 threshold passes and the write; "search" took 7.0 ms for blocks of 64 there, not yet
-    measured against "keys" on a GPU). All give the same lists, the naive ones.
+    sparsity: 58.7 ms vs "search" 149.6 ms), "gemm" for block lists: "keys" scores on CUDA cores and
+    took 5.2 ms a call at S=32K, H=8, G=128, 128-key blocks (H200, 2026-12-02, the frontier's 4-layer
+    model: more than the sparse layer's attention, fwd+bwd), a product the size of that problem is
+    1 GFLOP ("gemm" not yet timed on a GPU; "search" took 7.0 ms for blocks of 64 at 16K). All give the
+    naive lists ("gemm" up to last-bit ties).
     "sample" knobs: ``sample_size`` (items scored to place the window), ``z`` (window half-width in
     standard deviations), ``capacity`` (candidate buffer per group; 0 = :func:`sample_plan`'s, a
     smaller value forces overflow in tests). Extra memory of "sample": B*H*NG*capacity*8 bytes.
     ``stats``: a dict that receives ``fallback_groups`` (a host sync; for tests and benchmarks).
-    ``forced`` [NG, F] (local + predicted lists): items ranked first in their group; method "keys" only
-    (its keys buffer takes the top key), which "auto" then picks for token lists too.
+    ``forced`` [NG, F] (local + predicted lists): items ranked first in their group; methods "keys" and
+    "gemm" (their keys buffer takes the top key); "auto" then picks "gemm" for token lists too.
     """
-    method = "keys" if forced is not None and method == "auto" else resolve_method(method, block_size)
-    if forced is not None and method != "keys":
-        raise ValueError(f"estimate_topk_triton: `forced` items need method 'keys' (or 'auto'), got {method!r}")
+    method = "gemm" if forced is not None and method == "auto" else resolve_method(method, block_size)
+    if forced is not None and method not in ("keys", "gemm"):
+        raise ValueError(f"estimate_topk_triton: `forced` items need method 'keys', 'gemm' (or 'auto'), "
+                         f"got {method!r}")
     if chunk_elems < 1:
         raise ValueError(f"estimate_topk_triton: `chunk_elems` must be >= 1, got {chunk_elems}")
     P = check_problem(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score)
@@ -404,14 +446,18 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     counts = P.counts.contiguous()
     BN = BN or (64 if block_size == 0 else 16)
     meta = dict(R=P.r, BG=BG, BN=BN, BS=block_size, LSE=block_score == "lse")
-    if method == "keys":
-        n_g = max(1, min(P.num_groups, chunk_elems // max(1, P.B * P.H * P.num_items)))
+    if method in ("keys", "gemm"):
+        per_group = P.B * P.H * (P.num_items if method == "keys" else -(-P.Sk // 4))  # gemm: fp32 scores
+        n_g = max(1, min(P.num_groups, chunk_elems // max(1, per_group)))
         rows = out.view(P.B * P.H, P.num_groups, P.kmax)
         for g0 in range(0, P.num_groups, n_g):
             n = min(n_g, P.num_groups - g0)
-            keys = torch.empty(P.B * P.H, n, P.num_items, dtype=torch.int32, device=q_lr.device)
-            _tk_keys[(triton.cdiv(n, BG), triton.cdiv(P.num_items, BN), P.B * P.H)](
-                proxies, k, keys, P.Sk, P.num_items, P.num_groups, g0, n, **meta)
+            if method == "gemm":
+                keys = _gemm_keys(proxies, k, g0, n, block_size, block_score == "lse", P.num_items)
+            else:
+                keys = torch.empty(P.B * P.H, n, P.num_items, dtype=torch.int32, device=q_lr.device)
+                _tk_keys[(triton.cdiv(n, BG), triton.cdiv(P.num_items, BN), P.B * P.H)](
+                    proxies, k, keys, P.Sk, P.num_items, P.num_groups, g0, n, **meta)
             if forced is not None:  # the top ordered key: above every score, ties by lower index
                 keys.masked_fill_(forced_mask(forced[g0:g0 + n], P.num_items), torch.iinfo(torch.int32).max)
             rows[:, g0:g0 + n] = _select_from_keys(keys, counts, P.kmax)
