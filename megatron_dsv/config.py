@@ -103,7 +103,8 @@ class DSVConfig:
     'sparsity' (the paper): ``K_h = (1 - s_h) * S`` tokens. For key blocks shared by a query cube its lists
     alone hold only 0.44 of the critical mass and cost +0.66 +- 0.28% validation loss (H200 frontier,
     benchmarks/NOTES_quality.md run 2); with the always-on neighbourhood (``local_radius``, on by default
-    for the video DiT) they hold 0.57 and come out at -0.49 +- 0.38%: the default. 'recall': at each
+    for the video DiT) they hold 0.57 and come out at -0.49 +- 0.38% (run 3, the same settings: +0.34 +- 0.14%;
+    paired against the rule alone in run 2: -1.15 +- 0.10%): the default. 'recall': at each
     profile step the recall curve of the lists the estimator would build is measured per head and ``K_h``
     is where it reaches ``recall_target``; the budget density ``K_h / S`` (rising at once, falling with
     ``sparsity_momentum``) then decides sparse vs dense. At targets of 0.9 and above its budgets kept
@@ -120,7 +121,7 @@ class DSVConfig:
     with the neighbourhood): at 0.8 two of four layers stayed dense (46% of stage-2 layer-steps sparse on
     ViZDoom and on footage); at 0.7 every layer ran sparse by the end (77% / 64% of the layer-steps, kept
     fraction 0.24 / 0.35 instead of 0.61 / 0.51) at +0.14 +- 0.05% / +1.00 +- 0.91% validation loss against
-    full attention, where 0.8 gave +0.34 +- 0.14% / +0.61 +- 0.11% (paired 0.7 - 0.8: -0.20 / +0.39%, within
+    full attention, where 0.8 gave +0.34 +- 0.14% / +0.61 +- 0.11% (paired 0.7 - 0.8: -0.20 / +0.38%, within
     the seeds' spread on both)."""
     k_min: int = _knob(64, "Smallest per-head KV budget in tokens.")
     """Floor of the per-head budget K_h (tokens)."""
@@ -154,7 +155,7 @@ class DSVConfig:
     Default None resolves per sequence (:meth:`local_radius_for`) to :data:`DEFAULT_LOCAL_RADIUS` where it
     applies: on the H200 quality frontier (ViZDoom 16K, 2 seeds, benchmarks/NOTES_quality.md run 2) the
     paper's rule with a (1, 1, 1) neighbourhood was -0.49 +- 0.38% against full attention at equal steps
-    where the rule alone was +0.66 +- 0.28%."""
+    where the rule alone was +0.66 +- 0.28% (paired: -1.15 +- 0.10%)."""
     granularity: str = _knob("block", "KV list granularity: 'token' (the paper) or 'block' (contiguous KV blocks).",
                              choices=GRANULARITIES)
     """Whether KV lists name single key tokens or contiguous key blocks."""
