@@ -188,8 +188,9 @@ def time_arms(names: List[str], args) -> dict:
 
 
 def time_arm(name: str, S: int, args, profile: bool = False) -> dict:
-    """ms per training step of arm ``name`` at S tokens (frames scaled), from its trained run; ``profile``: after
-    the clock, print the kernels of one profile period of the trained stage (:func:`print_kernel_profile`)."""
+    """ms per training step of arm ``name`` at S tokens (frames scaled), from its trained run (DSV arms: also the
+    plain and the profile steps apart, ``<kind>_plain`` and ``<kind>_profile_step``); ``profile``: after the
+    clock, print the kernels of three plain steps of the trained stage (:func:`print_kernel_profile`)."""
     from benchmarks.common import MainWeightsAdamW, flow_matching_step, sync
     from benchmarks.video_runs import build_model, run_path
     from megatron_dsv.attention import dsv_layers, dsv_on_step_end
@@ -216,32 +217,52 @@ def time_arm(name: str, S: int, args, profile: bool = False) -> dict:
     labels = torch.zeros(args.batch, dtype=torch.long, device=device)
     model.train()
 
-    def steps(n):
+    from megatron_dsv.attention.schedule import is_profile_step
+
+    dsv_cfg = layers[0].dsv_config if layers else None
+
+    def steps(n, profiled=False):
+        """n training steps; each DSV step ends by numbering the next one so that it is (``profiled``) or is
+        not a profile step of the schedule (the step a layer runs is the one the last call numbered)."""
         for _ in range(n):
             flow_matching_step(model, opt, latents, labels, g)
             if layers:
-                dsv_on_step_end(model, layers[0].step_host + 1)
+                nxt = layers[0].step_host + 1
+                while is_profile_step(nxt, dsv_cfg) != profiled:
+                    nxt += 1
+                dsv_on_step_end(model, nxt)
+
+    def clock(n, profiled=False):
+        steps(1, profiled)  # untimed: numbers the first timed step
+        sync()
+        t0 = time.perf_counter()
+        steps(n, profiled)
+        sync()
+        return 1e3 * (time.perf_counter() - t0) / n
 
     result = {}
     kinds = ["stage2", "stage1"] if layers and layers[0].stage_host == 2 else ["step"]
-    # DSV's steps differ by the schedule (a profile every `period` steps): the warm-up runs a whole period (every
-    # kernel, the profile's included, compiled before the clock starts) and the clock covers whole periods. The
-    # period is the one in effect at the run's step (after the profiler's warm-up: profile_interval_after_warmup);
-    # timing whole periods of the warm-up's shorter one would catch 0 or 1 profile steps by chance
-    period = profile_period(layers[0].dsv_config, layers[0].step_host) if layers else 1
-    n_timed = period * max(1, -(-args.time_steps // period))
+    # DSV's steps differ by the schedule: a profile step every `period` steps, the period in effect at the run's
+    # step (past the profiler's warm-up: profile_interval_after_warmup). Plain and profile steps are clocked
+    # apart (after a warm-up that runs both, every kernel compiled) and a step costs plain + (profile - plain) /
+    # period: a window of consecutive steps would hold 0 or 1 profile step by chance unless it spans whole periods
+    period = profile_period(dsv_cfg, layers[0].step_host) if layers else 1
     for kind in kinds:
         for layer in layers:
             layer.force_dense = kind == "stage1"
             layer._decisions = {}
-        steps(args.time_warmup + period)
-        sync()
-        t0 = time.perf_counter()
-        steps(n_timed)
-        sync()
-        result[kind] = 1e3 * (time.perf_counter() - t0) / n_timed
+        steps(args.time_warmup)
+        if layers:
+            steps(2, profiled=True)
+        plain = clock(args.time_steps)
+        if layers:
+            prof = clock(max(1, args.time_steps // 10), profiled=True)
+            result[kind] = plain + (prof - plain) / period
+            result[f"{kind}_plain"], result[f"{kind}_profile_step"] = plain, prof
+        else:
+            result[kind] = plain
         if profile and kind in ("stage2", "step"):
-            print_kernel_profile(f"{name} S={S} {kind}", lambda: steps(period), period, device)
+            print_kernel_profile(f"{name} S={S} {kind} (plain steps)", lambda: steps(3), 3, device)
     if "step" in result:
         result = {"stage2": result["step"], "stage1": result["step"]}
     del model, opt
