@@ -61,8 +61,10 @@ def test_keys_chunks_with_a_remainder(bs, BG):
     for groups in (3, 5):
         got = estimate_topk_triton(q, k, budgets, 32, bs, method="keys", BG=BG, chunk_elems=groups * 4 * n_items + 1)
         assert torch.equal(ref[1], got[1]) and torch.equal(ref[0], got[0]), groups
-        # "gemm" chunks by its float32 scores (4 * chunk_elems of them): 3 and 5 groups a chunk again
-        got = estimate_topk_triton(q, k, budgets, 32, bs, method="gemm", chunk_elems=groups * 1100 + 1)
+        # "gemm" chunks by its float32 scores (4 * chunk_elems of them, at least one key's worth per item):
+        # 3 and 5 groups a chunk again
+        per_group = 4 * max(n_items, 1100 // 4)
+        got = estimate_topk_triton(q, k, budgets, 32, bs, method="gemm", chunk_elems=groups * per_group + 1)
         _near_tie_equal(q, k, ref[0], got[0], ref[1], 32, bs, "mean", "max", who=f"gemm {groups}")
 
 

@@ -325,6 +325,15 @@ def _select_from_keys(keys: torch.Tensor, counts: torch.Tensor, kmax: int) -> to
     return torch.where(idx == n_items, -1, idx).to(torch.int32)
 
 
+def _reduce_block(s3: torch.Tensor, lse: bool) -> torch.Tensor:
+    """[..., blocks, tokens] -> [..., blocks]: the max, or the log-sum-exp as ``_scores_at`` computes it."""
+    m = s3.amax(dim=-1)
+    if not lse:
+        return m
+    m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    return m_safe + torch.log(torch.exp(s3 - m_safe.unsqueeze(-1)).sum(dim=-1))
+
+
 def _gemm_keys(proxies: torch.Tensor, k: torch.Tensor, g0: int, n: int, block_size: int, lse: bool,
                n_items: int) -> torch.Tensor:
     """Method "gemm": the ordered int32 keys ``[B * H, n, n_items]`` of groups ``[g0, g0 + n)`` from ONE batched
@@ -344,16 +353,12 @@ def _gemm_keys(proxies: torch.Tensor, k: torch.Tensor, g0: int, n: int, block_si
         s = torch.bmm(p, kf.transpose(1, 2))  # [BH, n, Sk]
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
-    if block_size:
-        pad = n_items * block_size - Sk
-        if pad:
-            s = torch.nn.functional.pad(s, (0, pad), value=float("-inf"))
-        s3 = s.view(BH, n, n_items, block_size)
-        s = s3.amax(dim=-1)
-        if lse:
-            m_safe = torch.where(s == float("-inf"), torch.zeros_like(s), s)
-            s = m_safe + torch.log(torch.exp(s3 - m_safe.unsqueeze(-1)).sum(dim=-1))
-        del s3
+    if block_size:  # whole blocks as a view, the partial last block (if any) apart: no padded copy
+        whole = Sk // block_size
+        parts = [s[..., :whole * block_size].view(BH, n, whole, block_size)] if whole else []
+        if whole < n_items:
+            parts.append(s[..., whole * block_size:].unsqueeze(-2))
+        s = torch.cat([_reduce_block(x, lse) for x in parts], dim=-1) if len(parts) > 1 else _reduce_block(parts[0], lse)
     s = s + 0.0  # -0.0 -> +0.0
     key = s.view(torch.int32)
     return torch.where(key >= 0, key, key ^ 0x7FFFFFFF)  # monotone int32 key of the float
@@ -447,7 +452,8 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     BN = BN or (64 if block_size == 0 else 16)
     meta = dict(R=P.r, BG=BG, BN=BN, BS=block_size, LSE=block_score == "lse")
     if method in ("keys", "gemm"):
-        per_group = P.B * P.H * (P.num_items if method == "keys" else -(-P.Sk // 4))  # gemm: fp32 scores
+        # keys: int32 keys (and their int64 packing) per group; gemm: its float32 scores, 4x as many allowed
+        per_group = P.B * P.H * (P.num_items if method == "keys" else max(P.num_items, -(-P.Sk // 4)))
         n_g = max(1, min(P.num_groups, chunk_elems // max(1, per_group)))
         rows = out.view(P.B * P.H, P.num_groups, P.kmax)
         for g0 in range(0, P.num_groups, n_g):
