@@ -206,6 +206,44 @@ def test_bwd_mode_env(monkeypatch):
         launch.bwd_mode(128, 128, 128)
 
 
+@pytest.fixture
+def deterministic():
+    before, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(before, warn_only=warn)
+
+
+def test_deterministic_mode_takes_the_atomic_free_backward(deterministic, monkeypatch):
+    """torch.use_deterministic_algorithms(True) (Megatron's --deterministic-mode): block lists take the split
+    backward (no atomics) even where fused is faster; token lists, an explicit fused and atomic dK/dV, which have
+    no deterministic kernel, raise naming the setting (warn with warn_only); the split gradients are bitwise
+    the same on a second run."""
+    monkeypatch.delenv("DSV_SPARSE_BWD", raising=False)
+    assert launch.bwd_mode(64, 128, 128) == "split" and launch.bwd_mode(32, 64, 128) == "split"
+    with pytest.raises(RuntimeError, match="--dsv-granularity token"):
+        launch.bwd_mode(32, 0, 128)
+    monkeypatch.setenv("DSV_SPARSE_BWD", "fused")
+    with pytest.raises(RuntimeError, match="DSV_SPARSE_BWD=fused"):
+        launch.bwd_mode(64, 128, 128)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    with pytest.warns(UserWarning, match="deterministic"):
+        assert launch.bwd_mode(64, 128, 128) == "fused"
+    torch.use_deterministic_algorithms(True)
+    monkeypatch.delenv("DSV_SPARSE_BWD")
+    g = torch.Generator().manual_seed(3)
+    B, H, S, D, G, BS = 1, 2, 256, 64, 64, 64
+    q, k, v = (torch.randn(B, H, S, D, generator=g) for _ in range(3))
+    idx = torch.tensor([[0, 2], [1, 3], [0, 1], [2, 3]], dtype=torch.int32).expand(B, H, 4, 2).contiguous()
+    cnt = torch.full((B, H), 2, dtype=torch.int32)
+    o, lse = sparse_fwd(q, k, v, idx, cnt, G, BS, 0.125)
+    do = torch.randn(B, H, S, D, generator=g)
+    first, second = (sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, BS, 0.125) for _ in range(2))
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    with pytest.raises(RuntimeError, match="atomic_kv=True"):
+        sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, BS, 0.125, atomic_kv=True)
+
+
 def test_inverse_map_exact():
     idx = torch.tensor([[[[0, 2, -1], [1, 2, 5]], [[2, -1, -1], [0, -1, -1]]]], dtype=torch.int32)
     cnt = torch.tensor([[2, 1]], dtype=torch.int32)  # head 0 reads 2 entries, head 1 reads 1

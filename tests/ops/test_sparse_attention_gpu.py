@@ -124,3 +124,27 @@ def test_bf16_fused_bwd(monkeypatch, dq, B, H, Hkv, S, D, G, BS, BN, density):
     monkeypatch.setitem(launch.CONFIG_OVERRIDES, ("bwd_fused", D, G, BS),
                         dict(BM=64, BN=BN, num_warps=8 if BN == 128 else 4, num_stages=2, DQ=dq))
     check_against_torch(B, H, Hkv, S, D, G, BS, density)
+
+
+@pytest.mark.parametrize("G,BS", [(128, 128), (64, 128)], ids=["G128-blk128", "G64-blk128-fused-cell"])
+def test_deterministic_mode_gives_the_same_bits(G, BS):
+    """torch.use_deterministic_algorithms(True): the block-list backward (split, atomic-free) gives bitwise
+    the same dq, dk, dv on two runs, at a shape where the fused (atomic dq) backward is otherwise chosen too."""
+    from megatron_dsv.ops.sparse_attention import launch
+
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert launch.bwd_mode(G, BS, 128) == "split"
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, do = (torch.randn(1, 8, 16384, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
+                       for _ in range(4))
+        idx, cnt = gpu_lists(1, 8, 16384, G, BS, 0.2)
+        grads = []
+        for _ in range(2):
+            qi, ki, vi = (t.clone().requires_grad_() for t in (q, k, v))
+            sparse_attention(qi, ki, vi, idx, cnt, G, BS).backward(do)
+            grads.append((qi.grad, ki.grad, vi.grad))
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+    finally:
+        torch.use_deterministic_algorithms(before)

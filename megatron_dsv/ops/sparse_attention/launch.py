@@ -85,17 +85,44 @@ BWD_MODES = ("auto", "split", "fused")
 
 def bwd_mode(G: int, BS: int, D: int) -> str:
     """The one place the block-level backward is chosen: ``DSV_SPARSE_BWD`` in
-    {auto, split, fused}. split: dq kernel + inverse-map dk/dv kernel (7 matmuls);
-    fused: one inverse-map kernel adding dq with fp32 atomics (5 matmuls).
-    Token lists always take the dq kernel with dk/dv atomics."""
+    {auto, split, fused}. split: dq kernel + inverse-map dk/dv kernel (7 matmuls, no atomics: the same
+    bits on every run); fused: one inverse-map kernel adding dq with fp32 atomics (5 matmuls).
+    Token lists always take the dq kernel with dk/dv atomics.
+
+    Deterministic algorithms (``torch.use_deterministic_algorithms(True)``, Megatron's
+    ``--deterministic-mode``): block lists take split (its cost: none at the default G=128 / 128-key
+    blocks, where auto takes split anyway; 1.22x the backward where fused measured faster, G=64 / 128 and
+    G=32 / 64 at D=128); token lists and an explicit ``fused`` have no deterministic kernel and raise (warn,
+    with ``warn_only=True``), as torch's own ops do."""
     name = os.environ.get("DSV_SPARSE_BWD", "auto").strip().lower() or "auto"
     if name not in BWD_MODES:
         raise ValueError(f"DSV_SPARSE_BWD must be one of {BWD_MODES}; got {name!r}")
+    deterministic = torch.are_deterministic_algorithms_enabled()
     if BS == 0:
+        if deterministic:
+            _nondeterministic("token lists (DSVConfig.granularity 'token', --dsv-granularity token) scatter dK/dV "
+                              "with fp32 atomics; block lists (the default) have an atomic-free backward")
+        return "split"
+    if deterministic:
+        if name == "fused":  # asked for by name: raises, or (warn_only) runs as asked
+            _nondeterministic("DSV_SPARSE_BWD=fused adds dQ with fp32 atomics; unset it (auto takes the "
+                              "atomic-free split backward under deterministic algorithms)")
+            return "fused"
         return "split"
     if name != "auto":
         return name
     return "fused" if D == 128 and (G, BS) in FUSED_FASTER else "split"
+
+
+def _nondeterministic(why: str) -> None:
+    msg = ("sparse attention backward is not deterministic here, but torch.use_deterministic_algorithms(True) "
+           f"(Megatron's --deterministic-mode) asks for it: {why}")
+    if torch.is_deterministic_algorithms_warn_only_enabled():
+        import warnings
+
+        warnings.warn(msg, stacklevel=3)
+    else:
+        raise RuntimeError(msg)
 
 
 def _launch_opts(cfg: Config) -> Dict[str, int]:
@@ -185,6 +212,8 @@ def sparse_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scal
     TK = k.shape[2]
     atomic_kv = (BS == 0) if atomic_kv is None else atomic_kv
     mode = mode or bwd_mode(G, BS, D)
+    if atomic_kv and BS and torch.are_deterministic_algorithms_enabled():
+        _nondeterministic("atomic_kv=True scatters dK/dV with fp32 atomics")
     do, v = do.contiguous(), v.contiguous()
     if mode == "fused" and not atomic_kv:
         if cfg_kv is not None and cfg_kv["BN"] > BS:
