@@ -232,13 +232,18 @@ def time_arm(name: str, S: int, args, profile: bool = False) -> dict:
                     nxt += 1
                 dsv_on_step_end(model, nxt)
 
-    def clock(n, profiled=False):
+    def clock(n, profiled=False, windows=3):
+        """ms a step: the median of ``windows`` clocked windows of ``n`` steps (a short host-bound step varies
+        with what else the host does)."""
         steps(1, profiled)  # untimed: numbers the first timed step
-        sync()
-        t0 = time.perf_counter()
-        steps(n, profiled)
-        sync()
-        return 1e3 * (time.perf_counter() - t0) / n
+        out = []
+        for _ in range(windows):
+            sync()
+            t0 = time.perf_counter()
+            steps(n, profiled)
+            sync()
+            out.append(1e3 * (time.perf_counter() - t0) / n)
+        return sorted(out)[len(out) // 2]
 
     result = {}
     kinds = ["stage2", "stage1"] if layers and layers[0].stage_host == 2 else ["step"]
@@ -254,9 +259,9 @@ def time_arm(name: str, S: int, args, profile: bool = False) -> dict:
         steps(args.time_warmup)
         if layers:
             steps(2, profiled=True)
-        plain = clock(args.time_steps)
+        plain = clock(max(1, args.time_steps // 3))
         if layers:
-            prof = clock(max(1, args.time_steps // 10), profiled=True)
+            prof = clock(max(1, args.time_steps // 15), profiled=True)
             result[kind] = plain + (prof - plain) / period
             result[f"{kind}_plain"], result[f"{kind}_profile_step"] = plain, prof
         else:
@@ -287,6 +292,10 @@ def print_kernel_profile(label: str, run, n_steps: int, device: torch.device, ro
         if device.type == "cuda":
             torch.cuda.synchronize()
     events = prof.key_averages()
+    if device.type == "cuda":  # the kernels themselves: an op's entry also carries its kernels' time
+        from torch.autograd import DeviceType
+
+        events = [e for e in events if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
     attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     total = sum(getattr(e, attr) for e in events) / n_steps / 1e3
     print(f"[profile] {label}: {total:.1f} ms of self {'device' if device.type == 'cuda' else 'CPU'} time per step "
@@ -409,7 +418,7 @@ def report(args, names: List[str]) -> List[dict]:
                    ms_step_alone_by_S={k: v for k, v in (timing.get(name) or {}).items()},
                    time_to_full_loss_s=reach, curve=mean_curve, wall_clock=wc,
                    time_to_full_loss_s_by_S={
-                       length: time_to_reach(wall_clock(mean_curve, arm, t), full_mean)
+                       length: time_to_reach(wall_clock(mean_curve, arm, t), full_mean) if t else None
                        for length, t in (timing.get(name) or {}).items()})
         rows.append(row)
     full_by_S = next((r["time_to_full_loss_s_by_S"] for r in rows if r["name"] == "full"), {})

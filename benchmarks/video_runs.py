@@ -15,7 +15,8 @@ granularity, ``block`` or ``token``: ``DSVConfig.granularity``), ``rule`` and ``
 predicted lists, the always-on radius in cubes as ``rt.rh.rw``, ``0.0.0`` = off, ``auto`` = the library's
 default: ``DSVConfig.local_radius``), ``thr`` (the dispatcher's ``DSVConfig.sparsity_threshold``),
 ``steps`` and ``minutes`` (the run stops at
-whichever comes first, so a run fits the device time), ``stage1`` (DSV's stage-1 steps; default
+whichever comes first, so a run fits the device time; with ``--align-stops`` a run stopped by its minutes is saved
+where it stopped and reports its last validation step), ``stage1`` (DSV's stage-1 steps; default
 half of ``steps``), ``window_frac`` (the window baseline's kept fraction of keys), ``label`` (a
 name for the plots; default built from the keys that differ from the defaults).
 Every arm with the same data keys trains on the same clips (``--data-seed``), in the same order and from the
@@ -320,13 +321,16 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
     cfg_dsv = dsv[0].dsv_config if dsv else None
     ema = _ema(model, args)
     path = run_path(arm, args)
-    start, counters = 0, {"sparse_steps": 0, "layer_steps": 0}
+    start, counters, last_val = 0, {"sparse_steps": 0, "layer_steps": 0}, None
     if path and os.path.exists(path):
-        start, counters = load_run(path, arm, model, opt, g, ema)
+        start, counters, last_val = load_run(path, arm, model, opt, g, ema)
         print(f" [{arm['label']}] resumed at step {start} from {path}", flush=True)
-    # align (args.align_stops): runs stopped by their minutes end at their last validation step
+    # align (args.align_stops): runs stopped by their minutes report their last validation step
     align = bool(getattr(args, "align_stops", False)) and on_val is not None
-    aligned = (start, float("nan"), dict(counters))
+    # the last validated state: what a run stopped by its minutes reports (saved with the run, so a run stopped
+    # twice between two validations still reports its last validated step)
+    aligned = (last_val["step"], last_val["val"], dict(last_val["counters"])) if last_val else \
+        (start, float("nan"), dict(counters))
     t_start, times, losses = time.perf_counter(), [], []
     step = start - 1
     for step in range(start, arm["steps"]):
@@ -355,8 +359,8 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
             val = validate(model, ema, clips, args)
             on_val(step + 1, val)
             if align and path and step + 1 < arm["steps"]:
-                save_run(path, arm, model, opt, g, step + 1, counters, ema)
                 aligned = (step + 1, val, dict(counters))
+                save_run(path, arm, model, opt, g, step + 1, counters, ema, last_val=aligned)
         if time.perf_counter() - t_start > 60.0 * arm["minutes"]:
             print(f" [{arm['label']}] stopped at step {step + 1} by its {arm['minutes']} min budget", flush=True)
             break
@@ -365,8 +369,10 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
         # stopped by the minutes: the run is saved where it stopped (the next launch resumes there, no step is
         # trained twice; validations stay at multiples of val_every), and what it reports (steps, loss,
         # counters) is its last validation step's, so every run of a study reports at validated steps
-        save_run(path, arm, model, opt, g, steps_done, counters, ema)
-        print(f" [{arm['label']}] saved at step {steps_done}; reports its validation step {aligned[0]}", flush=True)
+        if aligned[0] != steps_done:  # (stopped right at a validation: saved there already)
+            save_run(path, arm, model, opt, g, steps_done, counters, ema, last_val=aligned)
+        print(f" [{arm['label']}] saved at step {steps_done}; reports its validation step {aligned[0]} (its DSV "
+              f"metrics are of step {steps_done})", flush=True)
         steps_done, final_val, counters = aligned
     else:
         if path:
@@ -430,19 +436,23 @@ _RESUME_KEYS = ("data", "frames", "res", "attn", "lr", "qk_norm", "qk_lr", "rope
 _FORMATS = ("megatron_dsv.video_run.v2", "megatron_dsv.video_run.v3")  # v3: + the weight EMA
 
 
-def save_run(path: str, arm: dict, model, opt, g, step: int, counters: dict, ema=None) -> None:
-    """Model (with its DSV state), optimizer, weight EMA, noise generator and step of a run, written atomically."""
+def save_run(path: str, arm: dict, model, opt, g, step: int, counters: dict, ema=None, last_val=None) -> None:
+    """Model (with its DSV state), optimizer, weight EMA, noise generator and step of a run, written atomically;
+    ``last_val``: (step, loss, counters) of its last validation (what a run stopped by its minutes reports)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     state = {"format": _FORMATS[-1], "arm": {k: arm[k] for k in _RESUME_KEYS}, "step": step,
              "counters": counters, "model": model.state_dict(), "optimizer": opt.state_dict(), "rng": g.get_state(),
-             "ema": None if ema is None else ema.state_dict()}
+             "ema": None if ema is None else ema.state_dict(),
+             "last_val": None if last_val is None else dict(step=int(last_val[0]), val=float(last_val[1]),
+                                                            counters=dict(last_val[2]))}
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)
     print(f" [{arm['label']}] saved step {step} to {path}", flush=True)
 
 
 def load_run(path: str, arm: dict, model, opt, g, ema=None):
-    """Restore what :func:`save_run` wrote (tensors only: ``weights_only=True``); returns (step, counters).
+    """Restore what :func:`save_run` wrote (tensors only: ``weights_only=True``); returns (step, counters,
+    last validation as a dict of step, val, counters, or None).
     A run saved without an EMA (format v2, or ``--ema-decay 0``) starts its EMA at the loaded weights."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -469,7 +479,7 @@ def load_run(path: str, arm: dict, model, opt, g, ema=None):
             print(f" {path}: saved without a weight EMA; the EMA starts at the loaded weights", flush=True)
         else:
             ema.load_state_dict(state["ema"])
-    return int(state["step"]), dict(state["counters"])
+    return int(state["step"]), dict(state["counters"]), state.get("last_val")
 
 
 def _median(xs):

@@ -97,9 +97,13 @@ def test_align_stops_save_where_they_stop_report_the_last_validation_and_resume_
     args.val_every = 1
     cut = train_arm(parse_arm(arm + ",minutes=0.0000001"), args, on_val=lambda s, v: curves["cut"].append((s, v)))
     assert cut[2]["steps"] == 2 and curves["cut"] == [(2, cut[2]["val_loss"])]  # resumed at 1, validated at 2
+    args.val_every = 4
+    again = train_arm(parse_arm(arm + ",minutes=0.0000001"), args, on_val=lambda s, v: curves["cut"].append((s, v)))
+    assert again[2]["steps"] == 2 and again[2]["val_loss"] == cut[2]["val_loss"]  # stopped at 3: reports step 2
+    assert torch.load(run, map_location="cpu", weights_only=True)["step"] == 3
     args.val_every = 2
     resumed = train_arm(parse_arm(arm), args, on_val=lambda s, v: curves["cut"].append((s, v)))
-    assert resumed[2]["steps"] == 8 and [s for s, _ in curves["cut"]] == [2, 4, 6, 8]
+    assert resumed[2]["steps"] == 8 and [s for s, _ in curves["cut"]] == [2, 4, 6, 8]  # resumed at 3
     assert dict(curves["cut"])[8] == dict(curves["straight"])[8] == straight[2]["val_loss"]
     assert dict(curves["cut"])[2] == dict(curves["straight"])[2]
     a, b = straight[0].state_dict(), resumed[0].state_dict()

@@ -17,8 +17,9 @@ cd "$(dirname "$0")/.." || exit 2
 width=(--preset 0.8b --heads 8 --head-dim 64 --layers 4 --res 256 --frames 16 32
        --sparsity-min 0.74 --sparsity-max 0.9 --sparsity-mean 0.82)
 # 0. the block-list selection with forced items (the default's local + predicted lists run on the triton
-#    backend; the CUDA kernel takes no forced items): method "gemm" (auto since 2026-12-02) and "keys" beside the
-#    CUDA kernel, G=128 / 128-key blocks (bench_topk_estimation.py: H=16, r=16, 90% sparsity)
+#    backend; the CUDA kernel takes no forced items): its methods "gemm" (auto since 2026-12-02) and "keys" beside the
+#    CUDA kernel, G=128 / 128-key blocks, without forced items (their masked fill is one elementwise pass;
+#    bench_topk_estimation.py: H=16, r=16, 90% sparsity)
 for m in gemm keys; do
   timeout 100 python3 benchmarks/bench_topk_estimation.py --backends cuda,triton --triton-method $m --group-size 128 \
     --block-size 128 --granularity block --sizes 16384,32768,65536,131072 --triton-max-s 131072 --out "$out" \

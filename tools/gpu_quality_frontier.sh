@@ -6,8 +6,9 @@
 #           the next call (call back to back: the device machine keeps runs/ only while warm); with
 #           MEGATRON_CHECK=1 tools/gpu_megatron_lm_check.sh runs beside the arms (its JSON lands in OUT_DIR)
 #   finish  TRAIN_MINUTES [3] more training, then each study's arms timed alone, one after the other (--time,
-#           with a kernel profile of each arm's stage-2 step at the last length), and the reports:
-#           OUT_DIR/<data>/quality-frontier-<gpu>-<date>.json + PNGs
+#           with a kernel profile of each arm's stage-2 step at the last length; TIME_TIMEOUT [240] s for all
+#           studies), and the reports: OUT_DIR/<data>/quality-frontier-<gpu>-<date>.json + PNGs
+#   time    the timing and the reports alone
 #   report  the reports alone (curves and timing already under runs/frontier-<data>/)
 # Settings (environment): DATA ["vizdoom"; e.g. "vizdoom footage": one study per source, trained side by side],
 # ARM_KEYS [frames=16,res=256,stage1=700,qk_lr=10,lr=3e-4: 16K tokens], STEPS [4000: every arm stops there, so
@@ -18,7 +19,7 @@
 # Carry [".whl", ".whl-vizdoom"] (".footage" for data footage: in a call of its own before, the carry cap is
 # 64 MiB; ".whl-mlm", ".mlm" for MEGATRON_CHECK=1).
 set -u
-out=${1:?usage: gpu_quality_frontier.sh OUT_DIR PHASE}; phase=${2:?phase: train, finish or report}
+out=${1:?usage: gpu_quality_frontier.sh OUT_DIR PHASE}; phase=${2:?phase: train, finish, time or report}
 mkdir -p "$out/logs"
 cd "$(dirname "$0")/.." || exit 2
 # shellcheck disable=SC1091  # tools/gpu_env.sh, checked on its own
@@ -28,22 +29,40 @@ read -r -a studies <<< "${DATA:-vizdoom}"
 keys=${ARM_KEYS:-frames=16,res=256,stage1=700,qk_lr=10,lr=3e-4},steps=${STEPS:-4000}
 read -r -a width <<< "${WIDTH:---heads 8 --head-dim 64 --layers 4}"
 
-bench() {  # $1: data source; the rest: bench_quality arguments
-  local d=$1; shift
+study() {  # $1: data source -> cmd: the study's bench_quality command (an array: `timeout` takes no function)
+  local d=$1
   mkdir -p "$out/$d"
-  local common=(--arm "data=$d,$keys" --seeds "${SEEDS:-0,1}" --save-dir "runs/frontier-$d" --out-dir "$out/$d"
-                --samples 256 --val-samples 64 --val-every 250 --val-batch 8 --workers 15 "${width[@]}")
-  [ -n "${ARMS:-}" ] && common+=(--arms "$ARMS")
-  python3 benchmarks/bench_quality.py "${common[@]}" "$@"
+  cmd=(python3 benchmarks/bench_quality.py --arm "data=$d,$keys" --seeds "${SEEDS:-0,1}" --save-dir "runs/frontier-$d"
+       --out-dir "$out/$d" --samples 256 --val-samples 64 --val-every 250 --val-batch 8 --workers 15 "${width[@]}")
+  [ -n "${ARMS:-}" ] && cmd+=(--arms "$ARMS")
 }
 
 train() {  # $1: minutes per arm; the studies side by side
+  local pids=() d
   for d in "${studies[@]}"; do
-    DSV_TOPK_BACKEND=naive bench "$d" --launch --arm "data=$d,$keys,minutes=$1" > "$out/logs/launch-$d.log" 2>&1 &
+    study "$d"
+    DSV_TOPK_BACKEND=naive "${cmd[@]}" --launch --arm "data=$d,$keys,minutes=$1" > "$out/logs/launch-$d.log" 2>&1 &
+    pids+=($!)
   done
-  wait
-  for d in "${studies[@]}"; do echo "== $d"; tail -n 8 "$out/logs/launch-$d.log"; done
+  for i in "${!studies[@]}"; do
+    wait "${pids[$i]}"; echo "== ${studies[$i]}: launch exit $?"; tail -n 8 "$out/logs/launch-${studies[$i]}.log"
+  done
 }
+
+time_studies() {  # each study's arms alone, one study after the other, in TIME_TIMEOUT [240] s in all
+  local limit=$(( ${TIME_TIMEOUT:-240} / ${#studies[@]} )) d
+  for d in "${studies[@]}"; do  # one arm at a time on the GPU: these are speed figures
+    study "$d"
+    timeout "$limit" "${cmd[@]}" --time --time-lengths "${TIME_LENGTHS:-32768}" --time-profile > "$out/logs/time-$d.log" 2>&1
+    echo "time $d exit $? (limit ${limit}s)"; grep "^\[time\]" "$out/logs/time-$d.log"
+  done
+}
+
+report() {
+  local d
+  for d in "${studies[@]}"; do echo "== $d"; study "$d"; "${cmd[@]}" --report 2>&1 | tail -n 10; done
+}
+
 case "$phase" in
   train)
     if [ "${SKIP_GPU_TESTS:-0}" != 1 ]; then  # beside the arms (small): a failure shows in the log's tail
@@ -61,17 +80,17 @@ case "$phase" in
     ;;
   finish)
     train "${TRAIN_MINUTES:-3}"
-    for d in "${studies[@]}"; do  # one arm at a time on the GPU: these are speed figures
-      timeout "${TIME_TIMEOUT:-240}" bench "$d" --time --time-lengths "${TIME_LENGTHS:-32768}" --time-profile \
-        > "$out/logs/time-$d.log" 2>&1
-      echo "time $d exit $?"; grep "^\[time\]" "$out/logs/time-$d.log"
-    done
-    for d in "${studies[@]}"; do echo "== $d"; bench "$d" --report 2>&1 | tail -n 10; done
+    time_studies
+    report
+    ;;
+  time)
+    time_studies
+    report
     ;;
   report)
-    for d in "${studies[@]}"; do echo "== $d"; bench "$d" --report 2>&1 | tail -n 10; done
+    report
     ;;
-  *) echo "unknown phase $phase (train, finish, report)" >&2; exit 2 ;;
+  *) echo "unknown phase $phase (train, finish, time, report)" >&2; exit 2 ;;
 esac
 # at most 8 files come back from a device call: the results JSON/PNGs stay, the rest goes in one tarball
 for d in "${studies[@]}"; do

@@ -84,7 +84,8 @@ def test_triton_forced_equals_naive(B, H, S, r, G, bs, proxy, budgets, width, dt
     n_items = S if bs == 0 else -(-S // bs)
     forced = _forced(-(-S // G), n_items, width, 6).to(DEV)
     ref = estimate_topk_naive(q, k, torch.tensor(budgets), G, bs, proxy, forced=forced)
-    per_group = n_items if method == "keys" else max(n_items, -(-S // 4))  # "gemm": by its float32 scores
+    # "gemm" chunks by its scores: float32 ones (4 per chunk element) for fp16, float64 (2) for fp32 inputs
+    per_group = n_items if method == "keys" else max(n_items, -(-S // (2 if dtype == torch.float32 else 4)))
     for chunk in (1 << 25, 2 * per_group * B * H + 1):  # one chunk; two groups per chunk
         got = estimate_topk_triton(q, k, torch.tensor(budgets), G, bs, proxy, forced=forced, chunk_elems=chunk,
                                    method=method)

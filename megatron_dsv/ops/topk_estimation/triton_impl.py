@@ -10,8 +10,8 @@ Method "sample" (``_tk_sample``, see its docstring): a sampled threshold window,
 over all items into a per-group candidate buffer, exact selection on the buffer; groups whose window
 missed are redone by the two kernels above (flagged groups only, no host sync). Method "keys"
 (``_tk_keys``): one scoring pass writing every item's key, then ``torch.topk`` on packed (key, index)
-values; method "gemm" (``_gemm_keys``): the same keys from one batched float32 matrix product (cuBLAS) and a
-torch block reduction, then the same selection. "auto": "sample" for token lists, "gemm" for block lists
+values; method "gemm" (``_gemm_keys``): the same keys from one batched matrix product (cuBLAS) and a torch
+block reduction, then the same selection. "auto": "sample" for token lists, "gemm" for block lists
 and wherever items are forced.
 The kernels' ``S`` is the KEY length (k_lr's Sk, may differ from q_lr's Sq):
 proxies are precomputed per query group, so the kernels never see Sq.
@@ -326,33 +326,36 @@ def _select_from_keys(keys: torch.Tensor, counts: torch.Tensor, kmax: int) -> to
 
 
 def _reduce_block(s3: torch.Tensor, lse: bool) -> torch.Tensor:
-    """[..., blocks, tokens] -> [..., blocks]: the max, or the log-sum-exp as ``_scores_at`` computes it."""
+    """[..., blocks, tokens] -> [..., blocks]: the max, or the log-sum-exp as ``_scores_at`` computes it (in
+    place on ``s3``, whose scores are not needed after)."""
     m = s3.amax(dim=-1)
     if not lse:
         return m
     m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
-    return m_safe + torch.log(torch.exp(s3 - m_safe.unsqueeze(-1)).sum(dim=-1))
+    return m_safe + torch.log(s3.sub_(m_safe.unsqueeze(-1)).exp_().sum(dim=-1))
 
 
-def _gemm_keys(proxies: torch.Tensor, k: torch.Tensor, g0: int, n: int, block_size: int, lse: bool,
+def _gemm_operand(x: torch.Tensor) -> torch.Tensor:
+    """The dtype "gemm" multiplies in: float32 for bf16/fp16 inputs (their values and products are exact in it,
+    and in TF32, so torch's matmul precision setting changes nothing), float64 for float32 inputs (no global
+    setting touched; the scores are rounded to float32 after the sum)."""
+    return x.double() if x.dtype == torch.float32 else x.float()
+
+
+def _gemm_keys(proxies: torch.Tensor, kg: torch.Tensor, g0: int, n: int, block_size: int, lse: bool,
                n_items: int) -> torch.Tensor:
     """Method "gemm": the ordered int32 keys ``[B * H, n, n_items]`` of groups ``[g0, g0 + n)`` from ONE batched
-    matrix product (cuBLAS on a GPU) of the groups' proxies with every key, in float32, then the block
-    reduction (max or log-sum-exp over each block's tokens) in torch. Products of bf16/fp16 operands are exact
-    in float32 (and in TF32, which holds their mantissas); the sum over r runs in the library's order, so a
-    score may differ from the reference's (d = 0..r-1) in its last bit: only items tied at that level can
-    swap, as on the CUDA kernel's tensor-core path. fp32 inputs run with TF32 off."""
+    matrix product (cuBLAS on a GPU) of the groups' proxies with every key (``kg`` [B * H, Sk, r], already in
+    :func:`_gemm_operand`'s dtype), then the block reduction (max or log-sum-exp over each block's tokens) in
+    torch. The sum over r runs in the library's order, not the reference's (d = 0..r-1): a score may differ
+    from it by a few units in its last place where terms cancel (about r * eps * max |p_d k_d|), so only items
+    tied within that can swap, as on the CUDA kernel's tensor-core path; integer-valued inputs are exact."""
     BH, NG, r = proxies.shape[0] * proxies.shape[1], proxies.shape[2], proxies.shape[3]
-    Sk = k.shape[2]
-    p = proxies.reshape(BH, NG, r)[:, g0:g0 + n].float()
-    kf = k.reshape(BH, Sk, r).float()
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    try:
-        if k.dtype == torch.float32:
-            torch.backends.cuda.matmul.allow_tf32 = False
-        s = torch.bmm(p, kf.transpose(1, 2))  # [BH, n, Sk]
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
+    Sk = kg.shape[1]
+    p = proxies.reshape(BH, NG, r)[:, g0:g0 + n].to(kg.dtype)
+    s = torch.bmm(p, kg.transpose(1, 2))  # [BH, n, Sk]
+    if s.dtype != torch.float32:
+        s = s.float()
     if block_size:  # whole blocks as a view, the partial last block (if any) apart: no padded copy
         whole = Sk // block_size
         parts = [s[..., :whole * block_size].view(BH, n, whole, block_size)] if whole else []
@@ -417,14 +420,15 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     group of every batch and head), then one int64 ``torch.topk`` per chunk, :func:`_select_from_keys`;
     about 12 bytes per key of a chunk, so meant for block lists, whose n_items is S / block_size), or
     "gemm" (:func:`_gemm_keys`: the keys of "keys" from one batched matrix product per chunk, on cuBLAS,
-    then the same selection; the chunk's float32 scores take ``4 * chunk_elems`` elements; the same lists
-    up to items tied within the last bit of their score), or
+    then the same selection; the chunk's scores take ``4 * chunk_elems`` float32 elements (float64 for
+    float32 inputs: ``2 * chunk_elems``); the same lists up to items tied within a few units in the last place
+    of their score), or
     "auto" (:func:`resolve_method`): "sample" for token lists (H200, 2026-12-01, S=16K, G=32, 90%
     sparsity: 58.7 ms vs "search" 149.6 ms), "gemm" for block lists: "keys" scores on CUDA cores and
     took 5.2 ms a call at S=32K, H=8, G=128, 128-key blocks (H200, 2026-12-02, the frontier's 4-layer
     model: more than the sparse layer's attention, fwd+bwd), a product the size of that problem is
     1 GFLOP ("gemm" not yet timed on a GPU; "search" took 7.0 ms for blocks of 64 at 16K). All give the
-    naive lists ("gemm" up to last-bit ties).
+    naive lists ("gemm" up to near-exact ties).
     "sample" knobs: ``sample_size`` (items scored to place the window), ``z`` (window half-width in
     standard deviations), ``capacity`` (candidate buffer per group; 0 = :func:`sample_plan`'s, a
     smaller value forces overflow in tests). Extra memory of "sample": B*H*NG*capacity*8 bytes.
@@ -452,14 +456,18 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     BN = BN or (64 if block_size == 0 else 16)
     meta = dict(R=P.r, BG=BG, BN=BN, BS=block_size, LSE=block_score == "lse")
     if method in ("keys", "gemm"):
-        # keys: int32 keys (and their int64 packing) per group; gemm: its float32 scores, 4x as many allowed
-        per_group = P.B * P.H * (P.num_items if method == "keys" else max(P.num_items, -(-P.Sk // 4)))
+        # keys: int32 keys (and their int64 packing) per group; gemm: its scores, 4x as many allowed in float32
+        # (2x in float64, the product's dtype for float32 inputs)
+        per_group = P.B * P.H * P.num_items
+        if method == "gemm":
+            kg = _gemm_operand(k).reshape(P.B * P.H, P.Sk, P.r)
+            per_group = P.B * P.H * max(P.num_items, -(-P.Sk // (2 if kg.dtype == torch.float64 else 4)))
         n_g = max(1, min(P.num_groups, chunk_elems // max(1, per_group)))
         rows = out.view(P.B * P.H, P.num_groups, P.kmax)
         for g0 in range(0, P.num_groups, n_g):
             n = min(n_g, P.num_groups - g0)
             if method == "gemm":
-                keys = _gemm_keys(proxies, k, g0, n, block_size, block_score == "lse", P.num_items)
+                keys = _gemm_keys(proxies, kg, g0, n, block_size, block_score == "lse", P.num_items)
             else:
                 keys = torch.empty(P.B * P.H, n, P.num_items, dtype=torch.int32, device=q_lr.device)
                 _tk_keys[(triton.cdiv(n, BG), triton.cdiv(P.num_items, BN), P.B * P.H)](
