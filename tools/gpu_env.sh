@@ -8,8 +8,10 @@
 #   $w -d .whl megatron-core==0.16.1 ale-py==0.12.1; $w -d .whl-vizdoom vizdoom==1.3.2
 #   python tools/fetch_footage.py --out .footage
 #   $w -d .whl-mc019 megatron-core==0.19.2          # the PyPI 0.19.2 check (GPU_WHEEL_DIRS, never with .whl)
-#   pip download --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
-#     --platform manylinux2014_x86_64 -d .whl-wan diffusers==0.42.1   # then delete numpy, pillow, hf_xet
+#   $w -d .whl-wan diffusers==0.42.1 importlib-metadata==10.2.0 lazy-importer==0.1.0 zipp==4.1.2
+#     (no more: the image's huggingface_hub 1.33, safetensors, requests, regex, numpy, pillow serve diffusers. Its
+#     resolved deps include huggingface_hub 2.x, which, first on PYTHONPATH, breaks the image's transformers 5.17
+#     (needs < 2.0) that diffusers imports through peft, so no diffusers model imports: the Wan tests there)
 # shellcheck shell=bash
 # GPU_WHEEL_DIRS="DIR ..." picks the folders (default: every .whl*/ here; a warm machine keeps the folders of
 # earlier calls, so name them when two folders hold different versions of one package, e.g. .whl-mc019/);

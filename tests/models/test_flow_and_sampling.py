@@ -44,7 +44,7 @@ def test_tiny_loss_decreases_with_adam(megatron_cpu):
 
 def test_flow_matching_loss_deterministic_and_target(megatron_cpu):
     cfg = VideoDiTConfig.from_preset("tiny", layers=1, latent_frames=2, latent_height=8, latent_width=8)
-    model = build_video_dit(cfg, use_te=False)
+    model = build_video_dit(cfg, use_te=False, use_cpu_initialization=True)  # CPU test, on a GPU host too
     x = torch.randn(3, 4, 2, 8, 8)
     y = torch.tensor([0, 1, 2])
     a = flow_matching_loss(model, x, y, generator=torch.Generator().manual_seed(5))

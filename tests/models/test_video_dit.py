@@ -9,6 +9,8 @@ from megatron_dsv.models.video_dit import (PRESETS, VideoDiTConfig, build_video_
                                            flow_matching_loss, get_video_dit_layer_spec, patchify, unpatchify)
 
 SMALL = dict(in_channels=4, latent_frames=2, latent_height=8, latent_width=8, num_classes=4)
+# The tests that feed a model CPU tensors build it with use_cpu_initialization=True: CPU tests on a GPU host too
+# (tools/gpu_check.sh stage models), where Megatron, and so build_video_dit, put the model on the GPU otherwise.
 
 
 def _inputs(cfg, batch=2, seed=0):
@@ -32,7 +34,7 @@ def test_preset_layer_shape_forward_backward(megatron_cpu, preset, use_dsv):
     cfg = VideoDiTConfig.from_preset(preset, hidden=64, layers=1, **SMALL)
     assert (cfg.heads, cfg.head_dim) == (PRESETS[preset]["heads"], PRESETS[preset]["head_dim"])
     dsv = DSVConfig(query_group_shape=(1, 4, 4)) if use_dsv else None
-    model = build_video_dit(cfg, dsv_config=dsv, use_te=False)
+    model = build_video_dit(cfg, dsv_config=dsv, use_te=False, use_cpu_initialization=True)
     _randomise(model)
     x, t, y = _inputs(cfg)
     v = model(x, t, y)
@@ -68,7 +70,7 @@ def test_identity_blocks_return_input_layout(megatron_cpu):
     # adaLN-Zero: at init every layer is the identity. With random embed/final weights the model is then a
     # per-token map; it must equal the same map applied in raster order (cube order restored at the output).
     cfg = VideoDiTConfig.from_preset("tiny", layers=2, latent_frames=4, latent_height=8, latent_width=12)
-    model = build_video_dit(cfg, use_te=False)
+    model = build_video_dit(cfg, use_te=False, use_cpu_initialization=True)
     with torch.no_grad():
         for lin in (model.final_adaln, model.final_linear):
             lin.weight.normal_(std=0.1)
@@ -89,7 +91,7 @@ def test_output_independent_of_cube(megatron_cpu):
     # RoPE follows the cube-order coordinates, so attention sees the same geometry in any token order:
     # the full (trained-looking) model gives the same velocity for any cube.
     cfg = VideoDiTConfig.from_preset("tiny", layers=2, latent_frames=4, latent_height=8, latent_width=8)
-    model = build_video_dit(cfg, use_te=False)
+    model = build_video_dit(cfg, use_te=False, use_cpu_initialization=True)
     _randomise(model, std=0.1)
     x, t, y = _inputs(cfg)
     with torch.no_grad():
@@ -163,7 +165,7 @@ def test_rope_relative_with_megatron_apply():
 
 def test_text_cross_attention(megatron_cpu):
     cfg = VideoDiTConfig.from_preset("tiny", layers=1, text_dim=24, **SMALL)
-    model = build_video_dit(cfg, use_te=False)
+    model = build_video_dit(cfg, use_te=False, use_cpu_initialization=True)
     _randomise(model, std=0.1)
     x, t, y = _inputs(cfg)
     text = torch.randn(2, 5, 24)
@@ -221,12 +223,12 @@ def test_dist_checkpoint_roundtrip(megatron_cpu, tmp_path):
     from megatron.core import dist_checkpointing
 
     cfg = VideoDiTConfig.from_preset("tiny", layers=2, **SMALL)
-    a = build_video_dit(cfg, use_te=False)
+    a = build_video_dit(cfg, use_te=False, use_cpu_initialization=True)
     _randomise(a, seed=1)
     # dist_checkpointing's default writer stages through CUDA: use the trainer's CPU-safe strategy
     strategy = pytest.importorskip("megatron_dsv.training.checkpointing")._save_strategy()
     dist_checkpointing.save(a.sharded_state_dict(), str(tmp_path), sharded_strategy=strategy)
-    b = build_video_dit(cfg, use_te=False)
+    b = build_video_dit(cfg, use_te=False, use_cpu_initialization=True)
     b.load_state_dict(dist_checkpointing.load(b.sharded_state_dict(), str(tmp_path)), strict=True)
     x, t, y = _inputs(cfg)
     with torch.no_grad():

@@ -66,6 +66,9 @@ def _reference(folder, x, t, text):
 
 
 def _converted(folder, dsv_config=None, **overrides):
+    # on the CPU on a GPU host too (tools/gpu_check.sh stage models), where Megatron, and so build_wan, put the
+    # model on the GPU unless use_cpu_initialization: the tests feed it CPU tensors
+    overrides.setdefault("use_cpu_initialization", True)
     config, state = load_diffusers_folder(folder)
     cfg = WanConfig.from_diffusers(config, latent_grid=LATENT)
     model = build_wan(cfg, dsv_config=dsv_config, use_te=False, **overrides)
@@ -107,7 +110,7 @@ def test_matches_diffusers_variants(megatron_cpu, tmp_path, variant):
     grid = (4, 12, 16)
     config, state = load_diffusers_folder(str(tmp_path))
     cfg = WanConfig.from_diffusers(config, latent_grid=grid)
-    model = build_wan(cfg, use_te=False).eval()
+    model = build_wan(cfg, use_te=False, use_cpu_initialization=True).eval()
     load_into_model(model, diffusers_to_ours(state, cfg))
     g = torch.Generator().manual_seed(1)
     x, t, text = torch.randn(2, 4, *grid, generator=g), torch.rand(2, generator=g), torch.randn(2, 5, 32, generator=g)
@@ -145,7 +148,7 @@ def test_bf16_within_diffusers_own_error(megatron_cpu, wan_folder, device):
     for name, module in theirs.named_modules():
         if any(k in name.split(".") for k in theirs._keep_in_fp32_modules):
             module.float()
-    model, _, _ = _converted(wan_folder)
+    model, _, _ = _converted(wan_folder, use_cpu_initialization=device == "cpu")
     model, theirs = model.to(device=device, dtype=torch.bfloat16).eval(), theirs.to(device)
     x, t, text = x.to(device, torch.bfloat16), t.to(device), text.to(device, torch.bfloat16)
     with torch.no_grad():
@@ -191,7 +194,7 @@ def test_megatron_checkpoint_roundtrip_and_cli(megatron_cpu, wan_folder, tmp_pat
     convert_checkpoint = _cli()
     model, cfg, state = _converted(wan_folder)
     save_megatron_checkpoint(model, str(tmp_path / "ckpt"))
-    fresh = build_wan(cfg, use_te=False)
+    fresh = build_wan(cfg, use_te=False, use_cpu_initialization=True)
     load_megatron_checkpoint(fresh, str(tmp_path / "ckpt"))
     back = ours_to_diffusers(full_state_from_model(fresh), cfg)
     assert all(torch.equal(back[k], v) for k, v in state.items())
@@ -355,7 +358,7 @@ def test_dsv_finetune_steps_and_exact_resume(megatron_cpu, wan_folder, tmp_path,
     assert any(layer.last_sparse for layer in dsv_layers(model))  # step 3 ran sparse
     (tmp_path / "resume").mkdir()
     dist_checkpointing.save(model.sharded_state_dict(), str(tmp_path / "resume"), sharded_strategy=_save_strategy())
-    resumed = build_wan(cfg, dsv_config=dsv, use_te=False)
+    resumed = build_wan(cfg, dsv_config=dsv, use_te=False, use_cpu_initialization=True)
     resumed.load_state_dict(dist_checkpointing.load(resumed.sharded_state_dict(), str(tmp_path / "resume")),
                             strict=True)
     resumed.train()

@@ -29,6 +29,7 @@ def _inputs(batch=2, seed=1, channels=4, text_dim=32):
 
 
 def _converted(folder, dsv_config=None, pg_collection=None, **overrides):
+    overrides.setdefault("use_cpu_initialization", True)  # CPU worlds on a GPU host too, as test_wan._converted
     config, state = load_diffusers_folder(folder)
     cfg = WanConfig.from_diffusers(config, latent_grid=LATENT)
     model = build_wan(cfg, dsv_config=dsv_config, use_te=False, pg_collection=pg_collection, **overrides)
@@ -51,7 +52,7 @@ def _tp2_worker(rank, world, folder, out_dir):
     assert all(torch.equal(back[k], v) for k, v in state.items())
     save_megatron_checkpoint(model, os.path.join(out_dir, "ckpt_tp2"))
     # the one-process (TP=1) conversion, read at TP=2: the same shards, bit for bit
-    fresh = build_wan(cfg, use_te=False, tensor_model_parallel_size=2)
+    fresh = build_wan(cfg, use_te=False, tensor_model_parallel_size=2, use_cpu_initialization=True)
     load_megatron_checkpoint(fresh, os.path.join(out_dir, "ckpt_tp1"))
     for (name, a), (_, b) in zip(model.named_parameters(), fresh.named_parameters()):
         assert torch.equal(a, b), name
@@ -109,7 +110,7 @@ def test_tp2_and_cp2_match_diffusers(megatron_cpu, tmp_path):
     assert _rel(ref, torch.load(tmp_path / "out_cp2.pt")) < REL_TOL
     # the TP=2 checkpoint reads into a TP=1 model (dist_checkpointing reshards): the same weights
     model, cfg, state = _converted(folder)
-    fresh = build_wan(cfg, use_te=False)
+    fresh = build_wan(cfg, use_te=False, use_cpu_initialization=True)
     load_megatron_checkpoint(fresh, str(tmp_path / "ckpt_tp2"))
     back = ours_to_diffusers(full_state_from_model(fresh), cfg)
     assert all(torch.equal(back[k], v) for k, v in state.items())
