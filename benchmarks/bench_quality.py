@@ -86,7 +86,11 @@ def arm_of(name: str, base: str, args) -> dict:
     keys = f"{base},{FRONTIER[name]}"
     if name == "window":
         keys += f",window_frac={args.window_frac}"
-    return parse_arm(keys)
+    arm = parse_arm(keys)
+    extra = getattr(args, "extra_steps", 0) or 0
+    if name != "full" and extra:  # past full attention's last step: the time to reach its final loss exists
+        arm["steps"] = int(round(arm["steps"] * (1 + extra / 100.0)))
+    return arm
 
 
 def _curve_path(args, name: str, seed: int) -> str:
@@ -517,6 +521,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--arms", default=DEFAULT_ARMS, help=f"frontier arms, comma-separated, of {sorted(FRONTIER)}")
     ap.add_argument("--seeds", default="0,1", help="seeds (init + data order), comma-separated")
     ap.add_argument("--window-frac", type=float, default=0.2, help="kept fraction of keys of the window arm")
+    ap.add_argument("--extra-steps", type=float, default=0.0,
+                    help="every arm but full trains this many percent more steps than the arm's `steps` (full stops "
+                         "there): the loss comparison stays at equal steps, and an arm that ends a little above full "
+                         "attention can still be timed to full attention's final loss")
     ap.add_argument("--launch", action="store_true", help="train every (arm, seed) as concurrent processes")
     ap.add_argument("--worker", default=None, help="train one arm at --seed (what --launch runs)")
     ap.add_argument("--time", action="store_true", help="time each arm alone from its trained run")

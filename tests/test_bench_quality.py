@@ -54,6 +54,8 @@ def test_frontier_arms_parse_with_their_settings():
     with pytest.raises(ValueError, match="unknown frontier arm"):
         arm_of("nope", args.arm, args)
     assert arm_of("local111_thr07", args.arm, args)["thr"] == 0.7
+    args.extra_steps = 20  # every arm but full trains 20% longer
+    assert arm_of("full", args.arm, args)["steps"] == 100 and arm_of("default", args.arm, args)["steps"] == 120
 
 
 def test_library_default_marks_the_arms_whose_lists_are_the_defaults():

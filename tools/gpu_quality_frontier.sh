@@ -12,7 +12,8 @@
 #   report  the reports alone (curves and timing already under runs/frontier-<data>/)
 # Settings (environment): DATA ["vizdoom"; e.g. "vizdoom footage": one study per source, trained side by side],
 # ARM_KEYS [frames=16,res=256,stage1=700,qk_lr=10,lr=3e-4: 16K tokens], STEPS [4000: every arm stops there, so
-# fast arms free the GPU for the others], ARMS (bench_quality's default frontier), SEEDS [0,1], WIDTH ["--heads 8
+# fast arms free the GPU for the others], EXTRA_STEPS [0: percent more steps for every arm but full, so an arm
+# ending a little above full attention's final loss can be timed to it], ARMS (bench_quality's default frontier), SEEDS [0,1], WIDTH ["--heads 8
 # --head-dim 64 --layers 4": hidden 512, the attention-dominated regime at 16K tokens], TIME_LENGTHS [32768].
 # Training uses the naive top-k (exact, backend-independent lists); the timing phase uses the library's auto
 # backends, as a user runs them.
@@ -33,7 +34,8 @@ study() {  # $1: data source -> cmd: the study's bench_quality command (an array
   local d=$1
   mkdir -p "$out/$d"
   cmd=(python3 benchmarks/bench_quality.py --arm "data=$d,$keys" --seeds "${SEEDS:-0,1}" --save-dir "runs/frontier-$d"
-       --out-dir "$out/$d" --samples 256 --val-samples 64 --val-every 250 --val-batch 8 --workers 15 "${width[@]}")
+       --out-dir "$out/$d" --samples 256 --val-samples 64 --val-every 250 --val-batch 8 --workers 15 "${width[@]}"
+       --extra-steps "${EXTRA_STEPS:-0}")
   [ -n "${ARMS:-}" ] && cmd+=(--arms "$ARMS")
 }
 
