@@ -225,6 +225,23 @@ def time_arm(name: str, S: int, args, profile: bool = False) -> dict:
 
     dsv_cfg = layers[0].dsv_config if layers else None
 
+    # DSV's steps differ by the schedule: a profile step every `period` steps, the period in effect at the run's
+    # step (past the profiler's warm-up: profile_interval_after_warmup). Plain and profile steps are clocked
+    # apart (after a warm-up that runs both, every kernel compiled) and a step costs plain + (profile - plain) /
+    # period: a window of consecutive steps would hold 0 or 1 profile step by chance unless it spans whole periods
+    period = profile_period(dsv_cfg, layers[0].step_host) if layers else 1
+    split = bool(layers) and period > 1  # period 1: every step is a profile step
+    # the budgets as training left them, put back before every clocked window: the warm-up's profile steps
+    # measure these random latents and would move them (a layer could even fall under the threshold)
+    kept = ("sparsity", "budget_density", "recall")
+    trained = [{n: getattr(layer, n).detach().clone() for n in kept} for layer in layers]
+
+    def restore():
+        for layer, saved in zip(layers, trained):
+            for n, t in saved.items():
+                getattr(layer, n).copy_(t)
+            layer._sync_host()  # host mirrors re-read, decisions dropped
+
     def steps(n, profiled=False):
         """n training steps; each DSV step ends by numbering the next one so that it is (``profiled``) or is
         not a profile step of the schedule (the step a layer runs is the one the last call numbered)."""
@@ -232,16 +249,17 @@ def time_arm(name: str, S: int, args, profile: bool = False) -> dict:
             flow_matching_step(model, opt, latents, labels, g)
             if layers:
                 nxt = layers[0].step_host + 1
-                while is_profile_step(nxt, dsv_cfg) != profiled:
+                while split and is_profile_step(nxt, dsv_cfg) != profiled:
                     nxt += 1
                 dsv_on_step_end(model, nxt)
 
     def clock(n, profiled=False, windows=3):
         """ms a step: the median of ``windows`` clocked windows of ``n`` steps (a short host-bound step varies
-        with what else the host does)."""
+        with what else the host does), each from the trained budgets."""
         steps(1, profiled)  # untimed: numbers the first timed step
         out = []
         for _ in range(windows):
+            restore()
             sync()
             t0 = time.perf_counter()
             steps(n, profiled)
@@ -250,28 +268,29 @@ def time_arm(name: str, S: int, args, profile: bool = False) -> dict:
         return sorted(out)[len(out) // 2]
 
     result = {}
-    kinds = ["stage2", "stage1"] if layers and layers[0].stage_host == 2 else ["step"]
-    # DSV's steps differ by the schedule: a profile step every `period` steps, the period in effect at the run's
-    # step (past the profiler's warm-up: profile_interval_after_warmup). Plain and profile steps are clocked
-    # apart (after a warm-up that runs both, every kernel compiled) and a step costs plain + (profile - plain) /
-    # period: a window of consecutive steps would hold 0 or 1 profile step by chance unless it spans whole periods
-    period = profile_period(dsv_cfg, layers[0].step_host) if layers else 1
+    stage = layers[0].stage_host if layers else 1
+    kinds = ["stage2", "stage1"] if stage == 2 else ["step"]
     for kind in kinds:
         for layer in layers:
             layer.force_dense = kind == "stage1"
             layer._decisions = {}
         steps(args.time_warmup)
-        if layers:
+        if split:
             steps(2, profiled=True)
         plain = clock(max(1, args.time_steps // 3))
-        if layers:
+        if split:
             prof = clock(max(1, args.time_steps // 15), profiled=True)
             result[kind] = plain + (prof - plain) / period
             result[f"{kind}_plain"], result[f"{kind}_profile_step"] = plain, prof
         else:
             result[kind] = plain
         if profile and kind in ("stage2", "step"):
+            steps(1)  # numbers plain steps again (the last clock numbered a profile step)
+            restore()
             print_kernel_profile(f"{name} S={S} {kind} (plain steps)", lambda: steps(3), 3, device)
+        if layers and layers[0].stage_host != stage:
+            raise RuntimeError(f"--time: arm {name!r} changed stage while timed ({stage} -> {layers[0].stage_host}): "
+                               "its run is not past its stage switch")
     if "step" in result:
         result = {"stage2": result["step"], "stage1": result["step"]}
     del model, opt

@@ -375,9 +375,9 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
               f"metrics are of step {steps_done})", flush=True)
         steps_done, final_val, counters = aligned
     else:
-        if path:
-            save_run(path, arm, model, opt, g, steps_done, counters, ema)
         final_val = validate(model, ema, clips, args)
+        if path:  # with its validation: a run extended later (more steps) and stopped early reports this one
+            save_run(path, arm, model, opt, g, steps_done, counters, ema, last_val=(steps_done, final_val, counters))
         if on_val is not None and steps_done % args.val_every:
             on_val(steps_done, final_val)
     summary = dict(steps=steps_done, val_loss=final_val, ms_step=1e3 * _median(times[1:] or times),

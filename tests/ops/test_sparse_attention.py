@@ -242,6 +242,10 @@ def test_deterministic_mode_takes_the_atomic_free_backward(deterministic, monkey
     assert all(torch.equal(a, b) for a, b in zip(first, second))
     with pytest.raises(RuntimeError, match="atomic_kv=True"):
         sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, BS, 0.125, atomic_kv=True)
+    with pytest.raises(RuntimeError, match="mode='fused'"):
+        sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, BS, 0.125, mode="fused")
+    with pytest.raises(RuntimeError, match="atomic_kv=True"):  # token lists asked for the split kernels by name
+        sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, 0, 0.125, mode="split")
 
 
 def test_inverse_map_exact():

@@ -128,8 +128,9 @@ def test_bf16_fused_bwd(monkeypatch, dq, B, H, Hkv, S, D, G, BS, BN, density):
 
 @pytest.mark.parametrize("G,BS", [(128, 128), (64, 128)], ids=["G128-blk128", "G64-blk128-fused-cell"])
 def test_deterministic_mode_gives_the_same_bits(G, BS):
-    """torch.use_deterministic_algorithms(True): the block-list backward (split, atomic-free) gives bitwise
-    the same dq, dk, dv on two runs, at a shape where the fused (atomic dq) backward is otherwise chosen too."""
+    """torch.use_deterministic_algorithms(True): our block-list backward (split, atomic-free; the Triton
+    backend, which the dispatcher could otherwise hand to FlexAttention at this size) gives bitwise the same dq,
+    dk, dv on two runs, also at a shape where the fused (atomic dq) backward is otherwise chosen."""
     from megatron_dsv.ops.sparse_attention import launch
 
     before = torch.are_deterministic_algorithms_enabled()
@@ -143,7 +144,7 @@ def test_deterministic_mode_gives_the_same_bits(G, BS):
         grads = []
         for _ in range(2):
             qi, ki, vi = (t.clone().requires_grad_() for t in (q, k, v))
-            sparse_attention(qi, ki, vi, idx, cnt, G, BS).backward(do)
+            sparse_attention(qi, ki, vi, idx, cnt, G, BS, backend="triton").backward(do)
             grads.append((qi.grad, ki.grad, vi.grad))
         assert all(torch.equal(a, b) for a, b in zip(*grads))
     finally:

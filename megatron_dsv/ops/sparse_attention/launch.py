@@ -210,10 +210,12 @@ def sparse_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scal
     contiguous copies (o's only until delta is computed). dq, dk, dv are contiguous."""
     B, H, T, D = q.shape
     TK = k.shape[2]
+    explicit = atomic_kv is not None or mode is not None  # asked for by the caller: bwd_mode checked neither
     atomic_kv = (BS == 0) if atomic_kv is None else atomic_kv
     mode = mode or bwd_mode(G, BS, D)
-    if atomic_kv and BS and torch.are_deterministic_algorithms_enabled():
-        _nondeterministic("atomic_kv=True scatters dK/dV with fp32 atomics")
+    if explicit and torch.are_deterministic_algorithms_enabled() and (atomic_kv or (mode == "fused" and BS)):
+        _nondeterministic("atomic_kv=True scatters dK/dV with fp32 atomics" if atomic_kv else
+                          "mode='fused' adds dQ with fp32 atomics")
     do, v = do.contiguous(), v.contiguous()
     if mode == "fused" and not atomic_kv:
         if cfg_kv is not None and cfg_kv["BN"] > BS:
