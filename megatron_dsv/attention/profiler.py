@@ -17,7 +17,7 @@ from megatron_dsv.config import DSVConfig
 from megatron_dsv.ops.topk_estimation.common import check_forced, forced_mask
 from megatron_dsv.ops.topk_estimation.naive import block_view, group_proxies, reduce_blocks
 # the oracle's accumulator protocol (``add(pos, crit, cmass)`` / ``result(q, n)``) and its one pass
-from megatron_dsv.ops.topk_estimation.oracle import _check, _Counts, _ListRecall, _one_pass, _sparsity_of
+from megatron_dsv.ops.topk_estimation.oracle import _check, _Counts, _ListRecall, _one_pass, _sparsity_of, prefix_sum
 
 __all__ = ["recall_curve", "profile_stats", "smallest_k_reaching", "budget_for_recall", "recall_density"]
 
@@ -57,7 +57,7 @@ class _RecallCurve:
             scores.masked_fill_(forced_mask(self.forced[pos // self.group_size], self.n_items), float("inf"))
         # stable descending sort: among equal scores the lower index comes first, as in the estimator
         order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
-        cum = torch.cumsum(torch.gather(mass, -1, order), dim=-1)
+        cum = prefix_sum(torch.gather(mass, -1, order))
         self.total += (cum / cum[..., -1:].clamp_min(1e-300)).sum(2)  # x / x == 1: the curve ends at exactly 1
 
     def result(self, q, n):

@@ -267,3 +267,50 @@ def test_recompute_matches_and_bf16_runs(megatron_cpu):
     assert plain.t_embedder[0].weight.grad.abs().sum() > 0
     bf16 = build_video_dit(cfg, use_te=False, dtype=torch.bfloat16).cuda()
     assert bf16(x.bfloat16(), t, y).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_dsv_training_steps_deterministic_mode(megatron_cpu, fast_table, device, monkeypatch):
+    """Megatron's --deterministic-mode (torch.use_deterministic_algorithms(True)) over DSV training steps with
+    the library's lists (block lists, the auto neighbourhood, sparse layers, a profile step, predictor training):
+    nothing raises, and two runs from the same state give the same losses and gradients, bit for bit."""
+    from megatron_dsv.attention import dsv_layers, dsv_on_step_end
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what torch asks of a deterministic cuBLAS
+    cfg = VideoDiTConfig.from_preset("tiny", layers=2, in_channels=4, latent_frames=4, latent_height=32,
+                                     latent_width=32, num_classes=4)
+    # grid (4, 16, 16): the 4x4x8 cube tiles it; on the CPU the naive kernels (the check of the test itself: the
+    # interpreter runs Triton's programs one after another, atomics included), on the GPU the library's
+    naive = dict(kernel_backend="naive", topk_backend="naive") if device == "cpu" else {}
+    dsv = DSVConfig(sparsity_threshold=0.0, speedup_table=fast_table, stage_switch_rule="steps",
+                    stage_switch_steps=1, profile_interval=2, **naive)
+    torch.manual_seed(0)
+    base = build_video_dit(cfg, dsv_config=dsv, use_te=False, use_cpu_initialization=True)
+    _randomise(base)
+    state = {k: v.clone() for k, v in base.state_dict().items() if v is not None}
+    x, t, y = (a.to(device) for a in _inputs(cfg))
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = []
+        for _ in range(2):
+            model = build_video_dit(cfg, dsv_config=dsv, use_te=False, use_cpu_initialization=True)
+            model.load_state_dict(state)
+            model.to(device)
+            losses, sparse = [], []
+            for step in range(4):  # stage 1, then stage 2 (a profile step at 2)
+                model.zero_grad(set_to_none=True)
+                loss = model(x, t, y).square().mean()
+                loss.backward()
+                losses.append(loss.detach())
+                sparse.append([layer.last_sparse for layer in dsv_layers(model)])
+                dsv_on_step_end(model, step + 1)
+            runs.append((losses, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+                         sparse))
+    finally:
+        torch.use_deterministic_algorithms(before)
+    (l1, g1, s1), (l2, g2, s2) = runs
+    assert any(any(row) for row in s1), s1  # sparse layers ran
+    assert dsv_layers(model)[0]._local_tokens(cfg.latent_frames * 16 * 16) > 0  # with the neighbourhood
+    assert all(torch.equal(a, b) for a, b in zip(l1, l2)) and g1.keys() == g2.keys()
+    assert all(torch.equal(g1[n], g2[n]) for n in g1), [n for n in g1 if not torch.equal(g1[n], g2[n])]

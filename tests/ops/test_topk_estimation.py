@@ -372,3 +372,20 @@ def test_gpu_scratch_chunking_and_bad_stride():
     assert torch.equal(ref[0], got[0])
     with pytest.raises(ValueError, match="sample_stride"):
         estimate_topk_cuda(q, k, 3, 32, sample_stride=65)
+
+
+def test_blocked_prefix_sum_equals_cumsum():
+    """The oracle's deterministic prefix sum (used on CUDA under torch.use_deterministic_algorithms, where
+    torch's float cumsum raises) against torch.cumsum: odd lengths, partial and whole blocks, leading dims."""
+    from megatron_dsv.ops.topk_estimation.oracle import blocked_prefix_sum, prefix_sum
+
+    g = torch.Generator().manual_seed(0)
+    for n, block in [(1, 256), (255, 256), (256, 256), (257, 256), (1000, 64), (3, 2)]:
+        x = torch.rand(2, 3, n, generator=g, dtype=torch.float64)
+        torch.testing.assert_close(blocked_prefix_sum(x, block), torch.cumsum(x, -1), rtol=1e-12, atol=1e-12)
+        x32 = x.float()
+        torch.testing.assert_close(blocked_prefix_sum(x32, block), torch.cumsum(x32, -1), rtol=1e-5, atol=1e-5)
+        assert blocked_prefix_sum(x32, block).dtype == torch.float32
+    assert blocked_prefix_sum(torch.zeros(2, 0)).shape == (2, 0)
+    x = torch.rand(4, 300, generator=g)
+    assert torch.equal(prefix_sum(x), torch.cumsum(x, -1))  # off CUDA (or without the flag): torch's own

@@ -54,12 +54,38 @@ def _logit_chunks(q, k, softmax_scale, qi, chunk_elems) -> Iterator[Tuple[torch.
         yield pos, torch.matmul(q[:, :, pos].float(), kf.transpose(-1, -2)) * scale
 
 
+def prefix_sum(x: torch.Tensor) -> torch.Tensor:
+    """``torch.cumsum(x, -1)``, or :func:`blocked_prefix_sum` where torch has no deterministic cumsum (floating
+    CUDA tensors under ``torch.use_deterministic_algorithms(True)``, Megatron's ``--deterministic-mode``, where
+    torch's cumsum raises)."""
+    if x.is_cuda and x.is_floating_point() and torch.are_deterministic_algorithms_enabled():
+        return blocked_prefix_sum(x)
+    return torch.cumsum(x, dim=-1)
+
+
+def blocked_prefix_sum(x: torch.Tensor, block: int = 256) -> torch.Tensor:
+    """Inclusive prefix sum over the last dim from matrix products (deterministic wherever matmul is): within
+    blocks of ``block`` by an upper-triangular ones matrix, then the blocks' exclusive offsets the same way, all
+    in float64 (rounded to x's dtype at the end)."""
+    n = x.shape[-1]
+    if n == 0:
+        return x.clone()
+    lead = x.shape[:-1]
+    xd = torch.nn.functional.pad(x.double(), (0, (-n) % block)).reshape(*lead, -1, block)  # [..., m, block]
+    tri = torch.ones(block, block, dtype=torch.float64, device=x.device).triu()  # tri[i, j] = 1 for i <= j
+    within = xd @ tri
+    m = within.shape[-2]
+    offsets = within[..., -1] @ torch.ones(m, m, dtype=torch.float64, device=x.device).triu(1)  # before each block
+    out = (within + offsets.unsqueeze(-1)).reshape(*lead, -1)[..., :n]
+    return out.to(x.dtype)
+
+
 def _prob_chunks(q, k, theta, softmax_scale, qi, chunk_elems) -> Iterator[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Yield (query positions, probs fp32 [B, H, n, S], critical mask [B, H, n, S]) per chunk."""
     for pos, logits in _logit_chunks(q, k, softmax_scale, qi, chunk_elems):
         probs = torch.softmax(logits, dim=-1)
         sp, order = torch.sort(probs, dim=-1, descending=True)
-        before = torch.cumsum(sp, dim=-1) - sp  # mass strictly before each sorted key
+        before = prefix_sum(sp) - sp  # mass strictly before each sorted key
         crit_sorted = before < theta  # the key is needed to reach theta
         crit = torch.zeros_like(crit_sorted).scatter_(-1, order, crit_sorted)
         yield pos, probs, crit
