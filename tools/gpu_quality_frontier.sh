@@ -68,8 +68,9 @@ report() {
 case "$phase" in
   train)
     if [ "${SKIP_GPU_TESTS:-0}" != 1 ]; then  # beside the arms (small): a failure shows in the log's tail
-      (timeout 240 python3 -m pytest -q tests/ops/test_topk_forced.py tests/attention/test_local_lists.py \
-        tests/ops/test_topk_keys.py > "$out/logs/gpu_tests.log" 2>&1; echo "gpu tests exit $?" >> "$out/logs/gpu_tests.log") &
+      (timeout 300 python3 -m pytest -q -rs tests/ops/test_topk_forced.py tests/attention/test_local_lists.py \
+        tests/ops/test_topk_keys.py tests/ops/test_sparse_attention_gpu.py tests/models/test_video_dit.py \
+        -k "not slow" > "$out/logs/gpu_tests.log" 2>&1; echo "gpu tests exit $?" >> "$out/logs/gpu_tests.log") &
     fi
     if [ "${MEGATRON_CHECK:-0}" = 1 ]; then
       read -r -a tags <<< "${MEGATRON_TAGS:-}"
