@@ -403,7 +403,6 @@ def report(args, names: List[str]) -> List[dict]:
     full_seeds = records["full"]
     full_step = equal_step({"full": full_seeds})  # full attention's final loss: the time-to-loss target
     full_mean = sum(dict(rec["curve"])[full_step] for rec in full_seeds.values()) / len(full_seeds)
-    full_time = None
     rows = []
     for name in names:
         runs = records.get(name)
@@ -421,9 +420,9 @@ def report(args, names: List[str]) -> List[dict]:
         t_arm = (timing.get(name) or {}).get(str(S))
         mean_curve = _mean_curve([rec["curve"] for rec in runs.values()], full_step if name == "full" else 10**12)
         wc = wall_clock(mean_curve, arm, t_arm)
-        reach = time_to_reach(wc, full_mean) if wc else None
-        if name == "full":
-            full_time = reach  # the same rule as every arm's: the first time its mean curve reaches the target
+        # per timed length: the first time the mean curve reaches the target (full attention by the same rule)
+        reach_by_S = {length: time_to_reach(wall_clock(mean_curve, arm, t), full_mean) if t else None
+                      for length, t in (timing.get(name) or {}).items()}
         row = dict(bench="quality_frontier", kind="arm", name=name, data=arm["data"], S=S, steps=step,
                    seeds=sorted(at), attn=arm["attn"], budget_rule=arm.get("rule"), recall_target=arm.get("recall"),
                    local_radius=arm.get("local"), granularity=arm.get("gran"), stage1=arm.get("stage1"),
@@ -439,20 +438,17 @@ def report(args, names: List[str]) -> List[dict]:
                    budget_density=_mean([s.get("budget_density") for s in summaries]),
                    ms_step_alone=(t_arm or {}).get("stage2"), ms_step_alone_stage1=(t_arm or {}).get("stage1"),
                    ms_step_alone_by_S={k: v for k, v in (timing.get(name) or {}).items()},
-                   time_to_full_loss_s=reach, curve=mean_curve, wall_clock=wc,
-                   time_to_full_loss_s_by_S={
-                       length: time_to_reach(wall_clock(mean_curve, arm, t), full_mean) if t else None
-                       for length, t in (timing.get(name) or {}).items()})
+                   time_to_full_loss_s=reach_by_S.get(str(S)), curve=mean_curve, wall_clock=wc,
+                   time_to_full_loss_s_by_S=reach_by_S)
         rows.append(row)
     full_by_S = next((r["time_to_full_loss_s_by_S"] for r in rows if r["name"] == "full"), {})
     for row in rows:
-        t = row["time_to_full_loss_s"]
-        row["time_to_full_loss_ratio"] = t / full_time if t is not None and full_time else None
         # the same loss curve (trained at the arm's length) on the step times measured at each timed length
         # with the same budgets: what the run would take there if its curve held
         row["time_to_full_loss_ratio_by_S"] = {
             length: (t / full_by_S[length] if t is not None and full_by_S.get(length) else None)
             for length, t in row["time_to_full_loss_s_by_S"].items()}
+        row["time_to_full_loss_ratio"] = row["time_to_full_loss_ratio_by_S"].get(str(S))
     return rows
 
 
@@ -551,7 +547,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--time-steps", type=int, default=30)
     ap.add_argument("--time-warmup", type=int, default=5)
     ap.add_argument("--time-profile", action="store_true",
-                    help="--time: also print each arm's top kernels over one profile period at the longest length")
+                    help="--time: also print each arm's top kernels over three plain steps at the longest length")
     ap.add_argument("--report", action="store_true", help="write the frontier JSON and plots")
     ap.add_argument("--note", default=None, help="a note kept in the JSON's meta (what a reader must know)")
     ap.add_argument("--meta-from", default=None,

@@ -54,13 +54,18 @@ def run_both(B, H, Hkv, S, D, G, BS, dtype, density=0.3, seed=0, **kw):
     v = torch.randn(B, Hkv, S, D, dtype=dtype)
     idx, cnt = make_lists(B, H, S, G, BS, density, seed=seed, **kw)
     do = torch.randn(B, H, S, D, dtype=dtype)
+    return fwd_bwd_both(q, k, v, idx, cnt, G, BS, do), cnt
+
+
+def fwd_bwd_both(q, k, v, idx, cnt, G, BS, do):
+    """(o, dq, dk, dv) of the op and of its naive twin on the same inputs."""
     outs = []
     for fn in (sparse_attention, sparse_attention_naive):
         qi, ki, vi = (t.clone().requires_grad_() for t in (q, k, v))
         o = fn(qi, ki, vi, idx, cnt, G, BS)
         o.backward(do)
         outs.append((o, qi.grad, ki.grad, vi.grad))
-    return outs, cnt
+    return outs
 
 
 CASES = [
@@ -452,12 +457,7 @@ def test_per_group_counts_match_naive_and_a_dense_reference(BS, G, D, dtype, mon
             idx[0, h, g, :c] = torch.randperm(nk, generator=gen)[:c].sort().values
     torch.manual_seed(5)
     q, k, v, do = (torch.randn(B, H, S, D, dtype=dtype) for _ in range(4))
-    outs = []
-    for fn in (sparse_attention, sparse_attention_naive):
-        qi, ki, vi = (t.clone().requires_grad_() for t in (q, k, v))
-        o = fn(qi, ki, vi, idx, counts, G, BS)
-        o.backward(do)
-        outs.append((o, qi.grad, ki.grad, vi.grad))
+    outs = fwd_bwd_both(q, k, v, idx, counts, G, BS, do)
     tol = 2e-3 if dtype == torch.float32 else 2e-2
     for name, a, b in zip(("o", "dq", "dk", "dv"), *outs):
         assert rel_rmse(a, b) < tol, (name, rel_rmse(a, b))
