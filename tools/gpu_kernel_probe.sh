@@ -8,6 +8,7 @@
 #      e2e-w512-*.json + PNG), DSV stage 2 (library defaults: local 1,1,1 + predicted) with synthetic budgets
 #      around the trained density (0.18), and again with predicted lists alone (the paper's).
 # Usage: bash tools/gpu_kernel_probe.sh OUT_DIR   (run it alone on the GPU: its figures are speed figures)
+#   SKIP_KERNELS=1 leaves step 1 out, TOPK_ONLY=1 stops after step 0
 set -u
 out=${1:?usage: gpu_kernel_probe.sh OUT_DIR}
 mkdir -p "$out"
@@ -27,6 +28,7 @@ for m in gemm keys; do
   echo "topk $m exit $?"; grep -E "^ +[0-9]+ +block" "$out/probe_topk_$m.log"
   for f in "$out"/topk_estimation-*.json; do [ -e "$f" ] && mv "$f" "${f/topk_estimation-/topk_method_$m-}"; done
 done
+[ "${TOPK_ONLY:-0}" = 1 ] && exit 0  # TOPK_ONLY=1: step 0 alone
 if [ "${SKIP_KERNELS:-0}" != 1 ]; then  # the D=64 kernels (measured 2026-12-01; SKIP_KERNELS=1 leaves them out)
   timeout 130 python3 benchmarks/bench_sparse_attention.py --head-dim 64 --heads 8 --group-size 128 \
     --granularity block --seq-lens 16K,32K --sparsities 0.7,0.8,0.9 --out "$out" > "$out/probe_kernels.log" 2>&1
