@@ -507,10 +507,11 @@ class DSVCoreAttention(MegatronModule):
 
         ``pending`` is a host copy (``hooks.dsv_on_step_end`` fetches every layer's in one copy):
         the smoothing runs on the host mirrors, and the device state is written from them, so no
-        value is read back from the device here.
+        value is read back from the device here. The dispatcher's decisions are kept unless a profile or
+        a stage switch changed what they are made from (a plain step changes neither).
         """
-        self.dsv_state.finish_step(self, pending, step, stage, self.dsv_config.sparsity_momentum)
-        self._decisions = {}
+        if self.dsv_state.finish_step(self, pending, step, stage, self.dsv_config.sparsity_momentum):
+            self._decisions = {}
 
     def predictor_lr(self) -> float:
         cfg = self.dsv_config

@@ -175,9 +175,10 @@ class LayerState:
         self.loss = float(module.predictor_loss[0])
 
     def finish_step(self, module: torch.nn.Module, pending: torch.Tensor, step: int, stage: int,
-                    momentum: float) -> None:
+                    momentum: float) -> bool:
         """Apply one step's DP-summed accumulators (a host copy) to the mirrors, write the module's
-        buffers from them without reading the device, and clear the module's accumulator."""
+        buffers from them without reading the device, and clear the module's accumulator. Returns whether
+        what the dispatcher decides from changed (a profile's sparsity and budget density, or the stage)."""
         pending = pending.detach().float()
         if pending.device.type != "cpu":  # callers other than the hooks may hand device state
             pending = pending.cpu()
@@ -202,10 +203,12 @@ class LayerState:
         if rec_n > 0:
             self.recall = lay.recall(pending) / rec_n
             _write(module.recall, self.recall)
+        changed = sp_n > 0 or int(stage) != self.stage
         module.step.fill_(step)
         module.stage.fill_(stage)
         self.step, self.stage = int(step), int(stage)
         module.pending.zero_()
+        return changed
 
     def metrics(self, prefix: str, last_sparse: bool, last_k: torch.Tensor, kernel_ok: bool) -> dict:
         """Flat per-layer and per-head host floats under ``prefix`` (from the mirrors: no sync)."""

@@ -172,3 +172,41 @@ def test_local_radius_auto_resolves_per_grid():
         DSVConfig(local_radius=(1, 1, 1), topk_backend="cuda")
     with pytest.raises(ValueError, match="local_radius"):
         DSVConfig(local_radius=(1, -1, 1))
+
+
+def test_decisions_kept_over_plain_steps_and_renewed_by_a_profile(megatron_cpu, monkeypatch):
+    """The dispatcher decides once per state: a step end that brings no profile and no stage switch keeps the
+    layer's decision (plan_layer is not called again); a profile's step end, or a stage switch, renews it."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    import megatron_dsv.attention.core_attention as ca
+    from tests.attention.conftest import dsv_config, force_state, planted, tf_config
+
+    calls = []
+    real = ca.plan_layer
+    monkeypatch.setattr(ca, "plan_layer", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    cfg = dsv_config(profile_interval=4, profile_interval_after_warmup=4, predictor_train_interval=0)
+    layer = ca.DSVCoreAttention(tf_config(hidden=128, heads=2), 1, AttnMaskType.no_mask, "self", dsv_config=cfg)
+    plain = next(s for s in range(1, 50) if not is_profile_step(s, cfg))
+    profile = next(s for s in range(plain, 50) if is_profile_step(s, cfg))
+    force_state(layer, stage=2, sparsity=0.9)
+    layer.step.fill_(plain)
+    layer._sync_host()
+    q, k = planted(S=512, H=2, D=64, seed=2)
+    qs, ks = (t.permute(2, 0, 1, 3).contiguous() for t in (q, k))
+    layer.train()
+
+    def step(number):  # one forward at the layer's step, then the step end numbering the next one
+        layer(qs, ks, ks.clone(), None)
+        layer.finish_step(layer.pending.detach().cpu().clone(), number, 2)
+
+    step(plain)
+    assert len(calls) == 1
+    step(profile)  # the layer still runs step `plain`: nothing measured, the decision stays
+    assert len(calls) == 1
+    step(profile + 1)  # step `profile` (grad mode on: the pass that profiles): its measurement renews it
+    layer(qs, ks, ks.clone(), None)
+    assert len(calls) == 2
+    layer.finish_step(torch.zeros_like(layer.pending).cpu(), profile + 2, 1)  # a stage switch renews it
+    layer(qs, ks, ks.clone(), None)
+    assert len(calls) == 3

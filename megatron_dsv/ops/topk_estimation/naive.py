@@ -15,14 +15,41 @@ from .common import check_forced, check_problem, forced_mask
 __all__ = ["estimate_topk_naive", "group_proxies", "item_scores"]
 
 
-def group_proxies(q: torch.Tensor, group_size: int, proxy: str) -> torch.Tensor:
-    """[..., S, r] -> [..., NG, r] proxies in q's dtype (sum in token order, float32)."""
+def group_proxies(q: torch.Tensor, group_size: int, proxy: str, kernel: bool | None = None) -> torch.Tensor:
+    """[..., S, r] -> [..., NG, r] proxies in q's dtype (sum in token order, float32).
+
+    "mean": the group's tokens added one after another in float32 (``acc = q_0``, then ``acc = acc + q_i``, a
+    partial last group's missing tokens adding +0.0), divided by the group's length. On CUDA the sums come from
+    one Triton kernel doing the same additions in the same order (:func:`triton_impl.group_sums`: the same
+    bits; the loop here is G - 1 kernel launches a call, 127 at G=128, which left the GPU step host-bound).
+    ``kernel``: force the kernel (True: the Triton backend, also under the interpreter) or the loop (False);
+    None: the kernel on CUDA."""
     S = q.shape[-2]
     NG = -(-S // group_size)
     if proxy == "middle":
         start = torch.arange(NG, device=q.device) * group_size
         n = torch.clamp(S - start, max=group_size)
         return q[..., start + n // 2, :]
+    acc = None
+    if q.is_cuda if kernel is None else kernel:
+        try:
+            from .triton_impl import group_sums
+        except ImportError:  # no Triton on this platform (kernel=True asks for it: raise)
+            if kernel:
+                raise
+        else:
+            acc = group_sums(q, group_size)
+    if acc is None:
+        acc = group_sums_loop(q, group_size)
+    n = torch.full((NG,), group_size, dtype=torch.float32, device=q.device)
+    n[-1] = S - (NG - 1) * group_size
+    return (acc / n[:, None]).to(q.dtype)
+
+
+def group_sums_loop(q: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[..., S, r] -> float32 [..., NG, r]: each group's tokens added in token order (the reference order)."""
+    S = q.shape[-2]
+    NG = -(-S // group_size)
     pad = NG * group_size - S
     qf = q.float()
     if pad:
@@ -31,9 +58,7 @@ def group_proxies(q: torch.Tensor, group_size: int, proxy: str) -> torch.Tensor:
     acc = qf[..., 0, :].clone()
     for i in range(1, group_size):  # fixed order: every backend adds tokens in this order
         acc = acc + qf[..., i, :]
-    n = torch.full((NG,), group_size, dtype=torch.float32, device=q.device)
-    n[-1] = S - (NG - 1) * group_size
-    return (acc / n[:, None]).to(q.dtype)
+    return acc
 
 
 def token_scores(p: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

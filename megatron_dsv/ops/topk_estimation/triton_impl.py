@@ -35,6 +35,42 @@ _NPASS = 9  # (17-way split) 8 passes shrink 2^32 to 1; one spare
 
 
 @triton.jit
+def _group_sum_kernel(Q, OUT, S, r, stride_b, stride_s, G: tl.constexpr, BR: tl.constexpr):
+    """One query group of one (batch x head) row: its tokens added in token order in float32, the first
+    token first (``acc = q_0``), positions past S adding +0.0, exactly as :func:`naive.group_sums_loop`."""
+    g = tl.program_id(0)
+    bh = tl.program_id(1)
+    cols = tl.arange(0, BR)
+    cmask = cols < r
+    base = Q + bh.to(tl.int64) * stride_b
+    t0 = g * G
+    acc = tl.load(base + t0.to(tl.int64) * stride_s + cols, mask=cmask, other=0.0).to(tl.float32)
+    for i in range(1, G):
+        t = t0 + i
+        inside = (cols * 0 + t) < S  # as a block: the interpreter takes no scalar-and-block mask
+        x = tl.load(base + t.to(tl.int64) * stride_s + cols, mask=cmask & inside, other=0.0).to(tl.float32)
+        acc = acc + x
+    NG = tl.num_programs(0)
+    tl.store(OUT + (bh.to(tl.int64) * NG + g) * r + cols, acc, mask=cmask)
+
+
+def group_sums(q: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[..., S, r] -> float32 [..., NG, r]: the group sums of :func:`naive.group_sums_loop`, bit for bit, from one
+    Triton kernel (one program per group and leading row, the group's tokens in order); CUDA, or CPU under
+    ``TRITON_INTERPRET=1``."""
+    *lead, S, r = q.shape
+    NG = -(-S // group_size)
+    q3 = q.reshape(-1, S, r)
+    if q3.stride(-1) != 1:
+        q3 = q3.contiguous()
+    out = torch.empty(q3.shape[0], NG, r, dtype=torch.float32, device=q.device)
+    if out.numel():
+        _group_sum_kernel[(NG, q3.shape[0])](q3, out, S, r, q3.stride(0), q3.stride(1), G=group_size,
+                                             BR=triton.next_power_of_2(r))
+    return out.view(*lead, NG, r)
+
+
+@triton.jit
 def _item_scores(Pb, Kb, offs_g, mask_g, it0, S, n_items,
                  R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr):
     items = it0 + tl.arange(0, BN)
@@ -426,8 +462,8 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     "auto" (:func:`resolve_method`): "sample" for token lists (H200, 2026-12-01, S=16K, G=32, 90%
     sparsity: 58.7 ms vs "search" 149.6 ms), "gemm" for block lists: "keys" scores on CUDA cores and
     took 5.2 ms a call at S=32K, H=8, G=128, 128-key blocks (H200, 2026-12-02, the frontier's 4-layer
-    model: more than the sparse layer's attention, fwd+bwd), a product the size of that problem is
-    1 GFLOP ("gemm" not yet timed on a GPU; "search" took 7.0 ms for blocks of 64 at 16K). All give the
+    model: more than the sparse layer's attention, fwd+bwd); "gemm" 2.1 ms against "keys" 11.3 ms at S=32K, H=16
+    (H200, 2026-12-02; the CUDA kernel 0.52 ms; "search" took 7.0 ms for blocks of 64 at 16K). All give the
     naive lists ("gemm" up to near-exact ties).
     "sample" knobs: ``sample_size`` (items scored to place the window), ``z`` (window half-width in
     standard deviations), ``capacity`` (candidate buffer per group; 0 = :func:`sample_plan`'s, a
@@ -450,7 +486,7 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
         stats["fallback_groups"] = 0
     if P.kmax == 0:
         return out, P.counts
-    proxies = group_proxies(q_lr.contiguous(), group_size, proxy).contiguous()  # [B, H, NG, r]
+    proxies = group_proxies(q_lr, group_size, proxy, kernel=True).contiguous()  # [B, H, NG, r]
     k = k_lr.contiguous()
     counts = P.counts.contiguous()
     BN = BN or (64 if block_size == 0 else 16)

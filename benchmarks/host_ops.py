@@ -1,0 +1,185 @@
+#!/usr/bin/env python
+"""What a training step asks of the host: the torch ops, the Triton launches and the host syncs of one step per
+kind (full attention; DSV stage 2 plain, predictor-training and profile steps; stage 1), and which code asks.
+
+A short DSV step on the GPU is host-bound (frontier run 4, H200, 4 layers x 8 heads x 64: the stage-2 step at 32K
+took 64 ms of wall-clock for 49 ms of device time, at 16K 75 ms against full attention's 32 ms): every op costs
+the host a dispatch and a launch, and every sync drains the queue so that the host time after it cannot overlap
+the device. The counts are properties of the code, the same on a CPU as on a GPU where the code path is the same:
+
+    TRITON_INTERPRET=1 python benchmarks/host_ops.py             # the GPU's code path (Triton kernels) on a CPU
+    python benchmarks/host_ops.py --frames 4 --res 128 --json out.json
+
+Per step kind it prints the totals and the callers issuing the most ops (the innermost frame in megatron_dsv,
+``module:function``). A sync here is a ``Tensor.item()`` or a tensor's truth value / conversion to a Python
+number (``aten::_local_scalar_dense``) or an op whose output size depends on the data (``nonzero``, ``unique``,
+``masked_select``); host <-> device copies show on a GPU only (``torch.cuda.set_sync_debug_mode``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import traceback
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.bench_e2e import build, force, schedule_step  # noqa: E402
+from benchmarks.common import MainWeightsAdamW, flow_matching_step, head_sparsity, init_dist  # noqa: E402
+from megatron_dsv.attention import dsv_layers, dsv_on_step_end  # noqa: E402
+
+SYNC_OPS = ("_local_scalar_dense", "nonzero", "unique", "masked_select", "_unique2", "unique_consecutive")
+_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def caller() -> str:
+    """``module:function`` of the innermost frame of this repository outside this file (torch's frames and the
+    dispatch mode's skipped), else ``<torch>``."""
+    for frame in reversed(traceback.extract_stack()[:-3]):
+        path = os.path.abspath(frame.filename)
+        if path.startswith(_PKG) and "site-packages" not in path and not path.endswith("host_ops.py"):
+            rel = os.path.relpath(path, _PKG)[:-3].replace(os.sep, ".")
+            return f"{rel}:{frame.name}"
+    return "<torch>"
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every aten op dispatched (``ops``), the syncing ones (``syncs``), each by caller."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.syncs = collections.Counter(), collections.Counter()
+        self.op_names = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        where = caller()
+        self.ops[where] += 1
+        self.op_names[name] += 1
+        if name in SYNC_OPS:
+            self.syncs[f"{where} ({name})"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class LaunchCounter:
+    """Counts Triton kernel launches (``JITFunction.run``) by kernel name while active."""
+
+    def __init__(self):
+        self.launches = collections.Counter()
+        self._orig = None
+
+    def __enter__(self):
+        try:
+            from triton.runtime.jit import JITFunction
+        except ImportError:  # no Triton: nothing launches
+            return self
+        self._cls, self._orig = JITFunction, JITFunction.run
+        counter = self.launches
+
+        def run(fn, *args, **kwargs):
+            counter[fn.fn.__name__] += 1
+            return self._orig(fn, *args, **kwargs)
+        JITFunction.run = run
+        return self
+
+    def __exit__(self, *exc):
+        if self._orig is not None:
+            self._cls.run = self._orig
+        return False
+
+
+def count_step(fn) -> dict:
+    """The ops, syncs and Triton launches of one call of ``fn`` (after one uncounted call: lazy set-up and
+    first-call caches, such as the dispatcher's decisions after the state was forced, are not the steady
+    step)."""
+    fn()
+    with LaunchCounter() as lc, OpCounter() as oc:
+        fn()
+    return dict(ops=sum(oc.ops.values()), syncs=sum(oc.syncs.values()), launches=sum(lc.launches.values()),
+                ops_by_caller=dict(oc.ops.most_common()), syncs_by_caller=dict(oc.syncs.most_common()),
+                launches_by_kernel=dict(lc.launches.most_common()), ops_by_name=dict(oc.op_names.most_common()))
+
+
+def step_kinds(args, device, dtype) -> dict:
+    """{kind: counts} for full attention and DSV's step kinds, at the given shape."""
+    out = {}
+    for arm in ("full", "dsv"):
+        model, cfg, dsv = build("full" if arm == "full" else "dsv_stage2", args, args.frames, args.res, device, dtype)
+        model.train()
+        opt = MainWeightsAdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        g = torch.Generator(device=device).manual_seed(0)
+        latents = torch.randn(1, cfg.in_channels, cfg.latent_frames, cfg.latent_height, cfg.latent_width,
+                              generator=g, device=device).to(dtype)
+        labels = torch.zeros(1, dtype=torch.long, device=device)
+        if arm == "full":
+            out["full"] = count_step(lambda: flow_matching_step(model, opt, latents, labels, g))
+            continue
+        sparsity = head_sparsity(cfg.heads, args.sparsity_min, args.sparsity_max, args.sparsity_mean)
+        kinds = {"stage2_plain": (2, False, False), "stage2_predictor": (2, True, False),
+                 "stage2_profile": (2, True, True), "stage1": (1, True, False)}
+        for kind, (stage, train, profile) in kinds.items():
+            at = schedule_step(dsv, stage, train, profile)
+            force(model, stage, sparsity if stage == 2 else None, at, train, profile)
+
+            def one(at=at):  # the step, then numbered `at` again: the next step is of the same kind
+                flow_matching_step(model, opt, latents, labels, g)
+                dsv_on_step_end(model, at)
+            out[kind] = count_step(one)
+            out[kind]["sparse_layers"] = sum(int(layer.last_sparse) for layer in dsv_layers(model))
+    return out
+
+
+def print_table(result: dict, top: int) -> None:
+    full = result["full"]["ops"]
+    print(f"{'step kind':18s} {'ops':>7s} {'vs full':>8s} {'syncs':>6s} {'triton':>7s}")
+    for kind, r in result.items():
+        print(f"{kind:18s} {r['ops']:7d} {r['ops'] - full:+8d} {r['syncs']:6d} {r['launches']:7d}"
+              + (f"   ({r['sparse_layers']} sparse layers)" if "sparse_layers" in r else ""))
+    for kind, r in result.items():
+        if kind == "full":
+            continue
+        print(f"\n{kind}: callers by ops (top {top})")
+        for where, n in list(r["ops_by_caller"].items())[:top]:
+            print(f"  {n:6d}  {where}")
+        if r["syncs_by_caller"]:
+            print(f"{kind}: syncs")
+            for where, n in r["syncs_by_caller"].items():
+                print(f"  {n:6d}  {where}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="0.8b")
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--frames", type=int, default=4, help="latent frames (tokens: frames x (res / 8)^2)")
+    ap.add_argument("--res", type=int, default=128)
+    ap.add_argument("--granularity", default="block", choices=("block", "token"))
+    ap.add_argument("--local-radius", type=int, nargs=3, default=None)
+    ap.add_argument("--sparsity-min", type=float, default=0.74)
+    ap.add_argument("--sparsity-max", type=float, default=0.9)
+    ap.add_argument("--sparsity-mean", type=float, default=0.82)
+    ap.add_argument("--speedup-table", default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--top", type=int, default=15, help="callers listed per step kind")
+    ap.add_argument("--json", default=None, help="write the counts here")
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    init_dist()
+    result = step_kinds(args, device, dtype)
+    print_table(result, args.top)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(args=vars(args), device=str(device), steps=result), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
