@@ -10,10 +10,15 @@ the device. The counts are properties of the code, the same on a CPU as on a GPU
     TRITON_INTERPRET=1 python benchmarks/host_ops.py             # the GPU's code path (Triton kernels) on a CPU
     python benchmarks/host_ops.py --frames 4 --res 128 --json out.json
 
-Per step kind it prints the totals and the callers issuing the most ops (the innermost frame in megatron_dsv,
-``module:function``). A sync here is a ``Tensor.item()`` or a tensor's truth value / conversion to a Python
-number (``aten::_local_scalar_dense``) or an op whose output size depends on the data (``nonzero``, ``unique``,
-``masked_select``); host <-> device copies show on a GPU only (``torch.cuda.set_sync_debug_mode``).
+Per step kind it prints the totals and the callers issuing the most ops (the innermost frame of this repository,
+``module:function``: megatron_dsv or benchmarks). ``scalar reads`` are ``Tensor.item()`` calls and tensors'
+conversions to Python numbers (``aten::_local_scalar_dense``): on a GPU they sync when their tensor lives on the
+device, which a CPU cannot tell apart (DSV keeps its per-step scalars in host mirrors). ``syncs`` counts what does
+sync on a GPU: scalar reads and data-dependent-size ops (``nonzero``, ``unique``, ``masked_select``) of device
+tensors, and device-to-host copies (on a CPU: none). Caveats: on CUDA the backward runs in autograd's threads,
+without a Python stack, so its ops show as ``<torch>``; under the Triton interpreter the interpreter's own tensor
+work is not counted (a launch is one launch, as on a GPU); a profile step's new budgets are decided on the next
+step (counted here on the profile step kind, whose uncounted warm-up step is a profile step too).
 """
 
 from __future__ import annotations
@@ -34,14 +39,15 @@ from benchmarks.bench_e2e import build, force, schedule_step  # noqa: E402
 from benchmarks.common import MainWeightsAdamW, flow_matching_step, head_sparsity, init_dist  # noqa: E402
 from megatron_dsv.attention import dsv_layers, dsv_on_step_end  # noqa: E402
 
-SYNC_OPS = ("_local_scalar_dense", "nonzero", "unique", "masked_select", "_unique2", "unique_consecutive")
+SYNC_OPS = ("nonzero", "unique", "masked_select", "_unique2", "unique_consecutive")
+COPY_OPS = ("_to_copy", "copy_")
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def caller() -> str:
-    """``module:function`` of the innermost frame of this repository outside this file (torch's frames and the
-    dispatch mode's skipped), else ``<torch>``."""
-    for frame in reversed(traceback.extract_stack()[:-3]):
+    """``module:function`` of the innermost frame of this repository outside this file (torch's frames
+    skipped), else ``<torch>``."""
+    for frame in reversed(traceback.extract_stack()):
         path = os.path.abspath(frame.filename)
         if path.startswith(_PKG) and "site-packages" not in path and not path.endswith("host_ops.py"):
             rel = os.path.relpath(path, _PKG)[:-3].replace(os.sep, ".")
@@ -49,48 +55,78 @@ def caller() -> str:
     return "<torch>"
 
 
+def _on_device(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.device.type != "cpu"
+
+
+def _syncs(name: str, args, kwargs) -> bool:
+    """Whether this op syncs the host with a GPU stream (see the module docstring)."""
+    first = args[0] if args else None
+    if name == "_local_scalar_dense" or name in SYNC_OPS:
+        return _on_device(first)
+    if name == "_to_copy":  # device -> host
+        dev = kwargs.get("device")
+        return _on_device(first) and dev is not None and torch.device(dev).type == "cpu"
+    if name == "copy_":  # host destination, device source, blocking
+        return (len(args) > 1 and isinstance(first, torch.Tensor) and first.device.type == "cpu"
+                and _on_device(args[1]) and not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False)))
+    return False
+
+
 class OpCounter(TorchDispatchMode):
-    """Counts every aten op dispatched (``ops``), the syncing ones (``syncs``), each by caller."""
+    """Counts every aten op dispatched (``ops``), the scalar reads (``reads``) and the GPU syncs (``syncs``),
+    each by caller."""
 
     def __init__(self):
         super().__init__()
-        self.ops, self.syncs = collections.Counter(), collections.Counter()
+        self.ops, self.reads, self.syncs = collections.Counter(), collections.Counter(), collections.Counter()
         self.op_names = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         name = func.overloadpacket.__name__
         where = caller()
         self.ops[where] += 1
         self.op_names[name] += 1
-        if name in SYNC_OPS:
+        if name == "_local_scalar_dense":
+            self.reads[where] += 1
+        if _syncs(name, args, kwargs):
             self.syncs[f"{where} ({name})"] += 1
-        return func(*args, **(kwargs or {}))
+        return func(*args, **kwargs)
 
 
 class LaunchCounter:
-    """Counts Triton kernel launches (``JITFunction.run``) by kernel name while active."""
+    """Counts Triton kernel launches by kernel name while active: compiled (``JITFunction.run``) and
+    interpreted ones (``InterpretedFunction.run``, whose own tensor work the op counter does not see)."""
 
     def __init__(self):
         self.launches = collections.Counter()
-        self._orig = None
+        self._patched = []
 
     def __enter__(self):
         try:
+            from triton.runtime.interpreter import InterpretedFunction
             from triton.runtime.jit import JITFunction
         except ImportError:  # no Triton: nothing launches
             return self
-        self._cls, self._orig = JITFunction, JITFunction.run
-        counter = self.launches
+        from torch.utils._python_dispatch import _disable_current_modes
 
-        def run(fn, *args, **kwargs):
-            counter[fn.fn.__name__] += 1
-            return self._orig(fn, *args, **kwargs)
-        JITFunction.run = run
+        counter = self.launches
+        for cls in (JITFunction, InterpretedFunction):
+            orig = cls.run
+
+            def run(fn, *args, _orig=orig, **kwargs):
+                counter[getattr(getattr(fn, "fn", fn), "__name__", "kernel")] += 1
+                with _disable_current_modes():
+                    return _orig(fn, *args, **kwargs)
+            self._patched.append((cls, orig))
+            cls.run = run
         return self
 
     def __exit__(self, *exc):
-        if self._orig is not None:
-            self._cls.run = self._orig
+        for cls, orig in self._patched:
+            cls.run = orig
+        self._patched.clear()
         return False
 
 
@@ -101,8 +137,9 @@ def count_step(fn) -> dict:
     fn()
     with LaunchCounter() as lc, OpCounter() as oc:
         fn()
-    return dict(ops=sum(oc.ops.values()), syncs=sum(oc.syncs.values()), launches=sum(lc.launches.values()),
-                ops_by_caller=dict(oc.ops.most_common()), syncs_by_caller=dict(oc.syncs.most_common()),
+    return dict(ops=sum(oc.ops.values()), reads=sum(oc.reads.values()), syncs=sum(oc.syncs.values()),
+                launches=sum(lc.launches.values()), ops_by_caller=dict(oc.ops.most_common()),
+                reads_by_caller=dict(oc.reads.most_common()), syncs_by_caller=dict(oc.syncs.most_common()),
                 launches_by_kernel=dict(lc.launches.most_common()), ops_by_name=dict(oc.op_names.most_common()))
 
 
@@ -137,9 +174,9 @@ def step_kinds(args, device, dtype) -> dict:
 
 def print_table(result: dict, top: int) -> None:
     full = result["full"]["ops"]
-    print(f"{'step kind':18s} {'ops':>7s} {'vs full':>8s} {'syncs':>6s} {'triton':>7s}")
+    print(f"{'step kind':18s} {'ops':>7s} {'vs full':>8s} {'reads':>6s} {'syncs':>6s} {'triton':>7s}")
     for kind, r in result.items():
-        print(f"{kind:18s} {r['ops']:7d} {r['ops'] - full:+8d} {r['syncs']:6d} {r['launches']:7d}"
+        print(f"{kind:18s} {r['ops']:7d} {r['ops'] - full:+8d} {r['reads']:6d} {r['syncs']:6d} {r['launches']:7d}"
               + (f"   ({r['sparse_layers']} sparse layers)" if "sparse_layers" in r else ""))
     for kind, r in result.items():
         if kind == "full":
@@ -147,10 +184,11 @@ def print_table(result: dict, top: int) -> None:
         print(f"\n{kind}: callers by ops (top {top})")
         for where, n in list(r["ops_by_caller"].items())[:top]:
             print(f"  {n:6d}  {where}")
-        if r["syncs_by_caller"]:
-            print(f"{kind}: syncs")
-            for where, n in r["syncs_by_caller"].items():
-                print(f"  {n:6d}  {where}")
+        for what in ("reads", "syncs"):
+            if r[f"{what}_by_caller"]:
+                print(f"{kind}: {'scalar reads' if what == 'reads' else 'GPU syncs'}")
+                for where, n in r[f"{what}_by_caller"].items():
+                    print(f"  {n:6d}  {where}")
 
 
 def main(argv=None):

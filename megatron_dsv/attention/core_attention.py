@@ -394,16 +394,17 @@ class DSVCoreAttention(MegatronModule):
         from megatron_dsv.parallel.cp_attention import encode_plan, plan_for_layer
 
         key = ("cp_plan", S, sparse, tuple(tokens.tolist()), self.training)
-        if key not in self._decisions:
-            plan = plan_for_layer(self, S, sparse, tokens)
-            if self.training:
-                if self.cp_plan is None or plan.describe() != self.cp_plan.describe():
-                    if dist.get_rank() == 0:
-                        print(f" [dsv layer {self.layer_number}] CP plan: {plan.describe()}", flush=True)
-                self.cp_plan = plan
-                self.cp_plan_state.copy_(encode_plan(plan, self.num_heads).to(self.cp_plan_state.device))
-            self._decisions[key] = plan
-        return self._decisions[key]
+        plan = self._decisions.get(key)
+        if plan is None:
+            plan = self._decisions[key] = plan_for_layer(self, S, sparse, tokens)
+        # the plan in use (kept across steps now: lengths alternating S1, S2, S1 switch it back from the cache)
+        if self.training and plan is not self.cp_plan:
+            if self.cp_plan is None or plan.describe() != self.cp_plan.describe():
+                if dist.get_rank() == 0:
+                    print(f" [dsv layer {self.layer_number}] CP plan: {plan.describe()}", flush=True)
+            self.cp_plan = plan
+            self.cp_plan_state.copy_(encode_plan(plan, self.num_heads).to(self.cp_plan_state.device))
+        return plan
 
     def decide(self, S: int):
         """``(sparse, budgets, tokens)`` for sequence length S (cached until the state changes)."""

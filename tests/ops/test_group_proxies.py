@@ -26,7 +26,9 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 def test_group_sums_kernel_equals_loop(shape, G, dtype):
     g = torch.Generator().manual_seed(sum(shape) + G)
-    q = (torch.randn(shape, generator=g) * torch.logspace(-3, 3, shape[-1])).to(dtype).to(DEV)
+    q = torch.randn(shape, generator=g) * torch.logspace(-3, 3, shape[-1])
+    q.view(-1)[::5] *= 1e-41  # subnormal (or flushed) values in every dtype: no flush-to-zero in the adds
+    q = q.to(dtype).to(DEV)
     assert _bits_equal(group_sums(q, G), group_sums_loop(q, G))
 
 
@@ -41,6 +43,10 @@ def test_group_sums_signed_zeros_and_strides():
     t = torch.randn(1, 8, 50, 2, generator=torch.Generator().manual_seed(2)).to(DEV).transpose(1, 3)  # [1, 2, 50, 8]
     assert not t.is_contiguous()
     assert _bits_equal(group_sums(t, 16), group_sums_loop(t.contiguous(), 16))
+    v = torch.randn(2, 3, 90, 8, generator=torch.Generator().manual_seed(4)).to(DEV)[:, 1:, ::2, :]  # strided rows
+    assert v.stride(-1) == 1 and v.stride(-2) == 16
+    assert _bits_equal(group_sums(v, 7), group_sums_loop(v, 7))
+    assert group_sums(torch.zeros(2, 0, 4, device=DEV), 8).shape == (2, 0, 4)  # empty: no launch
 
 
 @pytest.mark.parametrize("proxy", ["mean", "middle"])

@@ -35,39 +35,41 @@ _NPASS = 9  # (17-way split) 8 passes shrink 2^32 to 1; one spare
 
 
 @triton.jit
-def _group_sum_kernel(Q, OUT, S, r, stride_b, stride_s, G: tl.constexpr, BR: tl.constexpr):
-    """One query group of one (batch x head) row: its tokens added in token order in float32, the first
-    token first (``acc = q_0``), positions past S adding +0.0, exactly as :func:`naive.group_sums_loop`."""
-    g = tl.program_id(0)
-    bh = tl.program_id(1)
+def _group_sum_kernel(Q, OUT, S, r, NG, stride_b, stride_s, G: tl.constexpr, BR: tl.constexpr):
+    """One query group of one (batch x head) row (a 1-D grid of NG x rows programs): its tokens added in token
+    order in float32, the first token first (``acc = q_0``), positions past S adding +0.0, exactly as
+    :func:`naive.group_sums_loop`."""
+    pid = tl.program_id(0).to(tl.int64)
+    g = pid % NG
+    bh = pid // NG
     cols = tl.arange(0, BR)
     cmask = cols < r
-    base = Q + bh.to(tl.int64) * stride_b
+    base = Q + bh * stride_b
     t0 = g * G
-    acc = tl.load(base + t0.to(tl.int64) * stride_s + cols, mask=cmask, other=0.0).to(tl.float32)
+    acc = tl.load(base + t0 * stride_s + cols, mask=cmask, other=0.0).to(tl.float32)
     for i in range(1, G):
         t = t0 + i
         inside = (cols * 0 + t) < S  # as a block: the interpreter takes no scalar-and-block mask
-        x = tl.load(base + t.to(tl.int64) * stride_s + cols, mask=cmask & inside, other=0.0).to(tl.float32)
+        x = tl.load(base + t * stride_s + cols, mask=cmask & inside, other=0.0).to(tl.float32)
         acc = acc + x
-    NG = tl.num_programs(0)
-    tl.store(OUT + (bh.to(tl.int64) * NG + g) * r + cols, acc, mask=cmask)
+    tl.store(OUT + pid * r + cols, acc, mask=cmask)
 
 
 def group_sums(q: torch.Tensor, group_size: int) -> torch.Tensor:
     """[..., S, r] -> float32 [..., NG, r]: the group sums of :func:`naive.group_sums_loop`, bit for bit, from one
     Triton kernel (one program per group and leading row, the group's tokens in order); CUDA, or CPU under
-    ``TRITON_INTERPRET=1``."""
+    ``TRITON_INTERPRET=1``. No gradient flows through it (the proxies feed the selection only)."""
     *lead, S, r = q.shape
     NG = -(-S // group_size)
+    out = torch.zeros(*lead, NG, r, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out
     q3 = q.reshape(-1, S, r)
     if q3.stride(-1) != 1:
         q3 = q3.contiguous()
-    out = torch.empty(q3.shape[0], NG, r, dtype=torch.float32, device=q.device)
-    if out.numel():
-        _group_sum_kernel[(NG, q3.shape[0])](q3, out, S, r, q3.stride(0), q3.stride(1), G=group_size,
-                                             BR=triton.next_power_of_2(r))
-    return out.view(*lead, NG, r)
+    _group_sum_kernel[(NG * q3.shape[0],)](q3, out, S, r, NG, q3.stride(0), q3.stride(1), G=group_size,
+                                           BR=triton.next_power_of_2(r))
+    return out
 
 
 @triton.jit
