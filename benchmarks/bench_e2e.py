@@ -101,7 +101,9 @@ def schedule_step(cfg: DSVConfig, stage: int, train: bool, profile: bool) -> int
     raise ValueError(f"no step of the schedule trains={train} and profiles={profile}")
 
 
-def run_arm(arm: str, args, frames: int, res: int, device, dtype) -> dict:
+def train_setup(arm: str, args, frames: int, res: int, device, dtype):
+    """``(model, cfg, dsv, opt, g, latents, labels)``: an arm's model in training mode, its optimizer and one
+    fixed batch of random latents (the generator ``g`` seeded at 0)."""
     model, cfg, dsv = build(arm, args, frames, res, device, dtype)
     model.train()
     opt = MainWeightsAdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
@@ -109,6 +111,11 @@ def run_arm(arm: str, args, frames: int, res: int, device, dtype) -> dict:
     latents = torch.randn(1, cfg.in_channels, cfg.latent_frames, cfg.latent_height, cfg.latent_width,
                           generator=g, device=device).to(dtype)
     labels = torch.zeros(1, dtype=torch.long, device=device)
+    return model, cfg, dsv, opt, g, latents, labels
+
+
+def run_arm(arm: str, args, frames: int, res: int, device, dtype) -> dict:
+    model, cfg, dsv, opt, g, latents, labels = train_setup(arm, args, frames, res, device, dtype)
     S = frames * (res // 8) ** 2
     stage = 2 if arm == "dsv_stage2" else 1
     sparsity = head_sparsity(cfg.heads, args.sparsity_min, args.sparsity_max, args.sparsity_mean) if stage == 2 else None

@@ -35,8 +35,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_e2e import build, force, schedule_step  # noqa: E402
-from benchmarks.common import MainWeightsAdamW, flow_matching_step, head_sparsity, init_dist  # noqa: E402
+from benchmarks.bench_e2e import force, schedule_step, train_setup  # noqa: E402
+from benchmarks.common import flow_matching_step, head_sparsity, init_dist  # noqa: E402
 from megatron_dsv.attention import dsv_layers, dsv_on_step_end  # noqa: E402
 
 SYNC_OPS = ("nonzero", "unique", "masked_select", "_unique2", "unique_consecutive")
@@ -147,13 +147,8 @@ def step_kinds(args, device, dtype) -> dict:
     """{kind: counts} for full attention and DSV's step kinds, at the given shape."""
     out = {}
     for arm in ("full", "dsv"):
-        model, cfg, dsv = build("full" if arm == "full" else "dsv_stage2", args, args.frames, args.res, device, dtype)
-        model.train()
-        opt = MainWeightsAdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-        g = torch.Generator(device=device).manual_seed(0)
-        latents = torch.randn(1, cfg.in_channels, cfg.latent_frames, cfg.latent_height, cfg.latent_width,
-                              generator=g, device=device).to(dtype)
-        labels = torch.zeros(1, dtype=torch.long, device=device)
+        model, cfg, dsv, opt, g, latents, labels = train_setup("full" if arm == "full" else "dsv_stage2", args,
+                                                               args.frames, args.res, device, dtype)
         if arm == "full":
             out["full"] = count_step(lambda: flow_matching_step(model, opt, latents, labels, g))
             continue
