@@ -9,6 +9,13 @@ the device. The counts are properties of the code, the same on a CPU as on a GPU
 
     TRITON_INTERPRET=1 python benchmarks/host_ops.py             # the GPU's code path (Triton kernels) on a CPU
     python benchmarks/host_ops.py --frames 4 --res 128 --json out.json
+    python benchmarks/host_ops.py --frames 16 32 --res 256 --time   # GPU: also where each step's wall-clock goes
+
+``--time`` (a GPU): per step kind and length, the wall-clock of a step (median, synced around each, as a
+training loop whose step end reads its scalars), the device's busy time in it (kernels, from torch.profiler),
+the host's own time (cProfile, the time spent waiting in syncs taken out), the sync sites (torch's sync debug
+mode, file:line) and the host functions taking the most own time. A step whose host time exceeds its device
+time is host-bound: what to cut is in the last list.
 
 Per step kind it prints the totals and the callers issuing the most ops (the innermost frame of this repository,
 ``module:function``: megatron_dsv or benchmarks). ``scalar reads`` are ``Tensor.item()`` calls and tensors'
@@ -42,6 +49,8 @@ from megatron_dsv.attention import dsv_layers, dsv_on_step_end  # noqa: E402
 SYNC_OPS = ("nonzero", "unique", "masked_select", "_unique2", "unique_consecutive")
 COPY_OPS = ("_to_copy", "copy_")
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KINDS = {"stage2_plain": (2, False, False), "stage2_predictor": (2, True, False),  # (stage, train, profile)
+         "stage2_profile": (2, True, True), "stage1": (1, True, False)}
 
 
 def caller() -> str:
@@ -143,19 +152,17 @@ def count_step(fn) -> dict:
                 launches_by_kernel=dict(lc.launches.most_common()), ops_by_name=dict(oc.op_names.most_common()))
 
 
-def step_kinds(args, device, dtype) -> dict:
+def step_kinds(args, frames: int, device, dtype) -> dict:
     """{kind: counts} for full attention and DSV's step kinds, at the given shape."""
     out = {}
     for arm in ("full", "dsv"):
         model, cfg, dsv, opt, g, latents, labels = train_setup("full" if arm == "full" else "dsv_stage2", args,
-                                                               args.frames, args.res, device, dtype)
+                                                               frames, args.res, device, dtype)
         if arm == "full":
             out["full"] = count_step(lambda: flow_matching_step(model, opt, latents, labels, g))
             continue
         sparsity = head_sparsity(cfg.heads, args.sparsity_min, args.sparsity_max, args.sparsity_mean)
-        kinds = {"stage2_plain": (2, False, False), "stage2_predictor": (2, True, False),
-                 "stage2_profile": (2, True, True), "stage1": (1, True, False)}
-        for kind, (stage, train, profile) in kinds.items():
+        for kind, (stage, train, profile) in KINDS.items():
             at = schedule_step(dsv, stage, train, profile)
             force(model, stage, sparsity if stage == 2 else None, at, train, profile)
 
@@ -165,6 +172,101 @@ def step_kinds(args, device, dtype) -> dict:
             out[kind] = count_step(one)
             out[kind]["sparse_layers"] = sum(int(layer.last_sparse) for layer in dsv_layers(model))
     return out
+
+
+_WAITS = ("synchronize", "'item' of", "'cpu' of", "'tolist' of", "_local_scalar_dense", "'to' of")
+
+
+def time_step(fn, reps: int, top: int) -> dict:
+    """GPU only: ``fn``'s wall-clock (median ms of ``reps`` calls, the device synced around each), its device
+    busy time (ms of kernels a call, torch.profiler), its host time outside syncs (cProfile; the calls in
+    ``_WAITS`` count as waiting, which includes their own small host work), its sync sites (file:line: count, from
+    ``torch.cuda.set_sync_debug_mode``) and the ``top`` host functions by own time (ms a call)."""
+    import cProfile
+    import pstats
+    import warnings
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.common import median_ms
+
+    for _ in range(2):
+        fn()
+    wall = median_ms(fn, reps)
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    device_ms = sum(e.self_device_time_total for e in kernels) / reps / 1e3
+    sites = collections.Counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            sites[f"{os.path.relpath(w.filename, _PKG) if w.filename.startswith(_PKG) else w.filename}:{w.lineno}"] += 1
+    pr = cProfile.Profile()
+    torch.cuda.synchronize()
+    pr.enable()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    pr.disable()
+    stats = pstats.Stats(pr).stats  # {(file, line, name): (cc, nc, tottime, cumtime, callers)}
+
+    def label(key):
+        file, line, name = key
+        return name if file == "~" else f"{os.path.relpath(file, _PKG) if file.startswith(_PKG) else os.path.basename(file)}:{line}({name})"
+    total = sum(v[2] for v in stats.values())
+    waiting = sum(v[2] for k, v in stats.items() if any(w in label(k) for w in _WAITS))
+    own = sorted(((label(k), v[2], v[1]) for k, v in stats.items()), key=lambda x: -x[1])[:top]
+    return dict(ms_wall=wall, ms_device=device_ms, ms_host=1e3 * (total - waiting) / reps,
+                ms_waiting=1e3 * waiting / reps, sync_sites=dict(sites.most_common()),
+                host_top=[dict(fn=f, ms=1e3 * t / reps, calls=n / reps) for f, t, n in own])
+
+
+def time_kinds(args, device, dtype, frames: int) -> dict:
+    """{kind: time_step(...)} at ``frames`` latent frames, for the same step kinds as :func:`step_kinds`."""
+    out = {}
+    for arm in ("full", "dsv"):
+        model, cfg, dsv, opt, g, latents, labels = train_setup("full" if arm == "full" else "dsv_stage2", args,
+                                                               frames, args.res, device, dtype)
+        if arm == "full":
+            out["full"] = time_step(lambda: flow_matching_step(model, opt, latents, labels, g), args.reps, args.top)
+            del model, opt
+            continue
+        sparsity = head_sparsity(cfg.heads, args.sparsity_min, args.sparsity_max, args.sparsity_mean)
+        for kind, (stage, train, profile) in KINDS.items():
+            at = schedule_step(dsv, stage, train, profile)
+            force(model, stage, sparsity if stage == 2 else None, at, train, profile)
+
+            def one(at=at):
+                flow_matching_step(model, opt, latents, labels, g)
+                dsv_on_step_end(model, at)
+            out[kind] = time_step(one, args.reps, args.top)
+            out[kind]["sparse_layers"] = sum(int(layer.last_sparse) for layer in dsv_layers(model))
+        del model, opt
+        torch.cuda.empty_cache()
+    return out
+
+
+def print_times(S: int, result: dict) -> None:
+    print(f"\nS={S}: {'step kind':18s} {'wall ms':>8s} {'device':>8s} {'host':>8s} {'waiting':>8s} {'syncs':>6s}")
+    for kind, r in result.items():
+        print(f"S={S}: {kind:18s} {r['ms_wall']:8.1f} {r['ms_device']:8.1f} {r['ms_host']:8.1f} {r['ms_waiting']:8.1f} "
+              f"{sum(r['sync_sites'].values()):6d}" + (f"   ({r['sparse_layers']} sparse layers)" if "sparse_layers" in r else ""))
+    for kind, r in result.items():
+        print(f"S={S} {kind}: sync sites {r['sync_sites']}")
+        print(f"S={S} {kind}: host functions by own time (ms a step, calls a step):")
+        for row in r["host_top"]:
+            print(f"    {row['ms']:7.2f} ms {row['calls']:7.1f}  {row['fn'][:120]}")
 
 
 def print_table(result: dict, top: int) -> None:
@@ -192,7 +294,8 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--frames", type=int, default=4, help="latent frames (tokens: frames x (res / 8)^2)")
+    ap.add_argument("--frames", type=int, nargs="+", default=[4],
+                    help="latent frames (tokens: frames x (res / 8)^2); several: one count (and timing) each")
     ap.add_argument("--res", type=int, default=128)
     ap.add_argument("--granularity", default="block", choices=("block", "token"))
     ap.add_argument("--local-radius", type=int, nargs=3, default=None)
@@ -202,16 +305,27 @@ def main(argv=None):
     ap.add_argument("--speedup-table", default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--top", type=int, default=15, help="callers listed per step kind")
-    ap.add_argument("--json", default=None, help="write the counts here")
+    ap.add_argument("--json", default=None, help="write the counts (and times) here")
+    ap.add_argument("--time", action="store_true", help="GPU: also time each step kind (see the module docstring)")
+    ap.add_argument("--reps", type=int, default=10, help="steps per timing (--time)")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.time and device.type != "cuda":
+        ap.error("--time needs a GPU (it times kernels and host syncs)")
     init_dist()
-    result = step_kinds(args, device, dtype)
-    print_table(result, args.top)
+    counts, times = {}, {}
+    for frames in args.frames:
+        S = frames * (args.res // 8) ** 2
+        counts[S] = step_kinds(args, frames, device, dtype)
+        print(f"\nS={S}")
+        print_table(counts[S], args.top)
+        if args.time:
+            times[S] = time_kinds(args, device, dtype, frames)
+            print_times(S, times[S])
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(args=vars(args), device=str(device), steps=result), f, indent=1)
+            json.dump(dict(args=vars(args), device=str(device), steps=counts, times=times), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -434,10 +434,13 @@ def test_host_ops_counts_every_step_kind(tmp_path):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=380)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "stage2_plain" in proc.stdout and "callers by ops" in proc.stdout
-    steps = json.loads(out.read_text())["steps"]
+    steps = json.loads(out.read_text())["steps"]["2048"]  # per length: 2 frames x (256 / 8)^2 tokens
     assert set(steps) == {"full", "stage2_plain", "stage2_predictor", "stage2_profile", "stage1"}
     assert steps["stage2_plain"]["sparse_layers"] == 2 and steps["stage1"]["sparse_layers"] == 0
     assert steps["full"]["ops"] < steps["stage2_plain"]["ops"] < steps["stage2_profile"]["ops"]
     dispatcher = lambda kind: sum(n for w, n in steps[kind]["ops_by_caller"].items()  # noqa: E731
                                   if w.startswith("megatron_dsv.attention.dispatcher"))
     assert dispatcher("stage2_plain") == 0 and dispatcher("stage2_profile") > 0
+    if not torch.cuda.is_available():  # --time clocks kernels and syncs: a CPU is refused, naming the flag
+        proc = subprocess.run(cmd + ["--time"], env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "--time needs a GPU" in proc.stderr
