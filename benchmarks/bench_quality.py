@@ -54,6 +54,9 @@ FRONTIER: Dict[str, str] = {
     "control": "attn=dsv,stage1=1000000000",
     "default": f"attn=dsv,rule={DSVConfig().budget_rule},recall={DSVConfig().recall_target:g},local=auto,"
                f"thr={DSVConfig().sparsity_threshold:g}",
+    # the default with stage 2 from step 400 (the study's stage1 is 700): what a shorter dense stage costs
+    "default_s400": f"attn=dsv,rule={DSVConfig().budget_rule},recall={DSVConfig().recall_target:g},local=auto,"
+                    f"thr={DSVConfig().sparsity_threshold:g},stage1=400",
     "recall90": "attn=dsv,rule=recall,recall=0.9",
     "recall80": "attn=dsv,rule=recall,recall=0.8",
     "paper": "attn=dsv,rule=sparsity",
@@ -87,6 +90,9 @@ def arm_of(name: str, base: str, args) -> dict:
     if name == "window":
         keys += f",window_frac={args.window_frac}"
     arm = parse_arm(keys)
+    if "stage1=" in FRONTIER[name] and arm["stage1"] < arm["steps"]:  # its own run path beside the study's switch
+        head, tokens = arm["label"].rsplit("-S", 1)
+        arm["label"] = f"{head}-stage1at{arm['stage1']}-S{tokens}"
     extra = getattr(args, "extra_steps", 0) or 0
     if name != "full" and extra:  # past full attention's last step: the time to reach its final loss exists
         arm["steps"] = int(round(arm["steps"] * (1 + extra / 100.0)))

@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_e2e import force, schedule_step, train_setup  # noqa: E402
-from benchmarks.common import flow_matching_step, head_sparsity, init_dist  # noqa: E402
+from benchmarks.common import collect_meta, flow_matching_step, head_sparsity, init_dist  # noqa: E402
 from megatron_dsv.attention import dsv_layers, dsv_on_step_end  # noqa: E402
 
 SYNC_OPS = ("nonzero", "unique", "masked_select", "_unique2", "unique_consecutive")
@@ -91,8 +91,17 @@ class OpCounter(TorchDispatchMode):
         self.ops, self.reads, self.syncs = collections.Counter(), collections.Counter(), collections.Counter()
         self.op_names = collections.Counter()
 
+    supports_higher_order_operators = True  # compiled FlexAttention (the sparse backend "auto" picks on a GPU)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):  # one op, run as it would run without the counter
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            self.ops[caller()] += 1
+            self.op_names[func.name()] += 1
+            with _disable_current_modes():
+                return func(*args, **kwargs)
         name = func.overloadpacket.__name__
         where = caller()
         self.ops[where] += 1
@@ -308,24 +317,29 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="write the counts (and times) here")
     ap.add_argument("--time", action="store_true", help="GPU: also time each step kind (see the module docstring)")
     ap.add_argument("--reps", type=int, default=10, help="steps per timing (--time)")
+    ap.add_argument("--no-count", action="store_true", help="with --time: time only (no op counts)")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.no_count and not args.time:
+        ap.error("--no-count needs --time (nothing else to do)")
     if args.time and device.type != "cuda":
         ap.error("--time needs a GPU (it times kernels and host syncs)")
     init_dist()
     counts, times = {}, {}
     for frames in args.frames:
         S = frames * (args.res // 8) ** 2
-        counts[S] = step_kinds(args, frames, device, dtype)
-        print(f"\nS={S}")
-        print_table(counts[S], args.top)
+        if not args.no_count:
+            counts[S] = step_kinds(args, frames, device, dtype)
+            print(f"\nS={S}")
+            print_table(counts[S], args.top)
         if args.time:
             times[S] = time_kinds(args, device, dtype, frames)
             print_times(S, times[S])
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(args=vars(args), device=str(device), steps=counts, times=times), f, indent=1)
+            json.dump(dict(meta=collect_meta(), args=vars(args), device=str(device), steps=counts, times=times), f,
+                      indent=1)
 
 
 if __name__ == "__main__":

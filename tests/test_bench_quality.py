@@ -54,6 +54,9 @@ def test_frontier_arms_parse_with_their_settings():
     with pytest.raises(ValueError, match="unknown frontier arm"):
         arm_of("nope", args.arm, args)
     assert arm_of("local111_thr07", args.arm, args)["thr"] == 0.7
+    study = "data=synthetic,frames=4,res=64,steps=1500,stage1=700"
+    own, base = arm_of("default_s400", study, args), arm_of("default", study, args)
+    assert own["stage1"] == 400 and base["stage1"] == 700 and own["label"] != base["label"]  # two runs, two paths
     args.extra_steps = 20  # every arm but full trains 20% longer
     assert arm_of("full", args.arm, args)["steps"] == 100 and arm_of("default", args.arm, args)["steps"] == 120
 
@@ -62,7 +65,8 @@ def test_library_default_marks_the_arms_whose_lists_are_the_defaults():
     # 16K ViZDoom grid (16, 32, 32): the 4x4x8 cube tiles it, so the auto neighbourhood is (1, 1, 1)
     args = build_parser().parse_args(["--arm", "data=vizdoom,frames=16,res=256", "--save-dir", "x"])
     marked = {name for name in FRONTIER if is_library_default(arm_of(name, args.arm, args))}
-    assert marked == {"default", "local111_thr07"}  # local111 keeps the old threshold (0.8)
+    # local111 keeps the old threshold (0.8); default_s400 has the default lists with an earlier stage switch
+    assert marked == {"default", "default_s400", "local111_thr07"}
 
 
 def test_profile_period_is_the_schedules_at_the_runs_step():

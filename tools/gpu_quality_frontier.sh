@@ -15,8 +15,8 @@
 # fast arms free the GPU for the others], EXTRA_STEPS [0: percent more steps for every arm but full, so an arm
 # ending a little above full attention's final loss can be timed to it], ARMS (bench_quality's default frontier), SEEDS [0,1], WIDTH ["--heads 8
 # --head-dim 64 --layers 4": hidden 512, the attention-dominated regime at 16K tokens], TIME_LENGTHS [32768].
-# Training uses the naive top-k (exact, backend-independent lists); the timing phase uses the library's auto
-# backends, as a user runs them.
+# Training uses the top-k backend TRAIN_TOPK [naive: exact, backend-independent lists; auto: the library's, as a user
+# runs it, much faster on a GPU]; the timing phase uses the library's auto backends, as a user runs them.
 # Carry [".whl", ".whl-vizdoom"] (".footage" for data footage: in a call of its own before, the carry cap is
 # 64 MiB; ".whl-mlm", ".mlm" for MEGATRON_CHECK=1).
 set -u
@@ -43,7 +43,7 @@ train() {  # $1: minutes per arm; the studies side by side
   local pids=() d
   for d in "${studies[@]}"; do
     study "$d"
-    DSV_TOPK_BACKEND=naive "${cmd[@]}" --launch --arm "data=$d,$keys,minutes=$1" > "$out/logs/launch-$d.log" 2>&1 &
+    DSV_TOPK_BACKEND=${TRAIN_TOPK:-naive} "${cmd[@]}" --launch --arm "data=$d,$keys,minutes=$1" > "$out/logs/launch-$d.log" 2>&1 &
     pids+=($!)
   done
   for i in "${!studies[@]}"; do

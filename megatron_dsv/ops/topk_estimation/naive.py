@@ -8,6 +8,8 @@ tokens or key blocks.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .common import check_forced, check_problem, forced_mask
@@ -41,9 +43,18 @@ def group_proxies(q: torch.Tensor, group_size: int, proxy: str, kernel: bool | N
             acc = group_sums(q, group_size)
     if acc is None:
         acc = group_sums_loop(q, group_size)
-    n = torch.full((NG,), group_size, dtype=torch.float32, device=q.device)
+    return (acc / group_lengths(S, group_size, q.device)[:, None]).to(q.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def group_lengths(S: int, group_size: int, device: torch.device) -> torch.Tensor:
+    """float32 ``[NG]``: the tokens of each query group (``group_size``, the last one what is left), made once per
+    (S, G, device) and cached (read-only): built on the device every call, writing its last entry from the host
+    was a blocking copy, one stream sync a layer."""
+    NG = -(-S // group_size)
+    n = torch.full((NG,), float(group_size), dtype=torch.float32)
     n[-1] = S - (NG - 1) * group_size
-    return (acc / n[:, None]).to(q.dtype)
+    return n.to(device)
 
 
 def group_sums_loop(q: torch.Tensor, group_size: int) -> torch.Tensor:
