@@ -119,9 +119,11 @@ for tag in "${ready[@]}"; do
   for script in gpt video; do
     name=$( [[ $script == gpt ]] && echo pretrain_gpt_dsv.sh || echo pretrain_video_dit.py )
     l=$out/logs/$tag-$script
+    version=$(python3 -c "import runpy, sys; print(runpy.run_path(sys.argv[1])['__version__'])" \
+      "${tree[$tag]}/megatron/core/package_info.py" 2> /dev/null)
     python3 tools/megatron_lm_check.py compare --tag "$tag" --script "$name" --run-a "$l-a.log" --run-b "$l-b.log" \
       --first "$l-first.log" --resumed "$l-resumed.log" --resumed-at "$EXIT_AT" --iterations "$ITERS" \
-      --rows "$rows" || status=1
+      --rows "$rows" --megatron-core "${version:-unknown}" || status=1
   done
 done
 for tag in $tags; do [[ -n "${tree[$tag]:-}" ]] || status=1; done

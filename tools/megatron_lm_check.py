@@ -161,6 +161,8 @@ def _read(path: str) -> str:
 def _cmd_compare(args) -> int:
     logs = {"a": _read(args.run_a), "b": _read(args.run_b), "first": _read(args.first), "resumed": _read(args.resumed)}
     row = check_row(args.tag, args.script, logs, args.resumed_at, args.iterations, args.loss_key)
+    if args.megatron_core:  # the tree's own megatron.core (the JSON's meta names the installed wheel's)
+        row["megatron_core"] = args.megatron_core
     with open(args.rows, "a", encoding="utf-8") as f:
         f.write(json.dumps(row) + "\n")
     verdict = "ok" if row["ok"] else "FAIL"
@@ -193,6 +195,8 @@ def main(argv=None) -> int:
     c.add_argument("--resumed-at", type=int, required=True)
     c.add_argument("--iterations", type=int, required=True)
     c.add_argument("--loss-key", default=None, help="the loss field to compare (default: the first '... loss')")
+    c.add_argument("--megatron-core", default=None,
+                   help="the megatron.core version of the tree the runs used (a row field; the meta's is the wheel's)")
     w = sub.add_parser("write", help="the rows as OUT/megatron_lm-<gpu>-<yyyymmdd>.json")
     w.add_argument("--rows", required=True)
     w.add_argument("--out", required=True)

@@ -120,7 +120,7 @@ def test_compare_and_write_commands(tmp_path, monkeypatch):
             "--resumed-at", "10", "--iterations", "20"]
     for flag, name in (("--run-a", "a"), ("--run-b", "b"), ("--first", "first"), ("--resumed", "resumed")):
         argv += [flag, str(tmp_path / f"{name}.log")]
-    assert check.main(argv) == 0
+    assert check.main(argv + ["--megatron-core", "0.16.1"]) == 0
     assert check.main(argv[:-1] + [str(tmp_path / "absent.log")]) == 1  # a run that never wrote a log
     monkeypatch.setenv("DSV_RESULTS_DIR", str(tmp_path / "unused"))
     assert check.main(["write", "--rows", str(rows), "--out", str(tmp_path / "out")]) == 1  # one row failed
@@ -128,6 +128,7 @@ def test_compare_and_write_commands(tmp_path, monkeypatch):
     data = json.loads(path.read_text())
     assert set(data) == {"meta", "rows"} and [r["ok"] for r in data["rows"]] == [True, False]
     assert {"gpu", "torch", "megatron_core", "date", "commit"} <= set(data["meta"])
+    assert data["rows"][0]["megatron_core"] == "0.16.1" and "megatron_core" not in data["rows"][1]  # the tree's
 
 
 def test_fusion_flags_for_each_environment():
