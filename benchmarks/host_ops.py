@@ -236,9 +236,13 @@ def time_step(fn, reps: int, top: int) -> dict:
     total = sum(v[2] for v in stats.values())
     waiting = sum(v[2] for k, v in stats.items() if any(w in label(k) for w in _WAITS))
     own = sorted(((label(k), v[2], v[1]) for k, v in stats.items()), key=lambda x: -x[1])[:top]
+    # this repository's functions by cumulative time (their callees included): which of our calls cost the host
+    ours = sorted(((label(k), v[3], v[1]) for k, v in stats.items()
+                   if k[0].startswith(os.path.join(_PKG, "megatron_dsv"))), key=lambda x: -x[1])[:top]
     return dict(ms_wall=wall, ms_device=device_ms, ms_host=1e3 * (total - waiting) / reps,
                 ms_waiting=1e3 * waiting / reps, sync_sites=dict(sites.most_common()),
-                host_top=[dict(fn=f, ms=1e3 * t / reps, calls=n / reps) for f, t, n in own])
+                host_top=[dict(fn=f, ms=1e3 * t / reps, calls=n / reps) for f, t, n in own],
+                host_cumulative_ours=[dict(fn=f, ms=1e3 * t / reps, calls=n / reps) for f, t, n in ours])
 
 
 def time_kinds(args, device, dtype, frames: int) -> dict:
@@ -273,9 +277,11 @@ def print_times(S: int, result: dict) -> None:
               f"{sum(r['sync_sites'].values()):6d}" + (f"   ({r['sparse_layers']} sparse layers)" if "sparse_layers" in r else ""))
     for kind, r in result.items():
         print(f"S={S} {kind}: sync sites {r['sync_sites']}")
-        print(f"S={S} {kind}: host functions by own time (ms a step, calls a step):")
-        for row in r["host_top"]:
-            print(f"    {row['ms']:7.2f} ms {row['calls']:7.1f}  {row['fn'][:120]}")
+        for key, what in (("host_top", "host functions by own time"),
+                          ("host_cumulative_ours", "megatron_dsv functions by cumulative time")):
+            print(f"S={S} {kind}: {what} (ms a step, calls a step):")
+            for row in r[key]:
+                print(f"    {row['ms']:7.2f} ms {row['calls']:7.1f}  {row['fn'][:120]}")
 
 
 def print_table(result: dict, top: int) -> None:
