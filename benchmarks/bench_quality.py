@@ -57,6 +57,10 @@ FRONTIER: Dict[str, str] = {
     # the default with stage 2 from step 400 (the study's stage1 is 700): what a shorter dense stage costs
     "default_s400": f"attn=dsv,rule={DSVConfig().budget_rule},recall={DSVConfig().recall_target:g},local=auto,"
                     f"thr={DSVConfig().sparsity_threshold:g},stage1=400",
+    # the default with every head's list capped at 25% of the keys and stage 2 from step 400: layers run sparse
+    # from the switch on instead of waiting for their measured sparsity to cross the threshold
+    "cap25_s400": f"attn=dsv,rule={DSVConfig().budget_rule},recall={DSVConfig().recall_target:g},local=auto,"
+                  f"thr={DSVConfig().sparsity_threshold:g},cap=0.25,stage1=400",
     "recall90": "attn=dsv,rule=recall,recall=0.9",
     "recall80": "attn=dsv,rule=recall,recall=0.8",
     "paper": "attn=dsv,rule=sparsity",
@@ -79,7 +83,8 @@ def is_library_default(arm: dict) -> bool:
     local = DSVConfig(local_radius=arm.get("local_radius")).local_radius_for(grid)
     return (arm.get("gran") == d.granularity and arm.get("rule") == d.budget_rule
             and (d.budget_rule != "recall" or arm.get("recall") == d.recall_target)
-            and arm.get("thr", d.sparsity_threshold) == d.sparsity_threshold and local == d.local_radius_for(grid))
+            and arm.get("thr", d.sparsity_threshold) == d.sparsity_threshold and local == d.local_radius_for(grid)
+            and (arm.get("cap") or None) == d.max_density)
 
 
 def arm_of(name: str, base: str, args) -> dict:
@@ -111,15 +116,22 @@ def train_one(name: str, args) -> dict:
     arm = arm_of(name, args.arm, args)
     path = _curve_path(args, name, args.seed)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    curve = dict(json.load(open(path))["curve"]) if os.path.exists(path) else {}
+    old = json.load(open(path)) if os.path.exists(path) else {}
+    curve = dict(old.get("curve", []))
+    # cumulative (sparse layer-steps, stage-2 layer-steps) at each validation: how a stage-2 step is charged
+    counts = {int(k): v for k, v in old.get("sparse_counts", {}).items()}
 
-    def on_val(step, loss):
+    def record(**extra):
+        return dict(name=name, seed=args.seed, arm=_plain(arm), curve=sorted(curve.items()),
+                    sparse_counts={str(k): v for k, v in sorted(counts.items())}, **extra)
+
+    def on_val(step, loss, counters):
         curve[int(step)] = float(loss)
-        _write_json(path, dict(name=name, seed=args.seed, arm=_plain(arm), curve=sorted(curve.items())))
+        counts[int(step)] = [int(counters["sparse_steps"]), int(counters["layer_steps"])]
+        _write_json(path, record())
 
     model, _, summary = train_arm(arm, args, on_val=on_val)
-    record = dict(name=name, seed=args.seed, arm=_plain(arm), curve=sorted(curve.items()), summary=summary,
-                  kept_fraction=kept_fraction(model, arm, summary))
+    record = record(summary=summary, kept_fraction=kept_fraction(model, arm, summary))
     _write_json(path, record)
     print(f"== {name} seed {args.seed}: {summary['steps']} steps, val loss {summary['val_loss']:.4f}", flush=True)
     return record
@@ -341,6 +353,7 @@ def load_records(args) -> Dict[str, Dict[int, dict]]:
     for path in sorted(glob.glob(os.path.join(args.save_dir, "curves", "*.json"))):
         rec = json.load(open(path))
         rec["curve"] = [(int(s), float(v)) for s, v in rec["curve"]]
+        rec["sparse_counts"] = {int(k): tuple(v) for k, v in rec.get("sparse_counts", {}).items()}
         if not rec["curve"]:
             print(f"report: {path} has no validation yet: left out", flush=True)
             continue
@@ -378,14 +391,36 @@ def mean_se(xs: List[float]):
     return mean, math.sqrt(var / n)
 
 
-def wall_clock(curve, arm: dict, timing: Optional[dict]) -> Optional[List[tuple]]:
-    """(seconds of training, val loss) per validation point, from the arm's measured step times alone:
-    stage-1 steps at its stage-1 time, stage-2 steps at its trained stage-2 time."""
+def wall_clock(curve, arm: dict, timing: Optional[dict], counts: Optional[Dict[int, tuple]] = None,
+               sparse_share: Optional[float] = None) -> Optional[List[tuple]]:
+    """(seconds of training, val loss) per validation point, from the arm's measured step times alone.
+
+    A stage-1 step costs the arm's stage-1 time (every layer dense); a stage-2 step costs that plus the
+    share of its layers that ran sparse times (stage-2 time - stage-1 time), the stage-2 time being a step with
+    every layer sparse on the trained budgets. The share comes, per interval between validations, from the
+    run's cumulative ``counts`` ``{step: (sparse layer-steps, stage-2 layer-steps)}``; without them, from
+    ``sparse_share`` (the run's share over its whole stage 2: optimistic, since layers turn sparse during
+    stage 2, so the early steps are denser than the average). Neither given: every stage-2 step is charged as
+    all-sparse (optimistic; what runs 3-5 reported before 2026-12-02 evening)."""
     if not timing:
         return None
     ms1, ms2 = timing["stage1"], timing["stage2"]
     stage1 = arm["stage1"] if arm["attn"] == "dsv" else 0
-    return [((min(s, stage1) * ms1 + max(0, s - stage1) * ms2) / 1e3, v) for s, v in curve]
+    out, seconds, prev = [], 0.0, 0
+    prev_counts = (0, 0)
+    for s, v in curve:
+        dense_steps = max(0, min(s, stage1) - min(prev, stage1))
+        stage2_steps = max(0, s - max(prev, stage1))
+        if counts is not None and s in counts:
+            d_sparse, d_layers = counts[s][0] - prev_counts[0], counts[s][1] - prev_counts[1]
+            share = d_sparse / d_layers if d_layers > 0 else 0.0
+            prev_counts = tuple(counts[s])
+        else:
+            share = 1.0 if sparse_share is None else sparse_share
+        seconds += (dense_steps * ms1 + stage2_steps * (ms1 + share * (ms2 - ms1))) / 1e3
+        out.append((seconds, v))
+        prev = s
+    return out
 
 
 def time_to_reach(points: List[tuple], target: float) -> Optional[float]:
@@ -425,9 +460,12 @@ def report(args, names: List[str]) -> List[dict]:
         summaries = [rec.get("summary", {}) for rec in runs.values()]
         t_arm = (timing.get(name) or {}).get(str(S))
         mean_curve = _mean_curve([rec["curve"] for rec in runs.values()], full_step if name == "full" else 10**12)
-        wc = wall_clock(mean_curve, arm, t_arm)
+        counts = _mean_counts(runs.values(), [st for st, _ in mean_curve])
+        share = _mean([s.get("sparse_layer_fraction") for s in summaries])
+        charge = dict(counts=counts, sparse_share=share if arm["attn"] == "dsv" else None)
+        wc = wall_clock(mean_curve, arm, t_arm, **charge)
         # per timed length: the first time the mean curve reaches the target (full attention by the same rule)
-        reach_by_S = {length: time_to_reach(wall_clock(mean_curve, arm, t), full_mean) if t else None
+        reach_by_S = {length: time_to_reach(wall_clock(mean_curve, arm, t, **charge), full_mean) if t else None
                       for length, t in (timing.get(name) or {}).items()}
         row = dict(bench="quality_frontier", kind="arm", name=name, data=arm["data"], S=S, steps=step,
                    seeds=sorted(at), attn=arm["attn"], budget_rule=arm.get("rule"), recall_target=arm.get("recall"),
@@ -445,7 +483,8 @@ def report(args, names: List[str]) -> List[dict]:
                    ms_step_alone=(t_arm or {}).get("stage2"), ms_step_alone_stage1=(t_arm or {}).get("stage1"),
                    ms_step_alone_by_S={k: v for k, v in (timing.get(name) or {}).items()},
                    time_to_full_loss_s=reach_by_S.get(str(S)), curve=mean_curve, wall_clock=wc,
-                   time_to_full_loss_s_by_S=reach_by_S)
+                   time_to_full_loss_s_by_S=reach_by_S,
+                   stage2_charging=("per_interval" if counts else "uniform_share") if arm["attn"] == "dsv" else None)
         rows.append(row)
     full_by_S = next((r["time_to_full_loss_s_by_S"] for r in rows if r["name"] == "full"), {})
     for row in rows:
@@ -461,6 +500,15 @@ def report(args, names: List[str]) -> List[dict]:
 def _mean_curve(curves, upto: int):
     steps = sorted(set.intersection(*({s for s, _ in c} for c in curves)))
     return [(s, sum(dict(c)[s] for c in curves) / len(curves)) for s in steps if s <= upto]
+
+
+def _mean_counts(runs, steps) -> Optional[Dict[int, tuple]]:
+    """Per validation step, the seeds' mean cumulative (sparse layer-steps, stage-2 layer-steps); None unless
+    every run recorded them at every step (runs before 2026-12-02 evening did not)."""
+    if not all(all(st in rec.get("sparse_counts", {}) for st in steps) for rec in runs):
+        return None
+    runs = list(runs)
+    return {st: tuple(sum(rec["sparse_counts"][st][i] for rec in runs) / len(runs) for i in (0, 1)) for st in steps}
 
 
 def _mean(xs):

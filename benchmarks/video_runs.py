@@ -13,8 +13,8 @@ parameters that set the attention logits' scale under QK-norm), ``rope`` (RoPE b
 granularity, ``block`` or ``token``: ``DSVConfig.granularity``), ``rule`` and ``recall`` (DSV's budget rule, ``recall`` or
 ``sparsity``, and the recall rule's target: ``DSVConfig.budget_rule`` / ``recall_target``), ``local`` (DSV's local +
 predicted lists, the always-on radius in cubes as ``rt.rh.rw``, ``0.0.0`` = off, ``auto`` = the library's
-default: ``DSVConfig.local_radius``), ``thr`` (the dispatcher's ``DSVConfig.sparsity_threshold``),
-``steps`` and ``minutes`` (the run stops at
+default: ``DSVConfig.local_radius``), ``thr`` (the dispatcher's ``DSVConfig.sparsity_threshold``), ``cap``
+(``DSVConfig.max_density``, the cap on every head's kept fraction; 0 = none), ``steps`` and ``minutes`` (the run stops at
 whichever comes first, so a run fits the device time; with ``--align-stops`` a run stopped by its minutes is saved
 where it stopped and reports its last validation step), ``stage1`` (DSV's stage-1 steps; default
 half of ``steps``), ``window_frac`` (the window baseline's kept fraction of keys), ``label`` (a
@@ -43,10 +43,10 @@ from megatron_dsv.attention.schedule import is_profile_step  # noqa: E402
 from megatron_dsv.config import DSVConfig  # noqa: E402
 
 ARM_DEFAULTS = dict(data="vizdoom", frames=32, res=256, attn="dsv", lr=3e-4, qk_norm=1, qk_lr=1.0, rope=10000.0,
-                    gran="block", rule="recall", recall=0.96, local="0.0.0", thr=0.8, steps=1000, minutes=3.0,
+                    gran="block", rule="recall", recall=0.96, local="0.0.0", thr=0.8, cap=0.0, steps=1000, minutes=3.0,
                     stage1=None, window_frac=0.1, label=None)
 _INT_KEYS = ("frames", "res", "qk_norm", "steps", "stage1")
-_FLOAT_KEYS = ("lr", "qk_lr", "rope", "minutes", "window_frac", "recall", "thr")
+_FLOAT_KEYS = ("lr", "qk_lr", "rope", "minutes", "window_frac", "recall", "thr", "cap")
 DATA_SOURCES = ("vizdoom", "ale", "footage", "synthetic")
 GRANULARITIES = ("block", "token")  # DSVConfig.granularity
 BUDGET_RULES = ("recall", "sparsity")  # DSVConfig.budget_rule
@@ -86,6 +86,7 @@ def parse_arm(text: str) -> dict:
             variants += ["paperrule"] if arm["rule"] == "sparsity" else []
             variants += [f"recall{arm['recall']:g}"] if arm["rule"] == "recall" and arm["recall"] != 0.96 else []
             variants += [f"thr{arm['thr']:g}"] if arm["thr"] != ARM_DEFAULTS["thr"] else []
+            variants += [f"cap{arm['cap']:g}"] if arm["cap"] else []
             variants += [f"local{arm['local']}"] if arm["local_radius"] is None or any(arm["local_radius"]) else []
             variants += ["staysdense"] if arm["stage1"] >= arm["steps"] else []
         if arm["attn"] == "window":
@@ -237,7 +238,7 @@ def build_model(arm: dict, args, device, dtype):
     if arm["attn"] == "dsv":
         dsv = DSVConfig(stage_switch_rule="steps", stage_switch_steps=arm["stage1"], granularity=arm["gran"],
                         budget_rule=arm["rule"], recall_target=arm["recall"], local_radius=arm["local_radius"],
-                        sparsity_threshold=arm["thr"],
+                        sparsity_threshold=arm["thr"], max_density=arm["cap"] or None,
                         profile_interval=args.profile_every, profile_warmup_steps=10**9,
                         speedup_table=args.speedup_table if device.type == "cuda" else None)
     elif arm["attn"] == "window":
@@ -305,8 +306,10 @@ def validate(model, ema, clips: "Clips", args) -> float:
 def train_arm(arm: dict, args, on_profile=None, on_val=None):
     """Train one arm (resumed from ``args.save_dir`` when its checkpoint is there); returns ``(model, clips, summary)``.
 
-    ``on_profile(step, model)`` runs after every DSV profile step, ``on_val(step, loss)`` after every
-    validation (every ``args.val_every`` steps and at the end; on the EMA weights with ``args.ema_decay`` > 0).
+    ``on_profile(step, model)`` runs after every DSV profile step, ``on_val(step, loss, counters)`` after every
+    validation (every ``args.val_every`` steps and at the end; on the EMA weights with ``args.ema_decay`` > 0;
+    ``counters``: the run's stage-2 layer-steps so far, ``{"sparse_steps", "layer_steps"}``, whose differences
+    between validations say how many of the steps in between ran each layer sparse).
     AdamW on fp32 main weights, linear warm-up over ``args.warmup`` steps, gradient clipping at 1, batch
     ``args.batch``.
     """
@@ -357,7 +360,7 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
                       tokens_of(arm))
         if on_val is not None and (step + 1) % args.val_every == 0:
             val = validate(model, ema, clips, args)
-            on_val(step + 1, val)
+            on_val(step + 1, val, dict(counters))
             if align and path and step + 1 < arm["steps"]:
                 aligned = (step + 1, val, dict(counters))
                 save_run(path, arm, model, opt, g, step + 1, counters, ema, last_val=aligned)
@@ -379,7 +382,7 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
         if path:  # with its validation: a run extended later (more steps) and stopped early reports this one
             save_run(path, arm, model, opt, g, steps_done, counters, ema, last_val=(steps_done, final_val, counters))
         if on_val is not None and steps_done % args.val_every:
-            on_val(steps_done, final_val)
+            on_val(steps_done, final_val, dict(counters))
     summary = dict(steps=steps_done, val_loss=final_val, ms_step=1e3 * _median(times[1:] or times),
                    sparse_layer_fraction=counters["sparse_steps"] / max(1, counters["layer_steps"]),
                    minutes=(time.perf_counter() - t_start) / 60.0)

@@ -123,6 +123,18 @@ class DSVConfig:
     fraction 0.24 / 0.35 instead of 0.61 / 0.51) at +0.14 +- 0.05% / +1.00 +- 0.91% validation loss against
     full attention, where 0.8 gave +0.34 +- 0.14% / +0.61 +- 0.11% (paired 0.7 - 0.8: -0.20 / +0.38%, within
     the seeds' spread on both)."""
+    max_density: Optional[float] = _knob(
+        None, "Cap on every head's budget density K_h / S (0 < cap <= 1; None: no cap). With a cap a layer runs "
+        "sparse from the first profiled stage-2 step whenever its capped budgets are sparse enough (1 - mean "
+        "K_h / S >= sparsity_threshold) and faster, whatever its measured sparsity.")
+    """Upper bound on the kept fraction of every head's list (VSA-style fixed top-k, per-head adaptive below it).
+
+    The paper's rule waits for the measured sparsity: in the frontier's short runs (1500 steps, 16K tokens) the
+    layers cross 0.7 only ~300-500 steps after a switch at step 400, so a third of stage 2 runs dense.
+    A cap keeps each head's budget at ``min(rule's K_h, max_density * S)`` (never under ``k_min`` or the
+    neighbourhood of local + predicted lists), and the dispatcher then decides on the capped budgets'
+    effective sparsity instead of the measured one. Quality is what it costs: measured beside full attention
+    and the 3D window in benchmarks/NOTES_quality.md (frontier arm ``cap25_s400``). Default None (off)."""
     k_min: int = _knob(64, "Smallest per-head KV budget in tokens.")
     """Floor of the per-head budget K_h (tokens)."""
     speedup_table: Optional[str] = _knob(
@@ -254,6 +266,9 @@ class DSVConfig:
                  f"set (an int >= 0) when stage_switch_rule is {self.stage_switch_rule!r}")
         need(0 <= self.sparsity_threshold <= 1, "sparsity_threshold", "in [0, 1]")
         need(self.k_min >= 1, "k_min", ">= 1")
+        need(self.max_density is None or isinstance(self.max_density, (int, float))
+             and not isinstance(self.max_density, bool) and 0 < self.max_density <= 1, "max_density",
+             "None (no cap) or in (0, 1]")
         need(len(self.query_group_shape) == 3 and all(x >= 1 for x in self.query_group_shape),
              "query_group_shape", "three positive ints (t, h, w)")
         need(self.group_size in SUPPORTED_GROUP_SIZES, "query_group_shape",

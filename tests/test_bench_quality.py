@@ -43,6 +43,22 @@ def test_wall_clock_charges_stage_one_and_two_at_their_own_times():
     assert wall_clock([(50, 2.0)], arm, None) is None
 
 
+def test_wall_clock_charges_stage_two_by_the_share_of_layers_that_ran_sparse():
+    """A stage-2 step whose layers ran dense costs the dense time: each interval between validations is charged
+    by its own share of sparse layer-steps (cumulative counts), else by the run's overall share."""
+    arm, t = {"attn": "dsv", "stage1": 100}, {"stage1": 10.0, "stage2": 4.0}
+    # 4 layers; steps 100-200 all dense (0 of 400 layer-steps), 200-300 half sparse (200 of 400)
+    counts = {100: (0, 0), 200: (0, 400), 300: (200, 800)}
+    wc = wall_clock([(100, 3.0), (200, 2.0), (300, 1.0)], arm, t, counts=counts)
+    assert [x for x, _ in wc] == [pytest.approx(1.0), pytest.approx(2.0), pytest.approx(2.7)]  # 100 x (10 - 0.5 x 6)
+    # no counts: the overall share (here 0.25) for every stage-2 step
+    wc = wall_clock([(300, 1.0)], arm, t, sparse_share=0.25)
+    assert wc[0][0] == pytest.approx(1.0 + 200 * (10 - 0.25 * 6) / 1e3)
+    # a validation inside stage 1, then one past it: only the steps past stage 1 take the stage-2 share
+    wc = wall_clock([(50, 2.0), (150, 1.5)], arm, t, counts={50: (0, 0), 150: (200, 200)})
+    assert wc[1][0] == pytest.approx(1.0 + 50 * 4.0 / 1e3)
+
+
 def test_frontier_arms_parse_with_their_settings():
     args = build_parser().parse_args(["--arm", "data=synthetic,frames=4,res=64,steps=100", "--save-dir", "x"])
     for name in FRONTIER:
@@ -66,7 +82,7 @@ def test_library_default_marks_the_arms_whose_lists_are_the_defaults():
     args = build_parser().parse_args(["--arm", "data=vizdoom,frames=16,res=256", "--save-dir", "x"])
     marked = {name for name in FRONTIER if is_library_default(arm_of(name, args.arm, args))}
     # local111 keeps the old threshold (0.8); default_s400 has the default lists with an earlier stage switch
-    assert marked == {"default", "default_s400", "local111_thr07"}
+    assert marked == {"default", "default_s400", "local111_thr07"}  # cap25_s400 caps the lists: not the default
 
 
 def test_profile_period_is_the_schedules_at_the_runs_step():

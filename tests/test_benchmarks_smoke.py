@@ -132,6 +132,8 @@ def test_bench_quality_quick_frontier_every_phase(tmp_path):
     full = rows[0]
     assert full["delta_vs_full_pct"] == 0.0 and full["kept_fraction"] == 1.0 and full["time_to_full_loss_ratio"] == 1.0
     assert rows[2]["local_radius"] == "0.1.1" and 0 < rows[3]["kept_fraction"] < 1
+    # stage-2 steps charged by the share of layers that ran sparse between validations (counts in the curves)
+    assert rows[2]["stage2_charging"] == "per_interval" and rows[0]["stage2_charging"] is None
     # DSV arms: plain and profile steps clocked apart, the step charged plain + (profile - plain) / period
     t = rows[2]["ms_step_alone_by_S"]["256"]
     assert t["stage2"] == pytest.approx(t["stage2_plain"] + (t["stage2_profile_step"] - t["stage2_plain"]) / 2)

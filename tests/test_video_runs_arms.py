@@ -88,21 +88,21 @@ def test_align_stops_save_where_they_stop_report_the_last_validation_and_resume_
     arm = "data=synthetic,frames=4,res=64,stage1=3,steps=8"
     curves = {"straight": [], "cut": []}
     straight = train_arm(parse_arm(arm), _run_args(tmp_path, "--val-every", "2"),
-                         on_val=lambda s, v: curves["straight"].append((s, v)))
+                         on_val=lambda s, v, c: curves["straight"].append((s, v)))
     args = _run_args(tmp_path, "--val-every", "2", "--save-dir", str(tmp_path / "runs"), "--align-stops")
-    cut = train_arm(parse_arm(arm + ",minutes=0.0000001"), args, on_val=lambda s, v: curves["cut"].append((s, v)))
+    cut = train_arm(parse_arm(arm + ",minutes=0.0000001"), args, on_val=lambda s, v, c: curves["cut"].append((s, v)))
     run = tmp_path / "runs" / "synthetic-dsv-S256.pt"
     assert cut[2]["steps"] == 0 and run.exists()  # stopped after step 1, before any validation: saved at step 1
     assert torch.load(run, map_location="cpu", weights_only=True)["step"] == 1
     args.val_every = 1
-    cut = train_arm(parse_arm(arm + ",minutes=0.0000001"), args, on_val=lambda s, v: curves["cut"].append((s, v)))
+    cut = train_arm(parse_arm(arm + ",minutes=0.0000001"), args, on_val=lambda s, v, c: curves["cut"].append((s, v)))
     assert cut[2]["steps"] == 2 and curves["cut"] == [(2, cut[2]["val_loss"])]  # resumed at 1, validated at 2
     args.val_every = 4
-    again = train_arm(parse_arm(arm + ",minutes=0.0000001"), args, on_val=lambda s, v: curves["cut"].append((s, v)))
+    again = train_arm(parse_arm(arm + ",minutes=0.0000001"), args, on_val=lambda s, v, c: curves["cut"].append((s, v)))
     assert again[2]["steps"] == 2 and again[2]["val_loss"] == cut[2]["val_loss"]  # stopped at 3: reports step 2
     assert torch.load(run, map_location="cpu", weights_only=True)["step"] == 3
     args.val_every = 2
-    resumed = train_arm(parse_arm(arm), args, on_val=lambda s, v: curves["cut"].append((s, v)))
+    resumed = train_arm(parse_arm(arm), args, on_val=lambda s, v, c: curves["cut"].append((s, v)))
     assert resumed[2]["steps"] == 8 and [s for s, _ in curves["cut"]] == [2, 4, 6, 8]  # resumed at 3
     assert dict(curves["cut"])[8] == dict(curves["straight"])[8] == straight[2]["val_loss"]
     assert dict(curves["cut"])[2] == dict(curves["straight"])[2]

@@ -8,6 +8,10 @@
 #   finish  TRAIN_MINUTES [3] more training, then each study's arms timed alone, one after the other (--time,
 #           with a kernel profile of each arm's stage-2 step at the last length; TIME_TIMEOUT [240] s for all
 #           studies), and the reports: OUT_DIR/<data>/quality-frontier-<gpu>-<date>.json + PNGs
+#   start   as train, but the studies are launched detached (setsid) and the call returns at once: the training
+#           outlives the call while the machine stays warm (call back to back), so a study whose data needs its own
+#           carry (footage, ViZDoom's wheels: 64 MiB a call) starts in one call and the next starts beside it
+#   wait    WAIT_S [540] s at most, until every detached launch has ended; a progress line a minute
 #   time    the timing and the reports alone
 #   report  the reports alone (curves and timing already under runs/frontier-<data>/)
 # Settings (environment): DATA ["vizdoom"; e.g. "vizdoom footage": one study per source, trained side by side],
@@ -39,10 +43,18 @@ study() {  # $1: data source -> cmd: the study's bench_quality command (an array
   [ -n "${ARMS:-}" ] && cmd+=(--arms "$ARMS")
 }
 
-train() {  # $1: minutes per arm; the studies side by side
+train() {  # $1: minutes per arm; the studies side by side ($2 = detach: launched in their own sessions, not waited)
   local pids=() d
   for d in "${studies[@]}"; do
     study "$d"
+    if [ "${2:-}" = detach ]; then
+      mkdir -p runs
+      DSV_TOPK_BACKEND=${TRAIN_TOPK:-naive} setsid nohup "${cmd[@]}" --launch --arm "data=$d,$keys,minutes=$1" \
+        > "runs/launch-$d.log" 2>&1 < /dev/null &
+      echo "$!" > "runs/launch-$d.pid"
+      echo "== $d: launched detached (pid $!, log runs/launch-$d.log)"
+      continue
+    fi
     DSV_TOPK_BACKEND=${TRAIN_TOPK:-naive} "${cmd[@]}" --launch --arm "data=$d,$keys,minutes=$1" > "$out/logs/launch-$d.log" 2>&1 &
     pids+=($!)
   done
@@ -85,6 +97,26 @@ case "$phase" in
     train "${TRAIN_MINUTES:-3}"
     time_studies
     report
+    ;;
+  start)
+    train "${MINUTES:-7.0}" detach
+    if [ "${SKIP_GPU_TESTS:-0}" != 1 ]; then  # in the foreground, beside the detached arms
+      timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -rs tests/ops/test_topk_forced.py tests/attention/test_local_lists.py \
+        tests/ops/test_topk_keys.py tests/ops/test_sparse_attention_gpu.py tests/models/test_video_dit.py \
+        tests/attention/test_dispatch_schedule.py -k "not slow" 2>&1 | tail -n 15
+    fi
+    ;;
+  wait)
+    end=$(( $(date +%s) + ${WAIT_S:-540} ))
+    while pgrep -f "bench_quality.py.*--launch" > /dev/null && [ "$(date +%s)" -lt "$end" ]; do
+      sleep 60
+      for log in runs/frontier-*/logs/*-s0.log; do  # the last iteration line of each arm's first seed
+        [ -e "$log" ] && echo "${log#runs/frontier-}: $(grep -a iteration "$log" | tail -n 1 | sed 's/.*iteration/it/' | cut -c1-150)"
+      done
+      echo "-- $(date +%T): $(pgrep -fc "bench_quality.py.*--worker") workers running"
+    done
+    pgrep -f "bench_quality.py.*--launch" > /dev/null && echo "== still training after WAIT_S" || echo "== every launch ended"
+    for log in runs/launch-*.log; do [ -e "$log" ] && { echo "== $log"; tail -n 12 "$log"; }; done
     ;;
   time)
     time_studies

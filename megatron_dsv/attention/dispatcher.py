@@ -13,6 +13,10 @@ Two budget rules (``DSVConfig.budget_rule``):
 Either way budgets are rounded up to the kernel block; at block granularity they are handed to
 the ops in key-block units.
 
+``DSVConfig.max_density`` caps every budget at that fraction of S (never under ``k_min`` or the
+neighbourhood floor), and the layer then runs sparse when the *capped* budgets' effective sparsity is
+at least ``sparsity_threshold`` and faster, whatever the measured sparsity (:func:`choose_sparse_capped`).
+
 The speedup comes from a :class:`SpeedupTable`: measured rows of a
 ``benchmarks/results/sparse_attention-*.json`` file (``DSVConfig.speedup_table``),
 or, when no file is given, a FLOP model (sparse kernel at 75% of dense throughput
@@ -31,7 +35,8 @@ import torch
 
 from megatron_dsv.config import DSVConfig
 
-__all__ = ["SpeedupTable", "head_budgets", "density_budgets", "choose_sparse", "choose_sparse_density", "plan_layer",
+__all__ = ["SpeedupTable", "head_budgets", "density_budgets", "choose_sparse", "choose_sparse_density",
+           "choose_sparse_capped", "plan_layer",
            "FLOP_MODEL_EFFICIENCY", "BWD_FLOP_RATIO"]
 
 FLOP_MODEL_EFFICIENCY = 0.75  # sparse kernel throughput / dense throughput on kept FLOPs (DESIGN.md section 2)
@@ -145,7 +150,10 @@ def density_budgets(density: torch.Tensor, S: int, cfg: DSVConfig, min_tokens: i
 def _budgets(dens: torch.Tensor, S: int, cfg: DSVConfig, min_tokens: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
     # -1e-6*S absorbs fp32 sparsity error (0.9f gives density 0.100000024: one more token at S=1000)
     floor = float(max(cfg.k_min, min_tokens))
-    k = torch.maximum(torch.ceil(dens * S - 1e-6 * S), torch.full_like(dens, floor)).clamp(max=S).long()
+    k = torch.ceil(dens * S - 1e-6 * S)
+    if cfg.max_density is not None:  # the cap yields to the floor: the neighbourhood always fits
+        k = torch.minimum(k, torch.full_like(k, math.ceil(cfg.max_density * S - 1e-6 * S)))
+    k = torch.maximum(k, torch.full_like(dens, floor)).clamp(max=S).long()
     if cfg.block_size > 0:
         blocks = (k + cfg.block_size - 1) // cfg.block_size
         n_blocks = -(-S // cfg.block_size)
@@ -175,6 +183,14 @@ def choose_sparse_density(density: torch.Tensor, S: int, cfg: DSVConfig, table: 
     return effective >= cfg.sparsity_threshold and table.speedup(S, effective, training) > 1.0
 
 
+def choose_sparse_capped(tokens: torch.Tensor, S: int, cfg: DSVConfig, table: SpeedupTable,
+                         training: bool = True) -> bool:
+    """The rule under ``DSVConfig.max_density``: the capped budgets (``tokens [H]``, keys per query) are sparse
+    enough and faster; the measured sparsity does not gate (the cap bounds what a head keeps)."""
+    effective = 1.0 - float(tokens.double().mean()) / S
+    return effective >= cfg.sparsity_threshold and table.speedup(S, effective, training) > 1.0
+
+
 def plan_layer(sparsity: torch.Tensor, density: torch.Tensor, S: int, cfg: DSVConfig, table: SpeedupTable,
                training: bool = True, min_tokens: int = 0) -> Tuple[bool, torch.Tensor, torch.Tensor]:
     """``(sparse, budgets, tokens)`` of one layer under ``cfg.budget_rule`` (host tensors ``[H]``);
@@ -182,8 +198,14 @@ def plan_layer(sparsity: torch.Tensor, density: torch.Tensor, S: int, cfg: DSVCo
     match cfg.budget_rule:
         case "recall":
             budgets, tokens = density_budgets(density, S, cfg, min_tokens)
-            return choose_sparse_density(density, S, cfg, table, training, min_tokens), budgets, tokens
         case "sparsity":
             budgets, tokens = head_budgets(sparsity, S, cfg, min_tokens)
-            return choose_sparse(sparsity, S, cfg, table, training, min_tokens), budgets, tokens
-    raise ValueError(f"DSVConfig.budget_rule must be one of recall, sparsity; got {cfg.budget_rule!r}")
+        case _:
+            raise ValueError(f"DSVConfig.budget_rule must be one of recall, sparsity; got {cfg.budget_rule!r}")
+    if cfg.max_density is not None:
+        sparse = choose_sparse_capped(tokens, S, cfg, table, training)
+    elif cfg.budget_rule == "recall":
+        sparse = choose_sparse_density(density, S, cfg, table, training, min_tokens)
+    else:
+        sparse = choose_sparse(sparsity, S, cfg, table, training, min_tokens)
+    return sparse, budgets, tokens

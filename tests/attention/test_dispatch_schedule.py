@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from megatron_dsv.attention.dispatcher import SpeedupTable, choose_sparse, head_budgets
+from megatron_dsv.attention.dispatcher import SpeedupTable, choose_sparse, density_budgets, head_budgets, plan_layer
 from megatron_dsv.attention.schedule import (is_profile_step, profile_thinning, sampled_queries, should_switch,
                                              smooth)
 from megatron_dsv.config import DSVConfig
@@ -42,6 +42,34 @@ def test_dispatcher_on_synthetic_sparsity(fast_table):
     slow = SpeedupTable([dict(S=S, sparsity=s, granularity="token", speedup_fwd=0.5, speedup_bwd=0.5)
                          for s in (0.5, 0.99)], granularity="token")
     assert not choose_sparse(torch.tensor([0.97, 0.97]), S, cfg, slow)
+
+
+def test_max_density_caps_budgets_above_the_floor_and_decides_on_them():
+    """The cap bounds each head's list at max_density * S (block-rounded), yields to k_min and the neighbourhood
+    floor, and makes a layer sparse on the capped budgets even when its measured sparsity is under the threshold."""
+    S = 16384
+    cfg = DSVConfig(granularity="block", kv_block_size=128, k_min=64, max_density=0.25, sparsity_threshold=0.7)
+    flop = SpeedupTable.from_config(cfg, head_dim=64)
+    sparsity = torch.tensor([0.3, 0.5, 0.9, 0.99])
+    blocks, tokens = head_budgets(sparsity, S, cfg)
+    assert blocks.tolist() == [32, 32, 13, 2]  # 0.25 * 16384 = 32 blocks; (1 - 0.9) S -> 13 blocks below the cap
+    blocks, tokens = head_budgets(sparsity, S, cfg, min_tokens=27 * 128)  # the (1, 1, 1) neighbourhood floor
+    assert blocks.tolist() == [32, 32, 27, 27]
+    assert density_budgets(torch.tensor([0.6, 0.1]), S, cfg)[0].tolist() == [32, 13]  # rule 'recall' too
+    # uncapped, a layer measured at mean sparsity 0.4 stays dense; capped, it runs sparse on its capped lists
+    uncapped = DSVConfig(granularity="block", kv_block_size=128, sparsity_threshold=0.7)
+    low = torch.tensor([0.3, 0.5])
+    assert not plan_layer(low, 1 - low, S, uncapped, flop)[0]
+    sparse, blocks, tokens = plan_layer(low, 1 - low, S, cfg, flop)
+    assert sparse and tokens.tolist() == [4096, 4096]
+    # a cap above 1 - threshold leaves the layer dense (its capped budgets are not sparse enough)
+    loose = DSVConfig(granularity="block", kv_block_size=128, max_density=0.5, sparsity_threshold=0.7)
+    assert not plan_layer(low, 1 - low, S, loose, flop)[0]
+    # a floor larger than the cap wins: the neighbourhood always fits, and its density is what decides
+    assert not plan_layer(low, 1 - low, S, cfg, flop, min_tokens=S // 2)[0]
+    for bad in (0.0, 1.5, True, -0.1):
+        with pytest.raises(ValueError, match="max_density"):
+            DSVConfig(max_density=bad)
 
 
 def test_speedup_table_interpolation_and_combination():
