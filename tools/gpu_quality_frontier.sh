@@ -10,10 +10,14 @@
 #           studies), and the reports: OUT_DIR/<data>/quality-frontier-<gpu>-<date>.json + PNGs
 #   start   as train, but the studies are launched detached (setsid) and the call returns at once: the training
 #           outlives the call while the machine stays warm (call back to back), so a study whose data needs its own
-#           carry (footage, ViZDoom's wheels: 64 MiB a call) starts in one call and the next starts beside it
-#   wait    WAIT_S [540] s at most, until every detached launch has ended; a progress line a minute
+#           carry (footage, ViZDoom's wheels: 64 MiB a call) starts in one call and the next starts beside it. A
+#           second start beside running workers must install only its own wheels (GPU_WHEEL_DIRS): reinstalling the
+#           workers' megatron-core under them broke a worker's import in run 6
+#   wait    WAIT_S [540] s at most, until every detached launch has ended; a progress line a minute (installs nothing)
 #   time    the timing and the reports alone
 #   report  the reports alone (curves and timing already under runs/frontier-<data>/)
+# Memory: a 16K-token worker (hidden 512 x 4 layers) holds 8-12 GiB of the GPU; 18 workers ran out of the H200's 140
+# GiB in run 6 (four died of OOM and were resumed): keep DATA x ARMS x SEEDS at 12 or fewer.
 # Settings (environment): DATA ["vizdoom"; e.g. "vizdoom footage": one study per source, trained side by side],
 # ARM_KEYS [frames=16,res=256,stage1=700,qk_lr=10,lr=3e-4: 16K tokens], STEPS [4000: every arm stops there, so
 # fast arms free the GPU for the others], EXTRA_STEPS [0: percent more steps for every arm but full, so an arm
@@ -24,11 +28,13 @@
 # Carry [".whl", ".whl-vizdoom"] (".footage" for data footage: in a call of its own before, the carry cap is
 # 64 MiB; ".whl-mlm", ".mlm" for MEGATRON_CHECK=1).
 set -u
-out=${1:?usage: gpu_quality_frontier.sh OUT_DIR PHASE}; phase=${2:?phase: train, finish, time or report}
+out=${1:?usage: gpu_quality_frontier.sh OUT_DIR PHASE}; phase=${2:?phase: train, start, wait, finish, time or report}
 mkdir -p "$out/logs"
 cd "$(dirname "$0")/.." || exit 2
-# shellcheck disable=SC1091  # tools/gpu_env.sh, checked on its own
-. tools/gpu_env.sh
+if [ "$phase" != wait ]; then  # never reinstall the packages detached workers import from
+  # shellcheck disable=SC1091  # tools/gpu_env.sh, checked on its own
+  . tools/gpu_env.sh
+fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 read -r -a studies <<< "${DATA:-vizdoom}"
 keys=${ARM_KEYS:-frames=16,res=256,stage1=700,qk_lr=10,lr=3e-4},steps=${STEPS:-4000}
@@ -58,6 +64,7 @@ train() {  # $1: minutes per arm; the studies side by side ($2 = detach: launche
     DSV_TOPK_BACKEND=${TRAIN_TOPK:-naive} "${cmd[@]}" --launch --arm "data=$d,$keys,minutes=$1" > "$out/logs/launch-$d.log" 2>&1 &
     pids+=($!)
   done
+  [ "${2:-}" = detach ] && return 0
   for i in "${!studies[@]}"; do
     wait "${pids[$i]}"; echo "== ${studies[$i]}: launch exit $?"; tail -n 8 "$out/logs/launch-${studies[$i]}.log"
   done
