@@ -49,18 +49,21 @@ from megatron_dsv.config import DSVConfig  # noqa: E402
 
 # name -> arm keys over the data arm. "control" is DSV that never leaves stage 1 (dense attention through
 # DSV's path, predictors and profiler running): it must come out at 0 within the error.
+_D = DSVConfig()
+_DEFAULT_LISTS = (f"attn=dsv,rule={_D.budget_rule},recall={_D.recall_target:g},local=auto,"
+                  f"thr={_D.sparsity_threshold:g},cap={_D.max_density or 0:g}")
 FRONTIER: Dict[str, str] = {
     "full": "attn=full",
     "control": "attn=dsv,stage1=1000000000",
-    "default": f"attn=dsv,rule={DSVConfig().budget_rule},recall={DSVConfig().recall_target:g},local=auto,"
-               f"thr={DSVConfig().sparsity_threshold:g}",
+    # the library's defaults as committed (DSVConfig), whatever they are
+    "default": _DEFAULT_LISTS,
     # the default with stage 2 from step 400 (the study's stage1 is 700): what a shorter dense stage costs
-    "default_s400": f"attn=dsv,rule={DSVConfig().budget_rule},recall={DSVConfig().recall_target:g},local=auto,"
-                    f"thr={DSVConfig().sparsity_threshold:g},stage1=400",
-    # the default with every head's list capped at 25% of the keys and stage 2 from step 400: layers run sparse
-    # from the switch on instead of waiting for their measured sparsity to cross the threshold
-    "cap25_s400": f"attn=dsv,rule={DSVConfig().budget_rule},recall={DSVConfig().recall_target:g},local=auto,"
-                  f"thr={DSVConfig().sparsity_threshold:g},cap=0.25,stage1=400",
+    "default_s400": f"{_DEFAULT_LISTS},stage1=400",
+    # fixed designs (they do not follow the defaults): the paper's rule + the (1, 1, 1) neighbourhood, threshold 0.7
+    # (the default of runs 3-5), and the same with every head's list capped at 25% of the keys (run 6; the default
+    # since): layers run sparse from the switch instead of waiting for their measured sparsity
+    "uncapped_s400": "attn=dsv,rule=sparsity,local=auto,thr=0.7,stage1=400",
+    "cap25_s400": "attn=dsv,rule=sparsity,local=auto,thr=0.7,cap=0.25,stage1=400",
     "recall90": "attn=dsv,rule=recall,recall=0.9",
     "recall80": "attn=dsv,rule=recall,recall=0.8",
     "paper": "attn=dsv,rule=sparsity",

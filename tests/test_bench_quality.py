@@ -73,6 +73,7 @@ def test_frontier_arms_parse_with_their_settings():
     study = "data=synthetic,frames=4,res=64,steps=1500,stage1=700"
     own, base = arm_of("default_s400", study, args), arm_of("default", study, args)
     assert own["stage1"] == 400 and base["stage1"] == 700 and own["label"] != base["label"]  # two runs, two paths
+    assert arm_of("uncapped_s400", study, args)["cap"] == 0 and own["cap"] == 0.25
     args.extra_steps = 20  # every arm but full trains 20% longer
     assert arm_of("full", args.arm, args)["steps"] == 100 and arm_of("default", args.arm, args)["steps"] == 120
 
@@ -82,7 +83,9 @@ def test_library_default_marks_the_arms_whose_lists_are_the_defaults():
     args = build_parser().parse_args(["--arm", "data=vizdoom,frames=16,res=256", "--save-dir", "x"])
     marked = {name for name in FRONTIER if is_library_default(arm_of(name, args.arm, args))}
     # local111 keeps the old threshold (0.8); default_s400 has the default lists with an earlier stage switch
-    assert marked == {"default", "default_s400", "local111_thr07"}  # cap25_s400 caps the lists: not the default
+    # the library caps every list at 25% of the keys (DSVConfig.max_density): cap25_s400 (run 6) is the default with
+    # an earlier stage switch; the uncapped designs of runs 2-5 (uncapped_s400, local111_thr07, ...) are not
+    assert marked == {"default", "default_s400", "cap25_s400"}
 
 
 def test_profile_period_is_the_schedules_at_the_runs_step():

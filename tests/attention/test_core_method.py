@@ -89,9 +89,9 @@ def test_stage_switch_on_step_rule_and_sparse_forward(make_layer):
 
 @pytest.mark.parametrize("backend,granularity", [("naive", "token"), ("naive", "block"), ("auto", "block")])
 def test_full_budget_sparse_equals_dense(make_layer, fast_table, backend, granularity):
-    """Stage 2, sparsity 0 -> budget 100%: the sparse path (estimation + kernel) equals dense."""
+    """Stage 2, sparsity 0 -> budget 100% (no cap): the sparse path (estimation + kernel) equals dense."""
     layer = make_layer(kernel_backend=backend, granularity=granularity, sparsity_threshold=0.0,
-                       speedup_table=fast_table)
+                       speedup_table=fast_table, max_density=None)
     force_state(layer, stage=2, sparsity=0.0)
     layer.eval()
     q, k = planted(S=256)

@@ -13,14 +13,14 @@ from megatron_dsv.config import DSVConfig
 
 
 def test_budgets_token_granularity():
-    cfg = DSVConfig(granularity="token", k_min=64)
+    cfg = DSVConfig(granularity="token", k_min=64, max_density=None)
     b, tok = head_budgets(torch.tensor([0.9, 0.99, 0.0, 0.5]), 1000, cfg)
     assert b.tolist() == [100, 64, 1000, 500]  # ceil((1-s)*S), floor k_min, capped at S
     assert torch.equal(b, tok)
 
 
 def test_budgets_block_granularity_round_up():
-    cfg = DSVConfig(granularity="block", kv_block_size=64, k_min=64)
+    cfg = DSVConfig(granularity="block", kv_block_size=64, k_min=64, max_density=None)
     S = 1000  # 16 blocks, the last one partial
     b, tok = head_budgets(torch.tensor([0.9, 0.999, 0.0]), S, cfg)
     assert b.tolist() == [2, 1, 16]  # 100 tokens -> 2 blocks; k_min 64 -> 1 block; all -> 16
@@ -57,7 +57,7 @@ def test_max_density_caps_budgets_above_the_floor_and_decides_on_them():
     assert blocks.tolist() == [32, 32, 27, 27]
     assert density_budgets(torch.tensor([0.6, 0.1]), S, cfg)[0].tolist() == [32, 13]  # rule 'recall' too
     # uncapped, a layer measured at mean sparsity 0.4 stays dense; capped, it runs sparse on its capped lists
-    uncapped = DSVConfig(granularity="block", kv_block_size=128, sparsity_threshold=0.7)
+    uncapped = DSVConfig(granularity="block", kv_block_size=128, sparsity_threshold=0.7, max_density=None)
     low = torch.tensor([0.3, 0.5])
     assert not plan_layer(low, 1 - low, S, uncapped, flop)[0]
     sparse, blocks, tokens = plan_layer(low, 1 - low, S, cfg, flop)

@@ -13,7 +13,8 @@ from .conftest import as_megatron, force_state, planted
 
 
 def test_density_budgets_and_dispatch(fast_table):
-    cfg = DSVConfig(granularity="block", kv_block_size=64, k_min=64, sparsity_threshold=0.8, budget_rule="recall")
+    cfg = DSVConfig(granularity="block", kv_block_size=64, k_min=64, sparsity_threshold=0.8, budget_rule="recall",
+                    max_density=None)
     S = 1024  # 16 blocks
     b, tok = density_budgets(torch.tensor([0.05, 0.2, 0.001, 1.0]), S, cfg)
     assert b.tolist() == [1, 4, 1, 16] and tok.tolist() == [64, 256, 64, 1024]  # ceil to blocks, k_min floor
@@ -24,7 +25,7 @@ def test_density_budgets_and_dispatch(fast_table):
     # the smoothed sparsity plays no part under the recall rule, and vice versa
     sparse, budgets, _ = plan_layer(torch.tensor([0.99, 0.99]), torch.tensor([0.3, 0.3]), S, cfg, table)
     assert not sparse and budgets.tolist() == [5, 5]
-    rule_s = DSVConfig(granularity="block", kv_block_size=64, k_min=64, budget_rule="sparsity")
+    rule_s = DSVConfig(granularity="block", kv_block_size=64, k_min=64, budget_rule="sparsity", max_density=None)
     sparse, budgets, _ = plan_layer(torch.tensor([0.99, 0.99]), torch.tensor([0.3, 0.3]), S, rule_s, table)
     assert sparse and budgets.tolist() == [1, 1]
     slow = SpeedupTable([dict(S=S, sparsity=s, granularity="block", speedup_fwd=0.5, speedup_bwd=0.5)
@@ -33,7 +34,8 @@ def test_density_budgets_and_dispatch(fast_table):
 
 
 def test_layer_dispatches_on_budget_density(make_layer, fast_table):
-    layer = make_layer(budget_rule="recall", sparsity_threshold=0.8, speedup_table=fast_table)  # token lists, k_min 16, S 512
+    # token lists, k_min 16, S 512; uncapped (the cap would bound the 30% budget below)
+    layer = make_layer(budget_rule="recall", max_density=None, sparsity_threshold=0.8, speedup_table=fast_table)
     force_state(layer, stage=2, sparsity=0.95, density=0.3)  # very sparse, but the recall budget is 30%
     sparse, budgets, tokens = layer.decide(512)
     assert not sparse and budgets.tolist() == [154, 154] and tokens.tolist() == [512, 512]
@@ -55,7 +57,8 @@ def test_first_profile_budget_reaches_target(make_layer, granularity):
     """The measured budget density builds lists that reach recall_target on the profiled queries (the
     logged recall is the oracle's, on the lists actually built); at block granularity a budget of one
     block fewer would miss it."""
-    layer = make_layer(budget_rule="recall", granularity=granularity, kv_block_size=64, recall_target=0.9, k_min=1)
+    layer = make_layer(budget_rule="recall", max_density=None, granularity=granularity, kv_block_size=64,
+                       recall_target=0.9, k_min=1)
     layer.predictor_training = False  # the reference lists below need the weights the profiler saw
     q, k = _profile_once(layer)
     m = dsv_metrics(layer)
@@ -71,7 +74,7 @@ def test_first_profile_budget_reaches_target(make_layer, granularity):
 
 
 def test_budget_density_is_smoothed_and_round_trips(make_layer):
-    a = make_layer(budget_rule="recall", sparsity_momentum=0.5)
+    a = make_layer(budget_rule="recall", max_density=None, sparsity_momentum=0.5)
     measured = iter([torch.tensor([0.2, 0.3]), torch.tensor([0.6, 0.1])])
     a._recall_density = lambda *args: next(measured)  # the profiler's measurement, fixed
     _profile_once(a, seed=0)

@@ -60,7 +60,7 @@ def test_defaults_are_the_embedded_demo():
 
 def test_embedded_default_runs_sparse_at_the_demo_sparsity():
     """The default job's DSV settings dispatch its layers sparse at the sparsity its 512-token videos
-    reach (0.52-0.61 measured), with the budgets the demo uses; the library's recall rule at the
+    reach (0.52-0.61 measured), with the budgets the demo uses; the recall rule, uncapped, at the
     densities those videos need (~0.9 for 0.96 recall) would keep them dense."""
     from dataclasses import replace
 
@@ -73,7 +73,7 @@ def test_embedded_default_runs_sparse_at_the_demo_sparsity():
     sparsity, density = torch.full((2,), 0.55), torch.full((2,), 0.9)
     sparse, budgets, tokens = plan_layer(sparsity, density, 512, cfg, table)
     assert sparse and int(tokens.max()) < 512
-    assert not plan_layer(sparsity, density, 512, replace(cfg, budget_rule="recall"), table)[0]
+    assert not plan_layer(sparsity, density, 512, replace(cfg, budget_rule="recall", max_density=None), table)[0]
 
 
 def test_help_shows_the_defaults_in_effect(capsys):
