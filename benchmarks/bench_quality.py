@@ -107,6 +107,18 @@ def arm_of(name: str, base: str, args) -> dict:
     return arm
 
 
+def check_distinct_runs(names: List[str], args) -> None:
+    """Two arm names that are the same design share a run path (its label): two workers would write one
+    checkpoint. Refused, naming both (e.g. default_s400 is cap25_s400 while the library caps at 25%)."""
+    seen: Dict[str, str] = {}
+    for name in names:
+        label = arm_of(name, args.arm, args)["label"]
+        if label in seen:
+            raise SystemExit(f"bench_quality: --arms {seen[label]!r} and {name!r} are the same run ({label}); "
+                             "keep one of them")
+        seen[label] = name
+
+
 def _curve_path(args, name: str, seed: int) -> str:
     return os.path.join(args.save_dir, "curves", f"{name}-s{seed}.json")
 
@@ -120,6 +132,9 @@ def train_one(name: str, args) -> dict:
     path = _curve_path(args, name, args.seed)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     old = json.load(open(path)) if os.path.exists(path) else {}
+    if old and old.get("arm", {}).get("label") != arm["label"]:  # another run (design) under the name: a default moved
+        print(f"{path}: holds run {old.get('arm', {}).get('label')!r}, not {arm['label']!r}: started over", flush=True)
+        old = {}
     curve = dict(old.get("curve", []))
     # cumulative (sparse layer-steps, stage-2 layer-steps) at each validation: how a stage-2 step is charged
     counts = {int(k): v for k, v in old.get("sparse_counts", {}).items()}
@@ -299,6 +314,8 @@ def time_arm(name: str, S: int, args, profile: bool = False) -> dict:
         if split:
             steps(2, profiled=True)
         plain = clock(max(1, args.time_steps // 3))
+        if kind == "stage2":  # what the clocked stage-2 step ran: the trained decisions may keep a layer dense
+            result["stage2_sparse_share"] = sum(int(layer.last_sparse) for layer in layers) / len(layers)
         if split:
             prof = clock(max(1, args.time_steps // 15), profiled=True)
             result[kind] = plain + (prof - plain) / period
@@ -313,7 +330,7 @@ def time_arm(name: str, S: int, args, profile: bool = False) -> dict:
             raise RuntimeError(f"--time: arm {name!r} changed stage while timed ({stage} -> {layers[0].stage_host}): "
                                "its run is not past its stage switch")
     if "step" in result:
-        result = {"stage2": result["step"], "stage1": result["step"]}
+        result = {"stage2": result["step"], "stage1": result["step"], "stage2_sparse_share": 0.0}
     del model, opt
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -398,9 +415,11 @@ def wall_clock(curve, arm: dict, timing: Optional[dict], counts: Optional[Dict[i
                sparse_share: Optional[float] = None) -> Optional[List[tuple]]:
     """(seconds of training, val loss) per validation point, from the arm's measured step times alone.
 
-    A stage-1 step costs the arm's stage-1 time (every layer dense); a stage-2 step costs that plus the
-    share of its layers that ran sparse times (stage-2 time - stage-1 time), the stage-2 time being a step with
-    every layer sparse on the trained budgets. The share comes, per interval between validations, from the
+    A stage-1 step costs the arm's stage-1 time (every layer dense); a stage-2 step costs that plus the share of
+    its layers that ran sparse times the saving of one sparse layer, ``(stage-2 time - stage-1 time) /
+    stage2_sparse_share``: the stage-2 time is timed on the trained decisions, with ``stage2_sparse_share`` of
+    the layers sparse (1 where the timing did not record it; 0: nothing is known of a sparse layer's cost, and
+    the step is charged dense). The share comes, per interval between validations, from the
     run's cumulative ``counts`` ``{step: (sparse layer-steps, stage-2 layer-steps)}``; without them, from
     ``sparse_share`` (the run's share over its whole stage 2: optimistic, since layers turn sparse during
     stage 2, so the early steps are denser than the average). Neither given: every stage-2 step is charged as
@@ -408,6 +427,8 @@ def wall_clock(curve, arm: dict, timing: Optional[dict], counts: Optional[Dict[i
     if not timing:
         return None
     ms1, ms2 = timing["stage1"], timing["stage2"]
+    timed_share = timing.get("stage2_sparse_share", 1.0)
+    per_layer = (ms2 - ms1) / timed_share if timed_share > 0 else 0.0  # one sparse layer's share of the saving
     stage1 = arm["stage1"] if arm["attn"] == "dsv" else 0
     out, seconds, prev = [], 0.0, 0
     prev_counts = (0, 0)
@@ -420,7 +441,7 @@ def wall_clock(curve, arm: dict, timing: Optional[dict], counts: Optional[Dict[i
             prev_counts = tuple(counts[s])
         else:
             share = 1.0 if sparse_share is None else sparse_share
-        seconds += (dense_steps * ms1 + stage2_steps * (ms1 + share * (ms2 - ms1))) / 1e3
+        seconds += (dense_steps * ms1 + stage2_steps * (ms1 + share * per_layer)) / 1e3
         out.append((seconds, v))
         prev = s
     return out
@@ -632,6 +653,7 @@ def main(argv=None):
             raise SystemExit(f"bench_quality: unknown arm {n!r} in --arms; allowed: {sorted(FRONTIER)}")
     if "full" not in names:
         raise SystemExit("bench_quality: --arms must include 'full' (every difference is to it)")
+    check_distinct_runs(names, args)
     seeds = [int(s) for s in args.seeds.split(",") if s]
     args.clips_cache = args.clips_cache or os.path.join(args.save_dir, "clips")
     args.align_stops = True  # every run of the study validates at the same steps, whenever its minutes end

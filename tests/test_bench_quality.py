@@ -57,6 +57,24 @@ def test_wall_clock_charges_stage_two_by_the_share_of_layers_that_ran_sparse():
     # a validation inside stage 1, then one past it: only the steps past stage 1 take the stage-2 share
     wc = wall_clock([(50, 2.0), (150, 1.5)], arm, t, counts={50: (0, 0), 150: (200, 200)})
     assert wc[1][0] == pytest.approx(1.0 + 50 * 4.0 / 1e3)
+    # the stage-2 time was clocked with half the layers sparse (the trained decisions kept the others dense): an
+    # interval with a quarter of its layer-steps sparse costs 10 - (0.25 / 0.5) x 6 = 7 ms a step
+    half = dict(t, stage2_sparse_share=0.5)
+    wc = wall_clock([(100, 2.0), (200, 1.0)], arm, half, counts={100: (0, 0), 200: (100, 400)})
+    assert wc[1][0] == pytest.approx(1.0 + 100 * 7.0 / 1e3)
+    # nothing sparse when clocked: no sparse layer's cost is known, every stage-2 step is charged dense
+    wc = wall_clock([(200, 1.0)], arm, dict(t, stage2=10.0, stage2_sparse_share=0.0), sparse_share=0.9)
+    assert wc[0][0] == pytest.approx(2.0)
+
+
+def test_two_arm_names_for_one_run_are_refused():
+    """default_s400 is cap25_s400 while the library caps lists at 25%: one run path, two workers."""
+    from benchmarks.bench_quality import check_distinct_runs
+
+    args = build_parser().parse_args(["--arm", "data=vizdoom,frames=16,res=256,steps=1500", "--save-dir", "x"])
+    check_distinct_runs(["full", "cap25_s400", "window"], args)
+    with pytest.raises(SystemExit, match="'default_s400' and 'cap25_s400' are the same run"):
+        check_distinct_runs(["full", "default_s400", "cap25_s400"], args)
 
 
 def test_frontier_arms_parse_with_their_settings():

@@ -137,6 +137,7 @@ def test_bench_quality_quick_frontier_every_phase(tmp_path):
     # DSV arms: plain and profile steps clocked apart, the step charged plain + (profile - plain) / period
     t = rows[2]["ms_step_alone_by_S"]["256"]
     assert t["stage2"] == pytest.approx(t["stage2_plain"] + (t["stage2_profile_step"] - t["stage2_plain"]) / 2)
+    assert 0.0 <= t["stage2_sparse_share"] <= 1.0  # the share of layers the clocked stage-2 step ran sparse
     assert "[profile] local S=256 stage2 (plain steps)" in proc.stdout
     for suffix in ("_curves.png", "_frontier.png"):
         assert (tmp_path / (path.stem + suffix)).stat().st_size > 0

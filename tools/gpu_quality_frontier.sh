@@ -31,6 +31,11 @@ set -u
 out=${1:?usage: gpu_quality_frontier.sh OUT_DIR PHASE}; phase=${2:?phase: train, start, wait, finish, time or report}
 mkdir -p "$out/logs"
 cd "$(dirname "$0")/.." || exit 2
+if [ "$phase" = start ] && [ -z "${GPU_WHEEL_DIRS:-}" ] && pgrep -f "bench_quality.py.*--launch" > /dev/null; then
+  echo "gpu_quality_frontier.sh start: detached workers are running; name this study's own wheels in GPU_WHEEL_DIRS" \
+       "(reinstalling every .whl*/ would replace the packages they import)" >&2
+  exit 2
+fi
 if [ "$phase" != wait ]; then  # never reinstall the packages detached workers import from
   # shellcheck disable=SC1091  # tools/gpu_env.sh, checked on its own
   . tools/gpu_env.sh
@@ -114,9 +119,10 @@ case "$phase" in
     fi
     ;;
   wait)
-    end=$(( $(date +%s) + ${WAIT_S:-540} ))
+    end=$(( $(date +%s) + ${WAIT_S:-540} ))  # never past it: the call's limit must leave time for the tarball
     while pgrep -f "bench_quality.py.*--launch" > /dev/null && [ "$(date +%s)" -lt "$end" ]; do
-      sleep 60
+      left=$(( end - $(date +%s) ))
+      sleep $(( left < 60 ? left : 60 ))
       for log in runs/frontier-*/logs/*-s0.log; do  # the last iteration line of each arm's first seed
         [ -e "$log" ] && echo "${log#runs/frontier-}: $(grep -a iteration "$log" | tail -n 1 | sed 's/.*iteration/it/' | cut -c1-150)"
       done
@@ -134,11 +140,14 @@ case "$phase" in
     ;;
   *) echo "unknown phase $phase (train, finish, time, report)" >&2; exit 2 ;;
 esac
-# at most 8 files come back from a device call: the results JSON/PNGs stay, the rest goes in one tarball
-for d in "${studies[@]}"; do
+# at most 8 files come back from a device call: the results JSON/PNGs stay, the rest goes in one tarball (every
+# study on the machine, also those DATA does not name, e.g. a detached one)
+for run in runs/frontier-*/; do
+  [ -d "$run" ] || continue
+  d=${run%/}; d=${d#runs/frontier-}
   mkdir -p "$out/logs/$d"
-  cp -r "runs/frontier-$d/curves" "runs/frontier-$d/logs" "$out/logs/$d/" 2>/dev/null
-  cp "runs/frontier-$d/timing.json" "$out/logs/$d/" 2>/dev/null
+  cp -r "${run}curves" "${run}logs" "$out/logs/$d/" 2>/dev/null
+  cp "${run}timing.json" "$out/logs/$d/" 2>/dev/null
 done
 tar czf "$out/logs.tgz" -C "$out" logs && rm -rf "$out/logs"
 find "$out" -type f | sort

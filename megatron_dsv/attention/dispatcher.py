@@ -15,7 +15,7 @@ the ops in key-block units.
 
 ``DSVConfig.max_density`` caps every budget at that fraction of S (never under ``k_min`` or the
 neighbourhood floor), and the layer then runs sparse when the *capped* budgets' effective sparsity is
-at least ``sparsity_threshold`` and faster, whatever the measured sparsity (:func:`choose_sparse_capped`).
+at least ``sparsity_threshold`` and faster, whatever the measured sparsity (:func:`choose_sparse_budgets`).
 
 The speedup comes from a :class:`SpeedupTable`: measured rows of a
 ``benchmarks/results/sparse_attention-*.json`` file (``DSVConfig.speedup_table``),
@@ -36,7 +36,7 @@ import torch
 from megatron_dsv.config import DSVConfig
 
 __all__ = ["SpeedupTable", "head_budgets", "density_budgets", "choose_sparse", "choose_sparse_density",
-           "choose_sparse_capped", "plan_layer",
+           "choose_sparse_budgets", "plan_layer",
            "FLOP_MODEL_EFFICIENCY", "BWD_FLOP_RATIO"]
 
 FLOP_MODEL_EFFICIENCY = 0.75  # sparse kernel throughput / dense throughput on kept FLOPs (DESIGN.md section 2)
@@ -165,11 +165,12 @@ def _budgets(dens: torch.Tensor, S: int, cfg: DSVConfig, min_tokens: int = 0) ->
 def choose_sparse(sparsity: torch.Tensor, S: int, cfg: DSVConfig, table: SpeedupTable,
                   training: bool = True, min_tokens: int = 0) -> bool:
     """The dispatcher's rule for one layer under budget_rule 'sparsity', given its smoothed
-    per-head sparsity ``[H]``."""
-    mean = float(sparsity.float().mean())
-    if mean < cfg.sparsity_threshold:
-        return False
+    per-head sparsity ``[H]`` (under ``max_density``: :func:`choose_sparse_budgets` on its capped budgets)."""
     _, tokens = head_budgets(sparsity, S, cfg, min_tokens)
+    if cfg.max_density is not None:
+        return choose_sparse_budgets(tokens, S, cfg, table, training)
+    if float(sparsity.float().mean()) < cfg.sparsity_threshold:
+        return False
     effective = 1.0 - float(tokens.double().mean()) / S  # after k_min and block rounding
     return table.speedup(S, effective, training) > 1.0
 
@@ -179,14 +180,13 @@ def choose_sparse_density(density: torch.Tensor, S: int, cfg: DSVConfig, table: 
     """The dispatcher's rule for one layer under budget_rule 'recall', given its smoothed
     per-head budget density ``[H]``: the budgets themselves must be sparse enough and faster."""
     _, tokens = density_budgets(density, S, cfg, min_tokens)
-    effective = 1.0 - float(tokens.double().mean()) / S
-    return effective >= cfg.sparsity_threshold and table.speedup(S, effective, training) > 1.0
+    return choose_sparse_budgets(tokens, S, cfg, table, training)
 
 
-def choose_sparse_capped(tokens: torch.Tensor, S: int, cfg: DSVConfig, table: SpeedupTable,
+def choose_sparse_budgets(tokens: torch.Tensor, S: int, cfg: DSVConfig, table: SpeedupTable,
                          training: bool = True) -> bool:
-    """The rule under ``DSVConfig.max_density``: the capped budgets (``tokens [H]``, keys per query) are sparse
-    enough and faster; the measured sparsity does not gate (the cap bounds what a head keeps)."""
+    """The budgets decide (rule 'recall', and either rule under ``DSVConfig.max_density``): the lists
+    (``tokens [H]``, keys per query) are sparse enough and faster; the measured sparsity does not gate."""
     effective = 1.0 - float(tokens.double().mean()) / S
     return effective >= cfg.sparsity_threshold and table.speedup(S, effective, training) > 1.0
 
@@ -202,10 +202,6 @@ def plan_layer(sparsity: torch.Tensor, density: torch.Tensor, S: int, cfg: DSVCo
             budgets, tokens = head_budgets(sparsity, S, cfg, min_tokens)
         case _:
             raise ValueError(f"DSVConfig.budget_rule must be one of recall, sparsity; got {cfg.budget_rule!r}")
-    if cfg.max_density is not None:
-        sparse = choose_sparse_capped(tokens, S, cfg, table, training)
-    elif cfg.budget_rule == "recall":
-        sparse = choose_sparse_density(density, S, cfg, table, training, min_tokens)
-    else:
-        sparse = choose_sparse(sparsity, S, cfg, table, training, min_tokens)
-    return sparse, budgets, tokens
+    if cfg.max_density is not None or cfg.budget_rule == "recall":  # the budgets themselves decide
+        return choose_sparse_budgets(tokens, S, cfg, table, training), budgets, tokens
+    return choose_sparse(sparsity, S, cfg, table, training, min_tokens), budgets, tokens

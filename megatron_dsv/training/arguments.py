@@ -24,6 +24,8 @@ DEFAULT_STAGE_SWITCH_STEPS = 150
 # targets (0.8-0.98), and 128-token blocks are a quarter of it. So the embedded default lowers the
 # dispatcher's threshold and uses 2x4x4 query cubes with 64-token KV blocks, to show stage 2 running
 # sparse, and turns the always-on neighbourhood off (its 3x3x3 cubes would be most of such a video).
+# With the library's 25% cap on the lists (DSVConfig.max_density) the capped budgets already pass the
+# threshold; the lowered threshold is what decides with --dsv-max-density none.
 # Pass --dsv-sparsity-threshold 0.7 --dsv-query-group-shape 4 4 8 --dsv-kv-block-size 128
 # --dsv-local-radius auto for the library defaults (auto: 1 1 1 on a grid the cube tiles).
 DEMO_DSV_DEFAULTS = dict(dsv_sparsity_threshold=0.4, dsv_query_group_shape=(2, 4, 4), dsv_kv_block_size=64,

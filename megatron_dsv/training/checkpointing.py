@@ -32,12 +32,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_dsv.checksums import file_sha256
+from megatron_dsv.config import DSVConfig
 from megatron_dsv.training.distributed import barrier, is_rank0
 from megatron_dsv.training.optim import unwrap
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "resolve_checkpoint_dir", "has_checkpoint",
            "verify_checkpoint", "read_train_state", "load_model_for_inference", "check_scheduler", "check_dsv_state",
-           "dsv_state_keys", "TRACKER_FILE", "STATE_FILE"]
+           "dsv_state_keys", "dsv_config_from_dict", "TRACKER_FILE", "STATE_FILE"]
 
 FORMAT = "megatron_dsv.checkpoint/1"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -441,7 +442,6 @@ def load_model_for_inference(ckpt_dir: str, device="cpu", dtype: Optional[torch.
     eval mode on ``device``."""
     from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 
-    from megatron_dsv.config import DSVConfig
     from megatron_dsv.models.video_dit import VideoDiTConfig, build_video_dit
     from megatron_dsv.training.distributed import _init_default_group
     from megatron_dsv.training.ema import ModelEMA
@@ -459,7 +459,7 @@ def load_model_for_inference(ckpt_dir: str, device="cpu", dtype: Optional[torch.
         if torch.cuda.is_available():
             tensor_parallel.model_parallel_cuda_manual_seed(int(state.get("args", {}).get("seed", 1234)))
     cfg = config_from_dict(VideoDiTConfig, state["model_config"])
-    dsv = DSVConfig(**state["dsv_config"]) if state.get("dsv_config") else None
+    dsv = dsv_config_from_dict(state["dsv_config"]) if state.get("dsv_config") else None
     model = build_video_dit(cfg, dsv_config=dsv, dtype=dtype or torch.float32).to(device)
     averaged = ModelEMA(model, state["ema"]["decay"]) if ema else None
     try:
@@ -472,6 +472,12 @@ def load_model_for_inference(ckpt_dir: str, device="cpu", dtype: Optional[torch.
     except Exception as err:
         raise CheckpointError(f"cannot load model from {directory}: {type(err).__name__}: {err}") from err
     return model.eval(), cfg
+
+
+def dsv_config_from_dict(values: dict) -> DSVConfig:
+    """The DSVConfig a checkpoint was saved with. A checkpoint from before ``max_density`` existed (2026-12-02)
+    trained with uncapped lists: it gets None, not today's default cap."""
+    return DSVConfig(**{"max_density": None, **values})
 
 
 def config_from_dict(cls, values: dict):

@@ -52,6 +52,17 @@ def test_log_line_format(tmp_path, capsys):
     assert re.search(r"grad norm: [\d.]+ \| dsv: off \|$", dense, re.M) and "dsv layers" not in dense
 
 
+def test_dsv_config_of_a_checkpoint_from_before_the_cap_stays_uncapped():
+    from megatron_dsv.config import DSVConfig
+    from megatron_dsv.training.checkpointing import dsv_config_from_dict
+
+    saved = DSVConfig(sparsity_threshold=0.6).to_dict()
+    assert dsv_config_from_dict(saved).max_density == 0.25  # saved with the field: as saved
+    del saved["max_density"]  # a checkpoint written before the field existed trained uncapped
+    old = dsv_config_from_dict(saved)
+    assert old.max_density is None and old.sparsity_threshold == 0.6
+
+
 def test_load_model_for_inference_matches_the_trained_weights(tmp_path):
     from megatron_dsv.training.checkpointing import load_model_for_inference
 
