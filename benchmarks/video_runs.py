@@ -14,8 +14,8 @@ granularity, ``block`` or ``token``: ``DSVConfig.granularity``), ``rule`` and ``
 ``sparsity``, and the recall rule's target: ``DSVConfig.budget_rule`` / ``recall_target``), ``local`` (DSV's local +
 predicted lists, the always-on radius in cubes as ``rt.rh.rw``, ``0.0.0`` = off, ``auto`` = the library's
 default: ``DSVConfig.local_radius``), ``thr`` (the dispatcher's ``DSVConfig.sparsity_threshold``), ``cap``
-(``DSVConfig.max_density``, the cap on every head's kept fraction; 0 = none), ``steps`` and ``minutes`` (the run stops at
-whichever comes first, so a run fits the device time; with ``--align-stops`` a run stopped by its minutes is saved
+(``DSVConfig.max_density``, the cap on every head's kept fraction; 0 = none), ``steps`` and ``minutes`` (the run
+stops at whichever comes first, so a run fits the device time; with ``--align-stops`` a run stopped by its minutes is saved
 where it stopped and reports its last validation step), ``stage1`` (DSV's stage-1 steps; default
 half of ``steps``), ``window_frac`` (the window baseline's kept fraction of keys), ``label`` (a
 name for the plots; default built from the keys that differ from the defaults).
