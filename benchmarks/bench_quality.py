@@ -186,8 +186,39 @@ def prepare_clips(args) -> None:
     Clips._cache.clear()
 
 
+def running_workers() -> int:
+    """Worker processes of any study on this machine (``bench_quality.py ... --worker``), from /proc: a second
+    launcher (another data source started beside this one) shares the same GPU and the same cap."""
+    count = 0
+    for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:  # ended meanwhile, or not ours to read
+            continue
+        if b"--worker" in argv and any(a.endswith(b"bench_quality.py") for a in argv):
+            count += 1
+    return count
+
+
+def wait_for_slot(max_workers: int, poll_s: float = 5.0) -> None:
+    """Block until fewer than ``max_workers`` workers run on the machine (0: no cap). A 16K-token worker holds
+    8-12 GiB of the GPU: 18 of them ran out of the H200's 140 GiB (frontier run 6); on an 80 GiB H100 six fit."""
+    if max_workers <= 0:
+        return
+    announced = False
+    while running_workers() >= max_workers:
+        if not announced:
+            print(f"launch: {max_workers} workers running (--max-workers); the next starts when one ends", flush=True)
+            announced = True
+        time.sleep(poll_s)
+
+
 def launch(names: List[str], seeds: List[int], argv: List[str], args) -> None:
-    """One worker process per (arm, seed), concurrently; waits for all, then prints each log's tail."""
+    """One worker process per (arm, seed), at most ``--max-workers`` at once on the machine (every launcher's
+    workers counted); waits for all, then prints each log's tail."""
     prepare_clips(args)
     logs = os.path.join(args.save_dir, "logs")
     os.makedirs(logs, exist_ok=True)
@@ -195,6 +226,7 @@ def launch(names: List[str], seeds: List[int], argv: List[str], args) -> None:
     procs = []
     for name in names:
         for seed in seeds:
+            wait_for_slot(args.max_workers)
             log = open(os.path.join(logs, f"{name}-s{seed}.log"), "a")
             cmd = [sys.executable, os.path.abspath(__file__), *base, "--worker", name, "--seed", str(seed)]
             procs.append((name, seed, log, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
@@ -378,9 +410,25 @@ def load_records(args) -> Dict[str, Dict[int, dict]]:
             print(f"report: {path} has no validation yet: left out", flush=True)
             continue
         records.setdefault(rec["name"], {})[int(rec["seed"])] = rec
+    if getattr(args, "at_step", None) is not None:
+        records = cut_records(records, args.at_step)
     if "full" not in records:
         raise ValueError(f"no curves of arm 'full' under {args.save_dir}/curves: run --launch first")
     return records
+
+
+def cut_records(records: Dict[str, Dict[int, dict]], step: int) -> Dict[str, Dict[int, dict]]:
+    """Every run's curve and sparse counts up to ``step``, which every run must have validated at."""
+    out: Dict[str, Dict[int, dict]] = {}
+    for name, runs in records.items():
+        for seed, rec in runs.items():
+            if step not in dict(rec["curve"]):
+                raise ValueError(f"--at-step {step}: run {name} seed {seed} has no validation there (its steps: "
+                                 f"{[s for s, _ in rec['curve']]}); pick a step every run validated at")
+            cut = dict(rec, curve=[(s, v) for s, v in rec["curve"] if s <= step],
+                       sparse_counts={s: c for s, c in rec["sparse_counts"].items() if s <= step})
+            out.setdefault(name, {})[seed] = cut
+    return out
 
 
 def equal_step(records: Dict[str, Dict[int, dict]]) -> int:
@@ -500,7 +548,7 @@ def report(args, names: List[str]) -> List[dict]:
                    len(full_at), full_loss_target=full_mean, full_loss_target_step=full_step,
                    delta_vs_full_pct=delta, delta_vs_full_se_pct=delta_se,
                    kept_fraction=_mean([r.get("kept_fraction") for r in runs.values()]),
-                   sparse_layer_fraction=_mean([s.get("sparse_layer_fraction") for s in summaries]),
+                   sparse_layer_fraction=_sparse_share_at(runs.values(), step, summaries),
                    recall=_mean([s.get("recall") for s in summaries]),
                    sparsity_mean=_mean([s.get("sparsity_mean") for s in summaries]),
                    budget_density=_mean([s.get("budget_density") for s in summaries]),
@@ -508,7 +556,10 @@ def report(args, names: List[str]) -> List[dict]:
                    ms_step_alone_by_S={k: v for k, v in (timing.get(name) or {}).items()},
                    time_to_full_loss_s=reach_by_S.get(str(S)), curve=mean_curve, wall_clock=wc,
                    time_to_full_loss_s_by_S=reach_by_S,
-                   stage2_charging=("per_interval" if counts else "uniform_share") if arm["attn"] == "dsv" else None)
+                   stage2_charging=("per_interval" if counts else "uniform_share") if arm["attn"] == "dsv" else None,
+                   # --at-step: curves cut there; kept_fraction, recall, sparsity and budget density are the runs'
+                   # ends (their summaries), the sparse share is counted up to the cut
+                   cut_at_step=getattr(args, "at_step", None))
         rows.append(row)
     full_by_S = next((r["time_to_full_loss_s_by_S"] for r in rows if r["name"] == "full"), {})
     for row in rows:
@@ -533,6 +584,18 @@ def _mean_counts(runs, steps) -> Optional[Dict[int, tuple]]:
         return None
     runs = list(runs)
     return {st: tuple(sum(rec["sparse_counts"][st][i] for rec in runs) / len(runs) for i in (0, 1)) for st in steps}
+
+
+def _sparse_share_at(runs, step: int, summaries) -> Optional[float]:
+    """Share of stage-2 layer-steps that ran sparse up to ``step``, mean over seeds: from the runs' cumulative
+    counts where every run recorded them there, else their summaries (the whole run)."""
+    runs = list(runs)
+    if runs and all(step in rec.get("sparse_counts", {}) for rec in runs):
+        shares = [rec["sparse_counts"][step][0] / rec["sparse_counts"][step][1] for rec in runs
+                  if rec["sparse_counts"][step][1] > 0]
+        if shares:  # no stage-2 layer-step yet (full attention, the window, an early cut): the summaries say
+            return _mean(shares)
+    return _mean([s.get("sparse_layer_fraction") for s in summaries])
 
 
 def _mean(xs):
@@ -632,6 +695,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a results JSON whose meta (GPU, versions, date, commit) the report keeps: re-reporting a GPU "
                          "run's curves on another machine (its own meta goes under meta.reported)")
     ap.add_argument("--stagger", type=float, default=2.0, help="seconds between worker starts")
+    ap.add_argument("--max-workers", type=int, default=0,
+                    help="--launch: at most this many workers at once on the machine, counting other launchers' "
+                         "(0: every (arm, seed) at once); the rest start as workers end")
+    ap.add_argument("--at-step", type=int, default=None,
+                    help="--report: compare at this validation step (every curve cut there; full attention's loss "
+                         "there is the time-to-loss target): a longer study reported at a shorter length too")
     ap.add_argument("--quick", action="store_true", help="CPU check: tiny model, every phase in-process")
     return ap
 

@@ -9,8 +9,9 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_quality import (FRONTIER, arm_of, build_parser, equal_step, is_library_default,  # noqa: E402
-                                      mean_se, profile_period, time_to_reach, wall_clock)
+from benchmarks.bench_quality import (FRONTIER, _sparse_share_at, arm_of, build_parser, cut_records,  # noqa: E402
+                                      equal_step, is_library_default, mean_se, profile_period, running_workers,
+                                      time_to_reach, wait_for_slot, wall_clock)
 
 
 def _rec(curve):
@@ -119,3 +120,42 @@ def test_profile_period_is_the_schedules_at_the_runs_step():
         assert period == (25 if step < 1000 else 100)
         if step + 4 * period <= 1000 or step >= 1000:  # a window inside one phase holds one profile a period
             assert len(window) == 4, (step, window)
+
+
+def test_cut_records_reports_a_longer_study_at_a_shorter_step():
+    records = {"full": {0: {"curve": [(250, 1.4), (500, 1.1), (750, 1.0)], "sparse_counts": {}}},
+               "dsv": {0: {"curve": [(250, 1.5), (500, 1.2), (750, 0.9)],
+                           "sparse_counts": {250: (0, 0), 500: (6, 8), 750: (14, 16)}}}}
+    cut = cut_records(records, 500)
+    assert equal_step(cut) == 500 and cut["dsv"][0]["curve"] == [(250, 1.5), (500, 1.2)]
+    assert cut["dsv"][0]["sparse_counts"] == {250: (0, 0), 500: (6, 8)}
+    assert records["dsv"][0]["curve"][-1] == (750, 0.9)  # the records themselves are left whole
+    # the sparse share up to the cut comes from the counts; without stage-2 layer-steps, from the summaries
+    assert _sparse_share_at(cut["dsv"].values(), 500, [{"sparse_layer_fraction": 0.9}]) == 0.75
+    assert _sparse_share_at(cut["dsv"].values(), 250, [{"sparse_layer_fraction": 0.9}]) == 0.9
+    with pytest.raises(ValueError, match="--at-step 600: run full seed 0 has no validation there"):
+        cut_records(records, 600)
+
+
+def test_worker_slots_count_every_launchers_workers(tmp_path):
+    """The cap counts worker processes machine-wide (another study's launcher shares the GPU)."""
+    import subprocess
+
+    fake = tmp_path / "bench_quality.py"  # a process whose command line looks like a worker's
+    fake.write_text("import time\ntime.sleep(30)\n")
+    before = running_workers()
+    proc = subprocess.Popen([sys.executable, str(fake), "--worker", "full", "--seed", "0"])
+    try:
+        import time as _time
+
+        for _ in range(50):  # /proc shows the command line once the interpreter has started
+            if running_workers() == before + 1:
+                break
+            _time.sleep(0.1)
+        assert running_workers() == before + 1
+        wait_for_slot(before + 2, poll_s=0.01)  # a free slot: returns at once
+        wait_for_slot(0)  # no cap
+    finally:
+        proc.kill()
+        proc.wait()
+    wait_for_slot(before + 1, poll_s=0.05)  # the worker ended: its slot is free again

@@ -17,7 +17,8 @@
 #   time    the timing and the reports alone
 #   report  the reports alone (curves and timing already under runs/frontier-<data>/)
 # Memory: a 16K-token worker (hidden 512 x 4 layers) holds 8-12 GiB of the GPU; 18 workers ran out of the H200's 140
-# GiB in run 6 (four died of OOM and were resumed): keep DATA x ARMS x SEEDS at 12 or fewer.
+# GiB in run 6 (four died of OOM and were resumed). So at most MAX_WORKERS [GPU memory / 12 GiB] train at once on the
+# machine, every study's launcher counted (bench_quality --max-workers): the others start as workers end.
 # Settings (environment): DATA ["vizdoom"; e.g. "vizdoom footage": one study per source, trained side by side],
 # ARM_KEYS [frames=16,res=256,stage1=700,qk_lr=10,lr=3e-4: 16K tokens], STEPS [4000: every arm stops there, so
 # fast arms free the GPU for the others], EXTRA_STEPS [0: percent more steps for every arm but full, so an arm
@@ -41,6 +42,9 @@ if [ "$phase" != wait ]; then  # never reinstall the packages detached workers i
   . tools/gpu_env.sh
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+# workers at once on the machine, every study's launcher counted: 12 GiB each (80 GiB H100: 6; 141 GiB H200: 11)
+gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
+max_workers=${MAX_WORKERS:-$(( ${gpu_mib:-0} / 1024 / 12 ))}
 read -r -a studies <<< "${DATA:-vizdoom}"
 keys=${ARM_KEYS:-frames=16,res=256,stage1=700,qk_lr=10,lr=3e-4},steps=${STEPS:-4000}
 read -r -a width <<< "${WIDTH:---heads 8 --head-dim 64 --layers 4}"
@@ -50,7 +54,7 @@ study() {  # $1: data source -> cmd: the study's bench_quality command (an array
   mkdir -p "$out/$d"
   cmd=(python3 benchmarks/bench_quality.py --arm "data=$d,$keys" --seeds "${SEEDS:-0,1}" --save-dir "runs/frontier-$d"
        --out-dir "$out/$d" --samples 256 --val-samples 64 --val-every 250 --val-batch 8 --workers 15 "${width[@]}"
-       --extra-steps "${EXTRA_STEPS:-0}")
+       --extra-steps "${EXTRA_STEPS:-0}" --max-workers "$max_workers")
   [ -n "${ARMS:-}" ] && cmd+=(--arms "$ARMS")
 }
 
