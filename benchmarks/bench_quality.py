@@ -205,7 +205,8 @@ def running_workers() -> int:
 
 def wait_for_slot(max_workers: int, poll_s: float = 5.0) -> None:
     """Block until fewer than ``max_workers`` workers run on the machine (0: no cap). A 16K-token worker holds
-    8-12 GiB of the GPU: 18 of them ran out of the H200's 140 GiB (frontier run 6); on an 80 GiB H100 six fit."""
+    8-12 GiB of the GPU and peaks at 13-17 GiB: 18 of them ran out of the H200's 140 GiB (frontier run 6), and 10
+    (run 7); 16 GiB a worker fits (tools/gpu_quality_frontier.sh)."""
     if max_workers <= 0:
         return
     announced = False
@@ -216,30 +217,68 @@ def wait_for_slot(max_workers: int, poll_s: float = 5.0) -> None:
         time.sleep(poll_s)
 
 
+OOM_MARKERS = ("CUDA out of memory", "torch.OutOfMemoryError", "OutOfMemoryError: CUDA")
+
+
+def died_of_oom(log_path: str) -> bool:
+    """The worker's log ends in a CUDA out-of-memory error (its last 4 KB): a run to resume, not a bug."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 4096))
+            tail = f.read().decode(errors="replace")
+    except OSError:
+        return False
+    return any(m in tail for m in OOM_MARKERS)
+
+
 def launch(names: List[str], seeds: List[int], argv: List[str], args) -> None:
     """One worker process per (arm, seed), at most ``--max-workers`` at once on the machine (every launcher's
-    workers counted); waits for all, then prints each log's tail."""
+    workers counted); waits for all, then prints each log's tail. A worker that dies of CUDA out-of-memory (other
+    workers' peaks met its own) starts again from its last save when a slot is free, up to ``--oom-retries`` times;
+    any other failure is reported at the end."""
     prepare_clips(args)
     logs = os.path.join(args.save_dir, "logs")
     os.makedirs(logs, exist_ok=True)
     base = [a for a in argv if a not in ("--launch", "--time", "--report")]
-    procs = []
+    env = dict(os.environ)
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # less reserved than held: more fit
+
+    def start(name, seed):
+        wait_for_slot(args.max_workers)
+        path = os.path.join(logs, f"{name}-s{seed}.log")
+        cmd = [sys.executable, os.path.abspath(__file__), *base, "--worker", name, "--seed", str(seed)]
+        with open(path, "a") as log:  # the child holds its own descriptor
+            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    running = {}
     for name in names:
         for seed in seeds:
-            wait_for_slot(args.max_workers)
-            log = open(os.path.join(logs, f"{name}-s{seed}.log"), "a")
-            cmd = [sys.executable, os.path.abspath(__file__), *base, "--worker", name, "--seed", str(seed)]
-            procs.append((name, seed, log, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
+            running[(name, seed)] = start(name, seed)
             time.sleep(args.stagger)
-    failed = []
-    for name, seed, log, proc in procs:
-        if proc.wait() != 0:
-            failed.append(f"{name}-s{seed}")
-        log.close()
-    for name, seed, _, _ in procs:
-        with open(os.path.join(logs, f"{name}-s{seed}.log")) as f:
-            tail = f.read().splitlines()[-2:]
-        print(f"[{name} s{seed}] " + " / ".join(tail), flush=True)
+    failed, retries = [], {}
+    while running:
+        time.sleep(1.0)
+        for (name, seed), proc in list(running.items()):
+            code = proc.poll()
+            if code is None:
+                continue
+            del running[(name, seed)]
+            if code == 0:
+                continue
+            log = os.path.join(logs, f"{name}-s{seed}.log")
+            if died_of_oom(log) and retries.get((name, seed), 0) < args.oom_retries:
+                retries[(name, seed)] = retries.get((name, seed), 0) + 1
+                print(f"launch: {name}-s{seed} ran out of GPU memory: resumed from its last save "
+                      f"(retry {retries[(name, seed)]} of {args.oom_retries})", flush=True)
+                running[(name, seed)] = start(name, seed)
+            else:
+                failed.append(f"{name}-s{seed}")
+    for name in names:
+        for seed in seeds:
+            with open(os.path.join(logs, f"{name}-s{seed}.log")) as f:
+                tail = f.read().splitlines()[-2:]
+            print(f"[{name} s{seed}] " + " / ".join(tail), flush=True)
     if failed:
         raise SystemExit(f"workers failed: {failed} (logs in {logs})")
 
@@ -698,6 +737,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-workers", type=int, default=0,
                     help="--launch: at most this many workers at once on the machine, counting other launchers' "
                          "(0: every (arm, seed) at once); the rest start as workers end")
+    ap.add_argument("--oom-retries", type=int, default=3,
+                    help="--launch: a worker that dies of CUDA out-of-memory resumes from its last save this many times")
     ap.add_argument("--at-step", type=int, default=None,
                     help="--report: compare at this validation step (every curve cut there; full attention's loss "
                          "there is the time-to-loss target): a longer study reported at a shorter length too")

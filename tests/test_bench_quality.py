@@ -9,9 +9,10 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import bench_quality  # noqa: E402
 from benchmarks.bench_quality import (FRONTIER, _sparse_share_at, arm_of, build_parser, cut_records,  # noqa: E402
-                                      equal_step, is_library_default, mean_se, profile_period, running_workers,
-                                      time_to_reach, wait_for_slot, wall_clock)
+                                      died_of_oom, equal_step, is_library_default, launch, mean_se, profile_period,
+                                      running_workers, time_to_reach, wait_for_slot, wall_clock)
 
 
 def _rec(curve):
@@ -159,3 +160,38 @@ def test_worker_slots_count_every_launchers_workers(tmp_path):
         proc.kill()
         proc.wait()
     wait_for_slot(before + 1, poll_s=0.05)  # the worker ended: its slot is free again
+
+
+def test_a_worker_that_ran_out_of_gpu_memory_is_resumed_and_other_failures_are_reported(tmp_path, monkeypatch):
+    """run 7 lost two of ten workers to CUDA OOM: the launcher starts such a worker again (it resumes from its last
+    save), at most --oom-retries times; a worker failing otherwise is not retried and fails the launch."""
+    import subprocess
+
+    oom = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+    # per (arm, seed): what each successive start prints and its exit code
+    script = {("full", 0): [(oom, 1), ("done\n", 0)], ("cap", 0): [(oom, 1)] * 5,
+              ("win", 0): [("ValueError: bad arm\n", 1)]}
+    starts, real_popen = [], subprocess.Popen
+
+    def fake_popen(cmd, stdout, stderr, env):
+        key = (cmd[cmd.index("--worker") + 1], int(cmd[cmd.index("--seed") + 1]))
+        text, code = script[key][sum(k == key for k in starts)]
+        starts.append(key)
+        assert env["PYTORCH_CUDA_ALLOC_CONF"]
+        stdout.write(text)
+        stdout.flush()
+        return real_popen([sys.executable, "-c", f"raise SystemExit({code})"])
+
+    monkeypatch.setattr(bench_quality, "prepare_clips", lambda args: None)
+    monkeypatch.setattr(bench_quality.subprocess, "Popen", fake_popen)
+    args = build_parser().parse_args(["--arm", "data=vizdoom", "--save-dir", str(tmp_path), "--stagger", "0",
+                                      "--oom-retries", "2"])
+    with pytest.raises(SystemExit) as err:
+        launch(["full", "cap", "win"], [0], [], args)
+    assert starts.count(("full", 0)) == 2  # resumed once, then finished
+    assert starts.count(("cap", 0)) == 3  # the first start and two retries
+    assert starts.count(("win", 0)) == 1  # not an OOM: not retried
+    assert "cap-s0" in str(err.value) and "win-s0" in str(err.value) and "full-s0" not in str(err.value)
+    assert died_of_oom(str(tmp_path / "logs" / "cap-s0.log"))
+    assert not died_of_oom(str(tmp_path / "logs" / "win-s0.log"))
+    assert not died_of_oom(str(tmp_path / "logs" / "missing.log"))

@@ -16,9 +16,10 @@
 #   wait    WAIT_S [540] s at most, until every detached launch has ended; a progress line a minute (installs nothing)
 #   time    the timing and the reports alone
 #   report  the reports alone (curves and timing already under runs/frontier-<data>/)
-# Memory: a 16K-token worker (hidden 512 x 4 layers) holds 8-12 GiB of the GPU; 18 workers ran out of the H200's 140
-# GiB in run 6 (four died of OOM and were resumed). So at most MAX_WORKERS [GPU memory / 12 GiB] train at once on the
-# machine, every study's launcher counted (bench_quality --max-workers): the others start as workers end.
+# Memory: a 16K-token worker (hidden 512 x 4 layers) holds 8-12 GiB of the GPU and peaks at 13-17 GiB; 18 workers ran out
+# of the H200's 140 GiB in run 6 (four died of OOM and were resumed), 10 in run 7 (two died). So at most MAX_WORKERS
+# [GPU memory / 16 GiB] train at once on the machine, every study's launcher counted (bench_quality --max-workers):
+# the others start as workers end.
 # Settings (environment): DATA ["vizdoom"; e.g. "vizdoom footage": one study per source, trained side by side],
 # ARM_KEYS [frames=16,res=256,stage1=700,qk_lr=10,lr=3e-4: 16K tokens], STEPS [4000: every arm stops there, so
 # fast arms free the GPU for the others], EXTRA_STEPS [0: percent more steps for every arm but full, so an arm
@@ -42,9 +43,9 @@ if [ "$phase" != wait ]; then  # never reinstall the packages detached workers i
   . tools/gpu_env.sh
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-# workers at once on the machine, every study's launcher counted: 12 GiB each (80 GiB H100: 6; 141 GiB H200: 11)
+# workers at once on the machine, every study's launcher counted: 16 GiB each (80 GiB H100: 5; 141 GiB H200: 8)
 gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
-max_workers=${MAX_WORKERS:-$(( ${gpu_mib:-0} / 1024 / 12 ))}
+max_workers=${MAX_WORKERS:-$(( ${gpu_mib:-0} / 1024 / 16 ))}
 read -r -a studies <<< "${DATA:-vizdoom}"
 keys=${ARM_KEYS:-frames=16,res=256,stage1=700,qk_lr=10,lr=3e-4},steps=${STEPS:-4000}
 read -r -a width <<< "${WIDTH:---heads 8 --head-dim 64 --layers 4}"
