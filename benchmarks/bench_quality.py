@@ -287,6 +287,11 @@ def launch(names: List[str], seeds: List[int], argv: List[str], args) -> None:
 def time_arms(names: List[str], args) -> dict:
     """Each arm's step time alone, from its first seed's run: ``{name: {S: {"stage2": ms, "stage1": ms}}}``."""
     lengths = sorted({tokens_of(parse_arm(args.arm)), *[int(s) for s in args.time_lengths.split(",") if s]})
+    seed = min(int(x) for x in args.seeds.split(",") if x)
+    missing = [name for name in names if not os.path.exists(_trained_run(name, args, seed))]
+    if missing:  # before any arm is clocked: a GPU call's minutes are not spent on a timing that cannot finish
+        raise ValueError(f"--time: arms {missing} have no trained run of seed {seed} under {args.save_dir} "
+                         "(run --launch first, or name the trained arms in --arms)")
     out = {}
     for name in names:
         out[name] = {}
@@ -298,12 +303,19 @@ def time_arms(names: List[str], args) -> dict:
     return out
 
 
+def _trained_run(name: str, args, seed: int) -> str:
+    """Where arm ``name``'s run of ``seed`` is saved."""
+    from benchmarks.video_runs import run_path
+
+    return run_path(arm_of(name, args.arm, args), argparse.Namespace(save_dir=args.save_dir, seed=seed))
+
+
 def time_arm(name: str, S: int, args, profile: bool = False) -> dict:
     """ms per training step of arm ``name`` at S tokens (frames scaled), from its trained run (DSV arms: also the
     plain and the profile steps apart, ``<kind>_plain`` and ``<kind>_profile_step``); ``profile``: after the
     clock, print the kernels of three plain steps of the trained stage (:func:`print_kernel_profile`)."""
     from benchmarks.common import MainWeightsAdamW, flow_matching_step, sync
-    from benchmarks.video_runs import build_model, run_path
+    from benchmarks.video_runs import build_model
     from megatron_dsv.attention import dsv_layers, dsv_on_step_end
 
     arm = arm_of(name, args.arm, args)
@@ -315,7 +327,7 @@ def time_arm(name: str, S: int, args, profile: bool = False) -> dict:
     timed = dict(arm, frames=S // per_frame)
     model, cfg = build_model(timed, args, device, dtype)
     seed = min(int(x) for x in args.seeds.split(",") if x)
-    path = run_path(arm, argparse.Namespace(save_dir=args.save_dir, seed=seed))
+    path = _trained_run(name, args, seed)
     if not os.path.exists(path):
         raise ValueError(f"--time: arm {name!r} has no trained run at {path} (seed {seed}): run --launch first")
     model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True)["model"])
@@ -793,7 +805,7 @@ def main(argv=None):
         path = write_results("quality-frontier", rows, args.out_dir, meta=meta)
         title = (f"{rows[0]['data']}, {S} tokens, {args.preset} layer shape"
                  f"{f' ({args.heads}x{args.head_dim})' if args.heads else ''} x {args.layers} layers, "
-                 f"seeds {seeds}, EMA {args.ema_decay}; each arm against full at its last common step")
+                 f"seeds {rows[0]['seeds']}, EMA {args.ema_decay}; each arm against full at its last common step")
         try:
             print("wrote", *plot(rows, str(path).replace(".json", ""), title))
         except ImportError as err:

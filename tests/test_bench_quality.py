@@ -195,3 +195,13 @@ def test_a_worker_that_ran_out_of_gpu_memory_is_resumed_and_other_failures_are_r
     assert died_of_oom(str(tmp_path / "logs" / "cap-s0.log"))
     assert not died_of_oom(str(tmp_path / "logs" / "win-s0.log"))
     assert not died_of_oom(str(tmp_path / "logs" / "missing.log"))
+
+
+def test_timing_refuses_before_clocking_when_an_arm_has_no_trained_run(tmp_path):
+    """--time checks every arm's trained run first: run 7's timing clocked full attention for a minute of GPU
+    time, then failed on an arm the study never trained."""
+    from benchmarks.bench_quality import time_arms
+
+    args = build_parser().parse_args(["--arm", "data=vizdoom,frames=2,res=64", "--save-dir", str(tmp_path)])
+    with pytest.raises(ValueError, match=r"arms \['full', 'control'\] have no trained run of seed 0"):
+        time_arms(["full", "control"], args)
