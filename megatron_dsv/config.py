@@ -143,7 +143,8 @@ class DSVConfig:
     -2.11 +- 1.23% (footage) against full attention at 1500 steps, full attention's final loss reached in 0.77x
     its time at 32K on both. Uncapped (run 5, the same switch): 62% / 55% of the layer-steps sparse and, charged
     by that share, ~0.82-0.88x / 0.87-0.91x. A 3D window at 29% of the keys did better than both there (-2.27 /
-    -5.64%, 0.47x / 0.44x): see the notes. None restores the uncapped rules."""
+    -5.64%, 0.47x / 0.44x): see the notes. Over 3000 steps (run 7): -0.62 +- 0.12% on footage (4 seeds) and 0.72x
+    of full attention's time to its loss at 32K; +0.35% on ViZDoom (one seed). None restores the uncapped rules."""
     k_min: int = _knob(64, "Smallest per-head KV budget in tokens.")
     """Floor of the per-head budget K_h (tokens)."""
     speedup_table: Optional[str] = _knob(
