@@ -409,6 +409,8 @@ def time_arm(name: str, S: int, args, profile: bool = False) -> dict:
             steps(1)  # numbers plain steps again (the last clock numbered a profile step)
             restore()
             print_kernel_profile(f"{name} S={S} {kind} (plain steps)", lambda: steps(3), 3, device)
+            restore()
+            print_host_profile(f"{name} S={S} {kind} (plain steps)", lambda: steps(1), 3)
         if layers and layers[0].stage_host != stage:
             raise RuntimeError(f"--time: arm {name!r} changed stage while timed ({stage} -> {layers[0].stage_host}): "
                                "its run is not past its stage switch")
@@ -448,6 +450,22 @@ def print_kernel_profile(label: str, run, n_steps: int, device: torch.device, ro
         ms = getattr(e, attr) / n_steps / 1e3
         print(f"[profile]   {ms:8.3f} ms {100 * ms / max(total, 1e-9):5.1f}%  x{e.count / n_steps:6.1f}  {e.key[:110]}",
               flush=True)
+
+
+def print_host_profile(label: str, run, n_steps: int, rows: int = 20) -> None:
+    """Where a step's host time goes (``benchmarks/host_ops.host_profile``: cProfile, which slows the host: read
+    the shares): its own time outside syncs, the top functions by own time and this repository's by cumulative
+    time. A step whose host time exceeds its device time (``[profile]``) is host-bound: what to cut is here."""
+    from benchmarks.host_ops import host_profile
+
+    got = host_profile(run, n_steps, rows)
+    print(f"[host] {label}: {got['ms_host']:.1f} ms of host time per step outside syncs ({got['ms_waiting']:.1f} ms "
+          f"waiting), under cProfile; top functions by own time:", flush=True)
+    for kind in ("host_top", "host_cumulative_ours"):
+        if kind == "host_cumulative_ours":
+            print("[host]   this repository's functions by cumulative time:", flush=True)
+        for e in got[kind]:
+            print(f"[host]   {e['ms']:8.3f} ms  x{e['calls']:7.1f}  {e['fn'][:110]}", flush=True)
 
 
 # ---------------------------------------------------------------- report

@@ -188,11 +188,8 @@ _WAITS = ("synchronize", "'item' of", "'cpu' of", "'tolist' of", "_local_scalar_
 
 def time_step(fn, reps: int, top: int) -> dict:
     """GPU only: ``fn``'s wall-clock (median ms of ``reps`` calls, the device synced around each), its device
-    busy time (ms of kernels a call, torch.profiler), its host time outside syncs (cProfile; the calls in
-    ``_WAITS`` count as waiting, which includes their own small host work), its sync sites (file:line: count, from
-    ``torch.cuda.set_sync_debug_mode``) and the ``top`` host functions by own time (ms a call)."""
-    import cProfile
-    import pstats
+    busy time (ms of kernels a call, torch.profiler), its sync sites (file:line: count, from
+    ``torch.cuda.set_sync_debug_mode``) and its host side (:func:`host_profile`)."""
     import warnings
 
     from torch.autograd import DeviceType
@@ -221,12 +218,27 @@ def time_step(fn, reps: int, top: int) -> dict:
     for w in caught:
         if "synchroniz" in str(w.message):
             sites[f"{os.path.relpath(w.filename, _PKG) if w.filename.startswith(_PKG) else w.filename}:{w.lineno}"] += 1
+    return dict(ms_wall=wall, ms_device=device_ms, sync_sites=dict(sites.most_common()), **host_profile(fn, reps, top))
+
+
+def host_profile(fn, reps: int, top: int) -> dict:
+    """The host's side of ``reps`` calls of ``fn`` under cProfile (the device synced around them, on a GPU): its
+    own time outside syncs (``ms_host``; the calls in ``_WAITS`` count as waiting, ``ms_waiting``, which includes
+    their own small host work), the ``top`` functions by own time (``host_top``) and this repository's functions
+    by cumulative time, their callees included (``host_cumulative_ours``), in ms a call."""
+    import cProfile
+    import pstats
+
+    def sync():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
     pr = cProfile.Profile()
-    torch.cuda.synchronize()
+    sync()
     pr.enable()
     for _ in range(reps):
         fn()
-    torch.cuda.synchronize()
+    sync()
     pr.disable()
     stats = pstats.Stats(pr).stats  # {(file, line, name): (cc, nc, tottime, cumtime, callers)}
 
@@ -239,8 +251,7 @@ def time_step(fn, reps: int, top: int) -> dict:
     # this repository's functions by cumulative time (their callees included): which of our calls cost the host
     ours = sorted(((label(k), v[3], v[1]) for k, v in stats.items()
                    if k[0].startswith(os.path.join(_PKG, "megatron_dsv"))), key=lambda x: -x[1])[:top]
-    return dict(ms_wall=wall, ms_device=device_ms, ms_host=1e3 * (total - waiting) / reps,
-                ms_waiting=1e3 * waiting / reps, sync_sites=dict(sites.most_common()),
+    return dict(ms_host=1e3 * (total - waiting) / reps, ms_waiting=1e3 * waiting / reps,
                 host_top=[dict(fn=f, ms=1e3 * t / reps, calls=n / reps) for f, t, n in own],
                 host_cumulative_ours=[dict(fn=f, ms=1e3 * t / reps, calls=n / reps) for f, t, n in ours])
 

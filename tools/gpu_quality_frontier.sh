@@ -14,6 +14,9 @@
 #           second start beside running workers must install only its own wheels (GPU_WHEEL_DIRS): reinstalling the
 #           workers' megatron-core under them broke a worker's import in run 6
 #   wait    WAIT_S [540] s at most, until every detached launch has ended; a progress line a minute (installs nothing)
+#   stop    end every detached launcher and worker on the machine now (each keeps its run as saved at its last
+#           validation: a later start resumes it); never `pkill -f bench_quality.py` in a device command instead,
+#           which matches that command's own shell (run 7 lost a call to it)
 #   time    the timing and the reports alone
 #   report  the reports alone (curves and timing already under runs/frontier-<data>/)
 # Memory: a 16K-token worker (hidden 512 x 4 layers) holds 8-12 GiB of the GPU and peaks at 13-17 GiB; 18 workers ran out
@@ -30,7 +33,7 @@
 # Carry [".whl", ".whl-vizdoom"] (".footage" for data footage: in a call of its own before, the carry cap is
 # 64 MiB; ".whl-mlm", ".mlm" for MEGATRON_CHECK=1).
 set -u
-out=${1:?usage: gpu_quality_frontier.sh OUT_DIR PHASE}; phase=${2:?phase: train, start, wait, finish, time or report}
+out=${1:?usage: gpu_quality_frontier.sh OUT_DIR PHASE}; phase=${2:?phase: train, start, wait, stop, finish, time or report}
 mkdir -p "$out/logs"
 cd "$(dirname "$0")/.." || exit 2
 if [ "$phase" = start ] && [ -z "${GPU_WHEEL_DIRS:-}" ] && pgrep -f "bench_quality.py.*--launch" > /dev/null; then
@@ -38,7 +41,7 @@ if [ "$phase" = start ] && [ -z "${GPU_WHEEL_DIRS:-}" ] && pgrep -f "bench_quali
        "(reinstalling every .whl*/ would replace the packages they import)" >&2
   exit 2
 fi
-if [ "$phase" != wait ]; then  # never reinstall the packages detached workers import from
+if [ "$phase" != wait ] && [ "$phase" != stop ]; then  # never reinstall the packages detached workers import from
   # shellcheck disable=SC1091  # tools/gpu_env.sh, checked on its own
   . tools/gpu_env.sh
 fi
@@ -136,6 +139,11 @@ case "$phase" in
     pgrep -f "bench_quality.py.*--launch" > /dev/null && echo "== still training after WAIT_S" || echo "== every launch ended"
     for log in runs/launch-*.log; do [ -e "$log" ] && { echo "== $log"; tail -n 12 "$log"; }; done
     ;;
+  stop)
+    pkill -f "bench_quality.py.*--launch"; pkill -f "bench_quality.py.*--worker"
+    for _ in 1 2 3 4 5 6 7 8 9 10; do pgrep -f "bench_quality.py.*--(launch|worker)" > /dev/null || break; sleep 1; done
+    echo "== stopped: $(pgrep -fc "bench_quality.py.*--(launch|worker)") launchers and workers left"
+    ;;
   time)
     time_studies
     report
@@ -143,7 +151,7 @@ case "$phase" in
   report)
     report
     ;;
-  *) echo "unknown phase $phase (train, finish, time, report)" >&2; exit 2 ;;
+  *) echo "unknown phase $phase (train, start, wait, stop, finish, time, report)" >&2; exit 2 ;;
 esac
 # at most 8 files come back from a device call: the results JSON/PNGs stay, the rest goes in one tarball (every
 # study on the machine, also those DATA does not name, e.g. a detached one)
