@@ -64,6 +64,10 @@ FRONTIER: Dict[str, str] = {
     # since): layers run sparse from the switch instead of waiting for their measured sparsity
     "uncapped_s400": "attn=dsv,rule=sparsity,local=auto,thr=0.7,stage1=400",
     "cap25_s400": "attn=dsv,rule=sparsity,local=auto,thr=0.7,cap=0.25,stage1=400",
+    # the 3D window of the `window` arm at 16K (radius 2 2 1 in 4x4x8 cubes: 29% of the keys), each cube keeping its
+    # own neighbourhood (DSVConfig.local_mode 'window'), plus predicted blocks up to a 35% cap; threshold 0.6, so
+    # the capped lists run sparse from the switch (not yet measured)
+    "windowpred35_s400": "attn=dsv,rule=sparsity,local=2.2.1,lmode=window,thr=0.6,cap=0.35,stage1=400",
     "recall90": "attn=dsv,rule=recall,recall=0.9",
     "recall80": "attn=dsv,rule=recall,recall=0.8",
     "paper": "attn=dsv,rule=sparsity",
@@ -87,7 +91,7 @@ def is_library_default(arm: dict) -> bool:
     return (arm.get("gran") == d.granularity and arm.get("rule") == d.budget_rule
             and (d.budget_rule != "recall" or arm.get("recall") == d.recall_target)
             and arm.get("thr", d.sparsity_threshold) == d.sparsity_threshold and local == d.local_radius_for(grid)
-            and (arm.get("cap") or None) == d.max_density)
+            and (arm.get("cap") or None) == d.max_density and arm.get("lmode", "shared") == d.local_mode)
 
 
 def arm_of(name: str, base: str, args) -> dict:

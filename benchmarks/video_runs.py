@@ -13,7 +13,8 @@ parameters that set the attention logits' scale under QK-norm), ``rope`` (RoPE b
 granularity, ``block`` or ``token``: ``DSVConfig.granularity``), ``rule`` and ``recall`` (DSV's budget rule, ``recall`` or
 ``sparsity``, and the recall rule's target: ``DSVConfig.budget_rule`` / ``recall_target``), ``local`` (DSV's local +
 predicted lists, the always-on radius in cubes as ``rt.rh.rw``, ``0.0.0`` = off, ``auto`` = the library's
-default: ``DSVConfig.local_radius``), ``thr`` (the dispatcher's ``DSVConfig.sparsity_threshold``), ``cap``
+default: ``DSVConfig.local_radius``), ``lmode`` (how those lists size each cube's list: ``shared`` or
+``window``, ``DSVConfig.local_mode``), ``thr`` (the dispatcher's ``DSVConfig.sparsity_threshold``), ``cap``
 (``DSVConfig.max_density``, the cap on every head's kept fraction; 0 = none), ``steps`` and ``minutes`` (the run
 stops at whichever comes first, so a run fits the device time; with ``--align-stops`` a run stopped by its minutes is saved
 where it stopped and reports its last validation step), ``stage1`` (DSV's stage-1 steps; default
@@ -43,13 +44,15 @@ from megatron_dsv.attention.schedule import is_profile_step  # noqa: E402
 from megatron_dsv.config import DSVConfig  # noqa: E402
 
 ARM_DEFAULTS = dict(data="vizdoom", frames=32, res=256, attn="dsv", lr=3e-4, qk_norm=1, qk_lr=1.0, rope=10000.0,
-                    gran="block", rule="recall", recall=0.96, local="0.0.0", thr=0.8, cap=0.0, steps=1000, minutes=3.0,
+                    gran="block", rule="recall", recall=0.96, local="0.0.0", lmode="shared", thr=0.8, cap=0.0, steps=1000,
+                    minutes=3.0,
                     stage1=None, window_frac=0.1, label=None)
 _INT_KEYS = ("frames", "res", "qk_norm", "steps", "stage1")
 _FLOAT_KEYS = ("lr", "qk_lr", "rope", "minutes", "window_frac", "recall", "thr", "cap")
 DATA_SOURCES = ("vizdoom", "ale", "footage", "synthetic")
 GRANULARITIES = ("block", "token")  # DSVConfig.granularity
 BUDGET_RULES = ("recall", "sparsity")  # DSVConfig.budget_rule
+LOCAL_MODES = ("shared", "window")  # DSVConfig.local_mode
 ATTENTIONS = ("full", "dsv", "window")
 
 
@@ -71,6 +74,8 @@ def parse_arm(text: str) -> dict:
         raise ValueError(f"arm gran must be one of {GRANULARITIES}, got {arm['gran']!r}")
     if arm["rule"] not in BUDGET_RULES:
         raise ValueError(f"arm rule must be one of {BUDGET_RULES}, got {arm['rule']!r}")
+    if arm["lmode"] not in LOCAL_MODES:
+        raise ValueError(f"arm lmode must be one of {LOCAL_MODES}, got {arm['lmode']!r}")
     arm["local_radius"] = local_radius(arm["local"])
     if arm["res"] % 8:
         raise ValueError(f"arm res must be a multiple of 8 (4x downsampler, 2x2 patches), got {arm['res']}")
@@ -88,6 +93,7 @@ def parse_arm(text: str) -> dict:
             variants += [f"thr{arm['thr']:g}"] if arm["thr"] != ARM_DEFAULTS["thr"] else []
             variants += [f"cap{arm['cap']:g}"] if arm["cap"] else []
             variants += [f"local{arm['local']}"] if arm["local_radius"] is None or any(arm["local_radius"]) else []
+            variants += [f"lmode{arm['lmode']}"] if arm["lmode"] != ARM_DEFAULTS["lmode"] else []
             variants += ["staysdense"] if arm["stage1"] >= arm["steps"] else []
         if arm["attn"] == "window":
             variants += [f"frac{arm['window_frac']:g}"]
@@ -238,6 +244,7 @@ def build_model(arm: dict, args, device, dtype):
     if arm["attn"] == "dsv":
         dsv = DSVConfig(stage_switch_rule="steps", stage_switch_steps=arm["stage1"], granularity=arm["gran"],
                         budget_rule=arm["rule"], recall_target=arm["recall"], local_radius=arm["local_radius"],
+                        local_mode=arm["lmode"],
                         sparsity_threshold=arm["thr"], max_density=arm["cap"] or None,
                         profile_interval=args.profile_every, profile_warmup_steps=10**9,
                         speedup_table=args.speedup_table if device.type == "cuda" else None)
@@ -435,7 +442,7 @@ def _optimizer(model, arm: dict) -> MainWeightsAdamW:
 
 
 _RESUME_KEYS = ("data", "frames", "res", "attn", "lr", "qk_norm", "qk_lr", "rope", "gran", "rule", "recall", "local",
-                "thr", "stage1", "window_frac")
+                "lmode", "thr", "stage1", "window_frac")
 _FORMATS = ("megatron_dsv.video_run.v2", "megatron_dsv.video_run.v3")  # v3: + the weight EMA
 
 
@@ -468,7 +475,7 @@ def load_run(path: str, arm: dict, model, opt, g, ema=None):
     if not isinstance(state, dict) or state.get("format") not in _FORMATS:
         raise ValueError(f"{path!r} is not a video-run checkpoint (format one of {_FORMATS})")
     saved = dict(state["arm"])
-    for key in ("qk_lr", "gran", "rule", "recall", "local", "thr"):  # written before the key existed
+    for key in ("qk_lr", "gran", "rule", "recall", "local", "lmode", "thr"):  # written before the key existed
         saved.setdefault(key, ARM_DEFAULTS[key])
     differ = {k: (saved.get(k), arm[k]) for k in _RESUME_KEYS if saved.get(k) != arm[k]}
     if differ:

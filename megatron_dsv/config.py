@@ -24,6 +24,7 @@ CP_MODES = ("none", "head", "seq", "hybrid")
 GROUP_PROXIES = ("mean", "middle")
 BLOCK_SCORES = ("max", "lse")
 BUDGET_RULES = ("recall", "sparsity")
+LOCAL_MODES = ("shared", "window")
 SUPPORTED_GROUP_SIZES = (16, 32, 64, 128)
 # the neighbourhood (rt, rh, rw) in query cubes that local_radius=None (auto) gives where it applies
 DEFAULT_LOCAL_RADIUS = (1, 1, 1)
@@ -178,6 +179,19 @@ class DSVConfig:
     applies: on the H200 quality frontier (ViZDoom 16K, 2 seeds, benchmarks/NOTES_quality.md run 2) the
     paper's rule with a (1, 1, 1) neighbourhood was -0.49 +- 0.38% against full attention at equal steps
     where the rule alone was +0.66 +- 0.28% (paired: -1.15 +- 0.10%)."""
+    local_mode: str = _knob(
+        "shared", "How local + predicted lists size each cube's list. 'shared': one budget per head for every cube, "
+        "floored at the largest neighbourhood (edge cubes, with fewer neighbours, take more predicted items). "
+        "'window': every cube keeps its own whole neighbourhood (the 3D window's keys) plus the head's predicted "
+        "items, so list lengths differ by cube; the budget counts the mean neighbourhood.", choices=LOCAL_MODES)
+    """Per-cube or shared list lengths for local + predicted lists (inert without a neighbourhood).
+
+    'shared' (default): each head's budget ``K_h`` holds for every cube and is floored at the largest
+    neighbourhood, so a neighbourhood as wide as the window's (2, 2, 1) at 16K (75 of 128 blocks) keeps every
+    layer dense. 'window': cube g keeps its ``n_g`` neighbourhood blocks plus ``P_h = K_h - ceil(mean n_g)``
+    predicted blocks (never below 0; ``K_h`` floored at the mean neighbourhood), i.e. the 3D window of the
+    frontier's best arm (benchmarks/NOTES_quality.md runs 1, 2, 6) with the predictor's top-k on top. Not yet
+    measured on the frontier: off until it is."""
     granularity: str = _knob("block", "KV list granularity: 'token' (the paper) or 'block' (contiguous KV blocks).",
                              choices=GRANULARITIES)
     """Whether KV lists name single key tokens or contiguous key blocks."""

@@ -90,6 +90,9 @@ def test_frontier_arms_parse_with_their_settings():
     with pytest.raises(ValueError, match="unknown frontier arm"):
         arm_of("nope", args.arm, args)
     assert arm_of("local111_thr07", args.arm, args)["thr"] == 0.7
+    wp = arm_of("windowpred35_s400", args.arm, args)
+    assert wp["lmode"] == "window" and wp["local_radius"] == (2, 2, 1) and wp["cap"] == 0.35 and wp["stage1"] == 400
+    assert not is_library_default(wp)
     study = "data=synthetic,frames=4,res=64,steps=1500,stage1=700"
     own, base = arm_of("default_s400", study, args), arm_of("default", study, args)
     assert own["stage1"] == 400 and base["stage1"] == 700 and own["label"] != base["label"]  # two runs, two paths

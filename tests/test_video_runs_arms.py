@@ -28,6 +28,16 @@ def test_local_auto_and_threshold_keys():
         parse_arm("local=1.1")
 
 
+def test_lmode_key_reaches_the_label_and_rejects_unknown():
+    """lmode (DSVConfig.local_mode): 'shared' by default, absent from the label (runs saved before the key keep
+    their paths); 'window' named in it."""
+    assert parse_arm("data=synthetic")["lmode"] == "shared"
+    arm = parse_arm("data=synthetic,frames=4,res=64,rule=sparsity,local=1.1.0,lmode=window")
+    assert arm["lmode"] == "window" and arm["label"] == "synthetic-dsv-paperrule-local1.1.0-lmodewindow-S256"
+    with pytest.raises(ValueError, match="lmode must be one of"):
+        parse_arm("lmode=cube")
+
+
 @pytest.mark.timeout(300)
 def test_token_lists_arm_trains_into_stage_two(megatron_cpu, tmp_path):
     """gran=token reaches the DSV layers (token lists, no key blocks) and a short run profiles and

@@ -39,7 +39,7 @@ def run_sparse_attention(backend: str, q, k, v, kv_indices, kv_counts, group_siz
 
 
 def run_estimate_topk(backend: str, q_lr, k_lr, budgets, group_size: int, block_size: int, proxy: str,
-                      block_score: str, forced=None):
+                      block_score: str, forced=None, forced_extra: bool = False):
     """Top-k estimation on a backend from :func:`resolve_backends` ("auto": the op's device rule; ``forced``
     items, local + predicted lists, go to Triton where that rule says CUDA: the CUDA kernel lacks them)."""
     if backend == "auto":
@@ -47,4 +47,4 @@ def run_estimate_topk(backend: str, q_lr, k_lr, budgets, group_size: int, block_
         if forced is not None and backend == "cuda":
             backend = "triton"
     return estimate_topk(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score, backend=backend,
-                         forced=forced)
+                         forced=forced, forced_extra=forced_extra)

@@ -125,6 +125,10 @@ class DSVCoreAttention(MegatronModule):
             if self.dsv_config.cp_mode == "none":
                 raise ValueError(f"DSV attention with context_parallel_size={self.cp_size} needs DSVConfig.cp_mode "
                                  "(--dsv-cp-mode) in ('head', 'seq', 'hybrid'); got 'none'")
+            if self.dsv_config.local_mode == "window":
+                raise ValueError("DSVConfig.local_mode (--dsv-local-mode) 'window' gives every query cube its own "
+                                 "list length, which the context-parallel paths do not carry yet; use "
+                                 f"local_mode='shared' with context_parallel_size={self.cp_size}")
             from megatron_dsv.parallel.cp_attention import CPContext
 
             self.cp_ctx = CPContext.get(self.cp_group, self.num_heads, tp)
@@ -415,6 +419,9 @@ class DSVCoreAttention(MegatronModule):
                                              self.training, self._local_tokens(S))
             sparse = (self.stage_host == 2 and self.profiled_host and self.kernel_ok and S >= cfg.group_size and ok
                       and not self.force_dense)
+            if cfg.local_mode == "window":  # keys a query attends: the mean neighbourhood itself, not its round-up
+                excess = self._local_mean_items(S) - self._local_mean_items(S, exact=True)
+                tokens = tokens.double() - excess * max(1, cfg.block_size)
             if not sparse:
                 tokens = torch.full_like(tokens, S)
             self._decisions[key] = (sparse, budgets, tokens.float())
@@ -444,9 +451,22 @@ class DSVCoreAttention(MegatronModule):
         return head_budgets(self._sparsity_cpu if sparsity is None else sparsity, S, cfg, floor)
 
     def _local_tokens(self, S: int) -> int:
-        """Keys of the largest neighbourhood (the floor of every budget under local + predicted lists)."""
+        """The floor of every budget under local + predicted lists, in keys: the largest neighbourhood
+        (``local_mode`` 'shared'), or the mean one rounded up to whole items ('window')."""
         local = self._local_items(S, "cpu")
-        return 0 if local is None else min(S, local.shape[1] * max(1, self.dsv_config.block_size))
+        if local is None:
+            return 0
+        items = self._local_mean_items(S) if self.dsv_config.local_mode == "window" else local.shape[1]
+        return min(S, items * max(1, self.dsv_config.block_size))
+
+    def _local_mean_items(self, S: int, exact: bool = False):
+        """The neighbourhood's mean size over the cubes, in items (key blocks, or keys), rounded up (``exact``: not
+        rounded, a float): what ``local_mode`` 'window' takes off each head's budget before the predicted part."""
+        local = self._local_items(S, "cpu")
+        if local is None:
+            return 0
+        mean = (local >= 0).sum(1).double().mean().item()
+        return mean if exact else math.ceil(mean - 1e-9)
 
     @torch.no_grad()
     def _estimate(self, q, k, hidden, budgets, projected=None):
@@ -454,8 +474,13 @@ class DSVCoreAttention(MegatronModule):
         q_lr, k_lr = projected if projected is not None else self.predictor.project(q, k, hidden, dtype=q.dtype)
         # budgets stay on the host: the estimator needs Kmax there, and a device copy read back
         # would cost two stream syncs per layer
-        return _ops.run_estimate_topk(self.topk_backend, q_lr, k_lr, budgets.cpu(), cfg.group_size, cfg.block_size,
-                                      cfg.group_proxy, cfg.block_score, self._local_items(k_lr.shape[2], q_lr.device))
+        S = k_lr.shape[2]
+        forced = self._local_items(S, q_lr.device)
+        budgets, extra = budgets.cpu(), forced is not None and cfg.local_mode == "window"
+        if extra:  # local_mode 'window': every cube keeps its whole neighbourhood; the budget's rest is predicted
+            budgets = (budgets - self._local_mean_items(S)).clamp(min=0)
+        return _ops.run_estimate_topk(self.topk_backend, q_lr, k_lr, budgets, cfg.group_size, cfg.block_size,
+                                      cfg.group_proxy, cfg.block_score, forced, forced_extra=extra)
 
     @torch.no_grad()
     def _profile(self, q, k, hidden, qidx, budgets, projected=None, seq_group=None):

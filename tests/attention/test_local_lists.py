@@ -109,14 +109,16 @@ def test_local_radius_errors(make_layer):
         local_item_lists((4, 8, 12), (2, 4, 8), (0, 0, 1), 64)
 
 
-def test_video_dit_trains_with_local_lists(megatron_cpu, fast_table):
-    """The video DiT hands its token grid to every DSV layer; stage 2 runs sparse with local lists."""
+@pytest.mark.parametrize("mode", ["shared", "window"])
+def test_video_dit_trains_with_local_lists(megatron_cpu, fast_table, mode):
+    """The video DiT hands its token grid to every DSV layer; stage 2 runs sparse with local lists (either
+    local_mode: here every cube has as many neighbours, so both keep the same number of keys)."""
     from megatron_dsv.models.dit_config import VideoDiTConfig
     from megatron_dsv.models.video_dit import build_video_dit
 
     # token grid (4, 8, 16): a 2 x 2 x 2 grid of 64-token cubes, so radius (0, 0, 1) keeps 2 of 8 cubes
     cfg = VideoDiTConfig.from_preset("tiny", layers=2, latent_frames=4, latent_height=16, latent_width=32)
-    dsv = DSVConfig(query_group_shape=(2, 4, 8), kv_block_size=64, local_radius=(0, 0, 1), k_min=1,
+    dsv = DSVConfig(query_group_shape=(2, 4, 8), kv_block_size=64, local_radius=(0, 0, 1), local_mode=mode, k_min=1,
                     budget_rule="sparsity", sparsity_threshold=0.0, stage_switch_rule="steps", stage_switch_steps=1,
                     profile_interval=1, kernel_backend="naive", topk_backend="naive", predictor_query_stride=8,
                     speedup_table=fast_table)
@@ -157,3 +159,61 @@ def test_auto_neighbourhood_follows_the_resolved_topk_backend(monkeypatch, megat
                              dsv_config=DSVConfig())
     layer.token_grid = (16, 32, 32)
     assert layer._local_items(16 * 32 * 32, "cpu") is not None
+
+
+def test_window_mode_keeps_each_cubes_own_neighbourhood_plus_the_predicted_budget(make_layer, fast_table):
+    """local_mode 'window': a neighbourhood as wide as the grid's middle (radius (1, 1, 0) on a 2 x 2 x 2 grid of
+    cubes: 4 of 8 cubes for every cube here, but 2-4 on a 3 x 3 grid) sets no floor at its largest size: each
+    cube keeps exactly its own neighbourhood plus the head's predicted blocks, the budget counts the mean
+    neighbourhood, the layer runs sparse, and its output equals the naive op on those per-cube lists."""
+    grid, cube, radius = (6, 12, 8), (2, 4, 8), (1, 1, 0)  # 576 tokens, a 3 x 3 x 1 grid of 64-token cubes
+    common = dict(query_group_shape=cube, granularity="block", kv_block_size=64, k_min=1, local_radius=radius,
+                  budget_rule="sparsity", sparsity_threshold=0.3, speedup_table=fast_table)
+    shared = make_layer(**common)
+    window = make_layer(**common, local_mode="window")
+    for layer in (shared, window):
+        layer.token_grid = grid
+        force_state(layer, stage=2, sparsity=0.7)  # (1 - s) S = 173 tokens: 3 blocks of 64
+    local = local_item_lists(grid, cube, radius, 64)
+    sizes = (local >= 0).sum(1)
+    assert sizes.tolist() == [4, 6, 4, 6, 9, 6, 4, 6, 4]  # corners, edges, the middle
+    assert shared._local_tokens(576) == 64 * 9 and not shared.decide(576)[0]  # floored at 9 of 9 blocks: dense
+    mean = -(-int(sizes.sum()) // 9)  # 49 / 9 -> 6 blocks
+    assert window._local_tokens(576) == 64 * mean and window._local_mean_items(576) == mean
+    sparse, budgets, tokens = window.decide(576)
+    assert sparse and budgets.tolist() == [mean] * 2
+    assert torch.allclose(tokens, torch.full((2,), 64 * 49 / 9))  # keys a query attends: the mean neighbourhood
+    q, k = planted(S=576)
+    idx, counts = window._estimate(q, k, None, budgets + 1)  # one predicted block past the mean neighbourhood
+    assert counts.shape == (1, 2, 9) and idx.shape == (1, 2, 9, local.shape[1] + 1)
+    for g in range(9):
+        own = set(local[g][local[g] >= 0].tolist())
+        for h in range(2):
+            row = idx[0, h, g, :int(counts[0, h, g])].tolist()
+            assert row == sorted(row) and own <= set(row) and len(row) == min(9, len(own) + 1), (g, h)
+    window.eval()
+    v = torch.randn_like(k)
+    out = window(as_megatron(q), as_megatron(k), as_megatron(v), None)
+    assert window.last_sparse
+    lists = window._estimate(q, k, None, budgets)  # the mean neighbourhood exactly: the window itself
+    assert torch.equal(lists[1][0, 0], sizes.to(torch.int32))
+    ref = _ops.sparse_attention_naive(q, k, v, *lists, 64, 64, window.softmax_scale)
+    assert torch.allclose(out, ref.permute(2, 0, 1, 3).reshape(576, 1, -1), atol=1e-5)
+
+
+def test_window_mode_profiles_and_trains(make_layer, fast_table):
+    """A profile step measures the recall of the per-cube lists (counts [B, H, NG]), the step end runs, and a
+    mode the config does not know is refused by name."""
+    layer = make_layer(query_group_shape=(2, 4, 8), granularity="block", kv_block_size=64, k_min=1,
+                       local_radius=(1, 1, 0), local_mode="window", budget_rule="sparsity", sparsity_threshold=0.3,
+                       speedup_table=fast_table, profile_interval=1)
+    layer.token_grid = (6, 12, 8)
+    force_state(layer, stage=2, sparsity=0.6)
+    q, k = planted(S=576)
+    layer.train()
+    out = layer(as_megatron(q), as_megatron(k), as_megatron(torch.randn_like(k)), None)
+    dsv_on_step_end(layer, 1)
+    m = dsv_metrics(layer)
+    assert torch.isfinite(out).all() and layer.last_sparse and 0.0 < m["dsv/layer1/recall"] <= 1.0
+    with pytest.raises(ValueError, match="local_mode"):
+        DSVConfig(local_mode="cube")

@@ -103,3 +103,57 @@ def test_forced_one_row_broadcasts_and_errors():
             estimate_topk_naive(q, q, 2, 64, 64, forced=bad)
     with pytest.raises(ValueError, match="not supported by the cuda backend"):
         estimate_topk(q, q, 2, 64, 64, backend="cuda", forced=row)
+
+
+def _brute_extra(q, k, budgets, G, bs, proxy, forced):
+    """forced_extra: per (b, h, group) the forced items plus the budget's best others (score desc, index asc),
+    ascending; counts per group."""
+    B, H = q.shape[:2]
+    scores = item_scores(group_proxies(q, G, proxy), k, bs, "max")
+    NG, n = scores.shape[2:]
+    budgets = torch.as_tensor(budgets).expand(B, H).clamp(max=n)
+    width = forced.shape[1] + int(budgets.max())
+    out = torch.full((B, H, NG, width), -1, dtype=torch.int32)
+    counts = torch.zeros(B, H, NG, dtype=torch.int32)
+    for b in range(B):
+        for h in range(H):
+            for g in range(NG):
+                f = set(int(x) for x in forced[g] if x >= 0)
+                rest = sorted((j for j in range(n) if j not in f), key=lambda j: (-float(scores[b, h, g, j]), j))
+                keep = sorted(f | set(rest[:int(budgets[b, h])]))
+                out[b, h, g, :len(keep)] = torch.tensor(keep, dtype=torch.int32)
+                counts[b, h, g] = len(keep)
+    return out, counts
+
+
+EXTRA_CASES = CASES + [  # a budget past the other items: the group keeps every item once
+    pytest.param(1, 2, 256, 8, 64, 64, "mean", [0, 4], 3, id="blk64-S256-zero-and-all"),
+]
+
+
+@pytest.mark.parametrize("B,H,S,r,G,bs,proxy,budgets,width", EXTRA_CASES)
+def test_forced_extra_keeps_every_forced_item_plus_the_budget(B, H, S, r, G, bs, proxy, budgets, width):
+    """local_mode 'window': each group's whole neighbourhood plus the head's budget of predicted items, so list
+    lengths differ by group; naive and triton ("keys" under the interpreter, "gemm") against brute force."""
+    q, k = _ints((B, H, S, r), torch.float32, 11), _ints((B, H, S, r), torch.float32, 12)
+    n_items = S if bs == 0 else -(-S // bs)
+    forced = _forced(-(-S // G), n_items, width, 13)
+    ref_idx, ref_counts = _brute_extra(q.cpu(), k.cpu(), torch.tensor(budgets), G, bs, proxy, forced)
+    idx, counts = estimate_topk_naive(q, k, torch.tensor(budgets), G, bs, proxy, forced=forced.to(DEV),
+                                      forced_extra=True)
+    assert torch.equal(idx.cpu(), ref_idx) and torch.equal(counts.cpu(), ref_counts)
+    if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    from megatron_dsv.ops.topk_estimation.triton_impl import estimate_topk_triton
+
+    for method in ("keys", "gemm"):
+        for chunk in (1 << 25, 2 * max(n_items, S) * B * H + 1):  # one chunk; a few groups per chunk
+            got = estimate_topk_triton(q, k, torch.tensor(budgets), G, bs, proxy, forced=forced.to(DEV),
+                                       forced_extra=True, chunk_elems=chunk, method=method)
+            assert torch.equal(got[0].cpu(), ref_idx) and torch.equal(got[1].cpu(), ref_counts), (method, chunk)
+
+
+def test_forced_extra_needs_forced_items():
+    q = _ints((1, 1, 256, 16), torch.float32, 7)
+    with pytest.raises(ValueError, match="forced_extra"):
+        estimate_topk(q, q, 2, 64, 64, backend="naive", forced_extra=True)

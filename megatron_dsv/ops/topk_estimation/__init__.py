@@ -10,6 +10,10 @@
   forced: optional int tensor (num_groups, F), -1 padded, shared by every batch and head: items each
     group keeps before any other (DSV's local + predicted lists: the always-on neighbourhood); the
     budget counts them. Naive and triton backends ("auto" on CUDA then takes triton's "gemm" method).
+  forced_extra: with ``forced``, the budgets count only the other items: every group keeps all its forced
+    items plus the budget's best others, so list lengths differ by group (a 3D window plus predicted items,
+    ``DSVConfig.local_mode='window'``); then idx is (batch, heads, groups, F + Kmax) and counts
+    (batch, heads, groups).
   Returns idx int32 (batch, heads, ceil(seqlen / group_size), Kmax): for each query group, the
     counts[b, h] best items by proxy . key (ties: lower index), ascending, then -1 padding;
     and counts int32 (batch, heads).
@@ -80,7 +84,7 @@ def _backend_and_reason(device, requested=None):
 
 
 def estimate_topk(q_lr, k_lr, budgets, group_size, block_size=0, proxy="mean", block_score="max", *,
-                  backend=None, forced=None):
+                  backend=None, forced=None, forced_extra: bool = False):
     """Per query group, the top-k keys (or key blocks) by low-rank score; see the module docstring.
     ``backend`` forces one of {cuda, triton, naive} (None or "auto": the module's rule)."""
     backend, reason = _backend_and_reason(getattr(q_lr, "device", "cpu"), backend)
@@ -102,6 +106,9 @@ def estimate_topk(q_lr, k_lr, budgets, group_size, block_size=0, proxy="mean", b
             fn = estimate_topk_naive
         case _:  # pragma: no cover - topk_backend validates
             raise ValueError(f"unknown topk backend {backend!r}")
+    if forced_extra and forced is None:
+        raise ValueError("estimate_topk: `forced_extra` needs `forced` items (the neighbourhood every group keeps)")
     if forced is not None:
-        return fn(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score, forced=forced)
+        return fn(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score, forced=forced,
+                  forced_extra=forced_extra)
     return fn(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score)

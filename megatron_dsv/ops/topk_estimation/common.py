@@ -15,6 +15,8 @@ backend can be compared exactly with ``naive.py``:
 - order: higher score first, equal scores broken by the lower index.
 - forced items (``forced``, DSV's local + predicted lists): a group's listed items rank above every
   other item (as if their score were +inf), lower index first among them; the budget counts them.
+  With ``forced_extra`` the budget counts only the others: a group keeps all its forced items plus the
+  budget's best other items (by the order above), so list lengths differ by group (``counts [B, H, NG]``).
 """
 
 from __future__ import annotations
@@ -147,3 +149,28 @@ def forced_mask(rows: torch.Tensor, num_items: int) -> torch.Tensor:
     mask = torch.zeros(rows.shape[0], num_items + 1, dtype=torch.bool, device=rows.device)
     mask.scatter_(1, torch.where(rows >= 0, rows, num_items), True)  # padding -> spare column, dropped
     return mask[:, :num_items]
+
+
+def forced_union(selected: torch.Tensor, forced: torch.Tensor, num_items: int):
+    """The lists of ``forced_extra``: per group its forced items and its ``selected`` ones, ascending, each once.
+
+    ``selected`` int32 ``[..., n, K]`` (item ids, -1 padding; may repeat a forced item when a group has fewer
+    other items than the budget), ``forced`` int64 ``[n, F]`` (-1 padded, shared by the leading dims). Returns
+    ``(idx int32 [..., n, F + K], counts int32 [..., n])``: the union ascending, then -1 padding."""
+    lead, n, K = selected.shape[:-2], selected.shape[-2], selected.shape[-1]
+    F = forced.shape[-1]
+    mark = torch.zeros(*lead, n, num_items + 1, dtype=torch.bool, device=selected.device)
+    if F:  # padding -> the spare column, dropped
+        rows = torch.where(forced >= 0, forced, num_items).to(selected.device)
+        mark.scatter_(-1, rows.expand(*lead, n, F), True)
+    if K:
+        mark.scatter_(-1, torch.where(selected >= 0, selected.long(), num_items), True)
+    mark = mark[..., :num_items]
+    counts = mark.sum(-1, dtype=torch.int32)
+    width = min(num_items, F + K)
+    pos = torch.arange(num_items, device=selected.device)
+    idx = torch.sort(torch.where(mark, pos, num_items), dim=-1).values[..., :width]
+    idx = torch.where(idx == num_items, -1, idx).to(torch.int32)
+    if width < F + K:  # at most every item: pad to the documented width
+        idx = torch.cat([idx, idx.new_full((*lead, n, F + K - width), -1)], dim=-1)
+    return idx, counts

@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from .common import check_forced, check_problem, forced_mask
+from .common import check_forced, check_problem, forced_mask, forced_union
 
 __all__ = ["estimate_topk_naive", "group_proxies", "item_scores"]
 
@@ -122,29 +122,41 @@ def select_topk_sorted(s: torch.Tensor, K: int) -> torch.Tensor:
 
 
 def estimate_topk_naive(q_lr, k_lr, budgets, group_size, block_size=0, proxy="mean",
-                        block_score="max", chunk_elems: int = 1 << 24, forced=None):
+                        block_score="max", chunk_elems: int = 1 << 24, forced=None, forced_extra: bool = False):
     """Same contract as :func:`estimate_topk`; chunked over groups, one (b, h) at a time.
 
     q_lr [B, H, Sq, r], k_lr [B, H, Sk, r] -> idx int32 [B, H, ceil(Sq / G), Kmax], counts int32 [B, H].
-    ``forced`` [NG, F]: items ranked first in every group (their score read as +inf).
+    ``forced`` [NG, F]: items ranked first in every group (their score read as +inf). ``forced_extra``: the
+    budgets count only the other items; every group keeps its forced ones besides (their score read as -inf
+    for the selection): idx [B, H, NG, F + Kmax], counts int32 [B, H, NG].
     """
     P = check_problem(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score)
+    if forced_extra and forced is None:
+        raise ValueError("estimate_topk: `forced_extra` needs `forced` items")
     if forced is not None:
         forced = check_forced(forced, P.num_groups, P.num_items, q_lr.device)
-    idx = torch.full((P.B, P.H, P.num_groups, P.kmax), -1, dtype=torch.int32, device=q_lr.device)
+    width = P.kmax + (forced.shape[1] if forced_extra else 0)
+    idx = torch.full((P.B, P.H, P.num_groups, width), -1, dtype=torch.int32, device=q_lr.device)
     counts = P.counts
-    counts_cpu = counts.cpu()
+    if forced_extra:
+        counts = torch.zeros(P.B, P.H, P.num_groups, dtype=torch.int32, device=q_lr.device)
+    counts_cpu = P.counts.cpu()
     proxies = group_proxies(q_lr, group_size, proxy)  # [B, H, NG, r]
     chunk = max(1, chunk_elems // max(1, P.Sk))
     for b in range(P.B):
         for h in range(P.H):
             K = int(counts_cpu[b, h])
-            if K == 0:
+            if K == 0 and not forced_extra:
                 continue
             for g0 in range(0, P.num_groups, chunk):
                 g1 = min(P.num_groups, g0 + chunk)
                 s = item_scores(proxies[b, h, g0:g1], k_lr[b, h], block_size, block_score)
                 if forced is not None:
-                    s.masked_fill_(forced_mask(forced[g0:g1], P.num_items), float("inf"))
-                idx[b, h, g0:g1, :K] = select_topk_sorted(s, K)
+                    fill = float("-inf") if forced_extra else float("inf")
+                    s.masked_fill_(forced_mask(forced[g0:g1], P.num_items), fill)
+                if forced_extra:
+                    rows, counts[b, h, g0:g1] = forced_union(select_topk_sorted(s, K), forced[g0:g1], P.num_items)
+                    idx[b, h, g0:g1, :rows.shape[-1]] = rows
+                else:
+                    idx[b, h, g0:g1, :K] = select_topk_sorted(s, K)
     return idx, counts

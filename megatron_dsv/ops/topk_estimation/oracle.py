@@ -123,19 +123,23 @@ class _ListRecall:
             raise ValueError(f"critical_mass_recall: `kv_indices` must be [B, H, {NG}, Kmax], "
                              f"got {tuple(kv_indices.shape)}")
         counts = torch.as_tensor(kv_counts, device=q.device)
-        if counts.dim() not in (1, 2):
-            raise ValueError(f"critical_mass_recall: `kv_counts` must be [H] or [B, H] (one length per head), "
-                             f"got {tuple(counts.shape)}")
+        if counts.dim() not in (1, 2, 3) or counts.dim() == 3 and tuple(counts.shape) != (B, H, NG):
+            raise ValueError(f"critical_mass_recall: `kv_counts` must be [H], [B, H] (one length per head) or "
+                             f"[B, H, {NG}] (one per query group), got {tuple(counts.shape)}")
         if counts.dim() == 1:
             counts = counts.unsqueeze(0).expand(B, H)
+        if counts.dim() == 2:
+            counts = counts[..., None]  # [B, H, 1]: every group
         self.S, self.group_size, self.block_size, self.lists = S, group_size, block_size, kv_indices
         self.n_items = S if block_size == 0 else -(-S // block_size)
-        self.valid = torch.arange(kv_indices.shape[-1], device=q.device) < counts[..., None, None]  # [B, H, 1, Kmax]
+        self.valid = torch.arange(kv_indices.shape[-1], device=q.device) < counts[..., None]  # [B, H, 1 | NG, Kmax]
         self.total = torch.zeros(B, H, dtype=torch.float64, device=q.device)
 
     def add(self, pos, crit, cmass):
-        lists = self.lists[:, :, pos // self.group_size].long()  # [B, H, n, Kmax]
-        ok = self.valid & (lists >= 0)
+        groups = pos // self.group_size
+        lists = self.lists[:, :, groups].long()  # [B, H, n, Kmax]
+        valid = self.valid if self.valid.shape[2] == 1 else self.valid[:, :, groups]
+        ok = valid & (lists >= 0)
         sel = torch.zeros(*lists.shape[:3], self.n_items + 1, dtype=torch.bool, device=lists.device)
         sel.scatter_(-1, torch.where(ok, lists, self.n_items), True)
         sel = sel[..., :self.n_items]
@@ -184,7 +188,7 @@ def critical_mass_recall(q, k, kv_indices, kv_counts, group_size: int, block_siz
                          chunk_elems: int = 1 << 24) -> torch.Tensor:
     """float32 [B, H]: mean over (sampled) queries of mass(critical keys inside the query's
     group list) / mass(critical keys). Lists: int32 [B, H, ceil(S/G), Kmax] token ids
-    (block_size 0) or key-block ids (block_size > 0), first kv_counts[b, h] entries valid."""
+    (block_size 0) or key-block ids (block_size > 0), first kv_counts[b, h] (or kv_counts[b, h, g]) entries valid."""
     qi = _check(q, k, theta, query_index)
     acc = _ListRecall(q, kv_indices, kv_counts, group_size, block_size)
     return _one_pass(q, k, theta, softmax_scale, qi, chunk_elems, [acc])[0]

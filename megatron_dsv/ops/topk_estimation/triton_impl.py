@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check_forced, check_problem, forced_mask
+from .common import check_forced, check_problem, forced_mask, forced_union
 from .naive import group_proxies
 
 __all__ = ["estimate_topk_triton", "resolve_method", "sample_plan", "sample_positions", "METHODS"]
@@ -446,7 +446,7 @@ def sample_positions(n_items: int, sample_size: int = 1024) -> torch.Tensor:
 def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="mean", block_score="max",
                          BG: int = 16, BN: int = 0, method: str = "auto", *, sample_size: int = 1024,
                          z: float = 4.0, capacity: int = 0, stats: dict | None = None, chunk_elems: int = 1 << 25,
-                         forced=None):
+                         forced=None, forced_extra: bool = False):
     """Same contract as :func:`estimate_topk`, on Triton (GPU, or CPU under TRITON_INTERPRET=1).
     q_lr [B, H, Sq, r], k_lr [B, H, Sk, r]: Sk may differ from Sq.
 
@@ -472,7 +472,9 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     smaller value forces overflow in tests). Extra memory of "sample": B*H*NG*capacity*8 bytes.
     ``stats``: a dict that receives ``fallback_groups`` (a host sync; for tests and benchmarks).
     ``forced`` [NG, F] (local + predicted lists): items ranked first in their group; methods "keys" and
-    "gemm" (their keys buffer takes the top key); "auto" then picks "gemm" for token lists too.
+    "gemm" (their keys buffer takes the top key); "auto" then picks "gemm" for token lists too. ``forced_extra``
+    (the budgets count only the other items; :func:`~.common.forced_union`): the forced items take the lowest key
+    for the selection, then join each group's list: idx ``[B, H, NG, F + Kmax]``, counts ``[B, H, NG]``.
     """
     method = "gemm" if forced is not None and method == "auto" else resolve_method(method, block_size)
     if forced is not None and method not in ("keys", "gemm"):
@@ -481,9 +483,20 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     if chunk_elems < 1:
         raise ValueError(f"estimate_topk_triton: `chunk_elems` must be >= 1, got {chunk_elems}")
     P = check_problem(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score)
+    if forced_extra and forced is None:
+        raise ValueError("estimate_topk_triton: `forced_extra` needs `forced` items")
     if forced is not None:
         forced = check_forced(forced, P.num_groups, P.num_items, q_lr.device)
-    out = torch.full((P.B, P.H, P.num_groups, P.kmax), -1, dtype=torch.int32, device=q_lr.device)
+    if forced_extra:
+        out = torch.full((P.B, P.H, P.num_groups, forced.shape[1] + P.kmax), -1, dtype=torch.int32,
+                         device=q_lr.device)
+        group_counts = torch.zeros(P.B, P.H, P.num_groups, dtype=torch.int32, device=q_lr.device)
+        if P.kmax == 0:  # every group keeps its forced items alone
+            none = torch.empty(P.B, P.H, P.num_groups, 0, dtype=torch.int32, device=q_lr.device)
+            out[:], group_counts[:] = forced_union(none, forced, P.num_items)
+            return out, group_counts
+    else:
+        out = torch.full((P.B, P.H, P.num_groups, P.kmax), -1, dtype=torch.int32, device=q_lr.device)
     if stats is not None:
         stats["fallback_groups"] = 0
     if P.kmax == 0:
@@ -501,7 +514,7 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
             kg = _gemm_operand(k).reshape(P.B * P.H, P.Sk, P.r)
             per_group = P.B * P.H * max(P.num_items, -(-P.Sk // (2 if kg.dtype == torch.float64 else 4)))
         n_g = max(1, min(P.num_groups, chunk_elems // max(1, per_group)))
-        rows = out.view(P.B * P.H, P.num_groups, P.kmax)
+        rows = out.view(P.B * P.H, P.num_groups, out.shape[-1])
         for g0 in range(0, P.num_groups, n_g):
             n = min(n_g, P.num_groups - g0)
             if method == "gemm":
@@ -510,10 +523,16 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
                 keys = torch.empty(P.B * P.H, n, P.num_items, dtype=torch.int32, device=q_lr.device)
                 _tk_keys[(triton.cdiv(n, BG), triton.cdiv(P.num_items, BN), P.B * P.H)](
                     proxies, k, keys, P.Sk, P.num_items, P.num_groups, g0, n, **meta)
-            if forced is not None:  # the top ordered key: above every score, ties by lower index
-                keys.masked_fill_(forced_mask(forced[g0:g0 + n], P.num_items), torch.iinfo(torch.int32).max)
-            rows[:, g0:g0 + n] = _select_from_keys(keys, counts, P.kmax)
-        return out, counts
+            if forced is not None:  # the top ordered key (below every score with forced_extra), ties by lower index
+                info = torch.iinfo(torch.int32)
+                keys.masked_fill_(forced_mask(forced[g0:g0 + n], P.num_items), info.min if forced_extra else info.max)
+            chosen = _select_from_keys(keys, counts, P.kmax)
+            if forced_extra:
+                rows[:, g0:g0 + n], group_counts.view(P.B * P.H, P.num_groups)[:, g0:g0 + n] = forced_union(
+                    chosen, forced[g0:g0 + n], P.num_items)
+            else:
+                rows[:, g0:g0 + n] = chosen
+        return out, (group_counts if forced_extra else counts)
     grid = (triton.cdiv(P.num_groups, BG), P.B * P.H)
     thr = torch.empty(P.B, P.H, P.num_groups, dtype=torch.int32, device=q_lr.device)
     above = torch.empty_like(thr)
