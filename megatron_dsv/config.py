@@ -190,8 +190,10 @@ class DSVConfig:
     neighbourhood, so a neighbourhood as wide as the window's (2, 2, 1) at 16K (75 of 128 blocks) keeps every
     layer dense. 'window': cube g keeps its ``n_g`` neighbourhood blocks plus ``P_h = K_h - ceil(mean n_g)``
     predicted blocks (never below 0; ``K_h`` floored at the mean neighbourhood), i.e. the 3D window of the
-    frontier's best arm (benchmarks/NOTES_quality.md runs 1, 2, 6) with the predictor's top-k on top. Not yet
-    measured on the frontier: off until it is."""
+    frontier's best arm (benchmarks/NOTES_quality.md runs 1, 2, 6) with the predictor's top-k on top. Under the
+    'recall' rule ``K_h`` is read off the profiler's recall curve, which ranks the neighbourhood first for one
+    length shared by every cube: an approximation of the per-cube lists (their measured recall is logged exactly).
+    Context parallelism refuses it. Not yet measured on the frontier: off until it is."""
     granularity: str = _knob("block", "KV list granularity: 'token' (the paper) or 'block' (contiguous KV blocks).",
                              choices=GRANULARITIES)
     """Whether KV lists name single key tokens or contiguous key blocks."""
