@@ -224,12 +224,13 @@ def wait_for_slot(max_workers: int, poll_s: float = 5.0) -> None:
 OOM_MARKERS = ("CUDA out of memory", "torch.OutOfMemoryError", "OutOfMemoryError: CUDA")
 
 
-def died_of_oom(log_path: str) -> bool:
-    """The worker's log ends in a CUDA out-of-memory error (its last 4 KB): a run to resume, not a bug."""
+def died_of_oom(log_path: str, since: int = 0) -> bool:
+    """The worker's log ends in a CUDA out-of-memory error (its last 4 KB, and nothing written before byte
+    ``since``: the log is appended to by every start of the worker): a run to resume, not a bug."""
     try:
         with open(log_path, "rb") as f:
             f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 4096))
+            f.seek(max(since, f.tell() - 4096))
             tail = f.read().decode(errors="replace")
     except OSError:
         return False
@@ -249,11 +250,13 @@ def launch(names: List[str], seeds: List[int], argv: List[str], args) -> None:
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # less reserved than held: more fit
 
     def start(name, seed):
+        """``(process, the log's size when it started)``."""
         wait_for_slot(args.max_workers)
         path = os.path.join(logs, f"{name}-s{seed}.log")
         cmd = [sys.executable, os.path.abspath(__file__), *base, "--worker", name, "--seed", str(seed)]
         with open(path, "a") as log:  # the child holds its own descriptor
-            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            since = log.tell()  # the end of what earlier starts wrote
+            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), since
 
     running = {}
     for name in names:
@@ -263,7 +266,7 @@ def launch(names: List[str], seeds: List[int], argv: List[str], args) -> None:
     failed, retries = [], {}
     while running:
         time.sleep(1.0)
-        for (name, seed), proc in list(running.items()):
+        for (name, seed), (proc, since) in list(running.items()):
             code = proc.poll()
             if code is None:
                 continue
@@ -271,10 +274,11 @@ def launch(names: List[str], seeds: List[int], argv: List[str], args) -> None:
             if code == 0:
                 continue
             log = os.path.join(logs, f"{name}-s{seed}.log")
-            if died_of_oom(log) and retries.get((name, seed), 0) < args.oom_retries:
+            if died_of_oom(log, since) and retries.get((name, seed), 0) < args.oom_retries:
                 retries[(name, seed)] = retries.get((name, seed), 0) + 1
-                print(f"launch: {name}-s{seed} ran out of GPU memory: resumed from its last save "
-                      f"(retry {retries[(name, seed)]} of {args.oom_retries})", flush=True)
+                print(f"launch: {name}-s{seed} ran out of GPU memory: started again, from its last save if it has "
+                      f"one (retry {retries[(name, seed)]} of {args.oom_retries})", flush=True)
+                time.sleep(args.stagger)  # not every worker that died together back at once
                 running[(name, seed)] = start(name, seed)
             else:
                 failed.append(f"{name}-s{seed}")

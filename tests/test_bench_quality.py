@@ -173,7 +173,8 @@ def test_a_worker_that_ran_out_of_gpu_memory_is_resumed_and_other_failures_are_r
     oom = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
     # per (arm, seed): what each successive start prints and its exit code
     script = {("full", 0): [(oom, 1), ("done\n", 0)], ("cap", 0): [(oom, 1)] * 5,
-              ("win", 0): [("ValueError: bad arm\n", 1)]}
+              ("win", 0): [("ValueError: bad arm\n", 1)],
+              ("late", 0): [(oom, 1), ("ValueError: a bug after the resume\n", 1)]}  # an old OOM in its log
     starts, real_popen = [], subprocess.Popen
 
     def fake_popen(cmd, stdout, stderr, env):
@@ -190,11 +191,13 @@ def test_a_worker_that_ran_out_of_gpu_memory_is_resumed_and_other_failures_are_r
     args = build_parser().parse_args(["--arm", "data=vizdoom", "--save-dir", str(tmp_path), "--stagger", "0",
                                       "--oom-retries", "2"])
     with pytest.raises(SystemExit) as err:
-        launch(["full", "cap", "win"], [0], [], args)
+        launch(["full", "cap", "win", "late"], [0], [], args)
     assert starts.count(("full", 0)) == 2  # resumed once, then finished
     assert starts.count(("cap", 0)) == 3  # the first start and two retries
     assert starts.count(("win", 0)) == 1  # not an OOM: not retried
+    assert starts.count(("late", 0)) == 2  # its second failure is no OOM, whatever the log held before
     assert "cap-s0" in str(err.value) and "win-s0" in str(err.value) and "full-s0" not in str(err.value)
+    assert "late-s0" in str(err.value)
     assert died_of_oom(str(tmp_path / "logs" / "cap-s0.log"))
     assert not died_of_oom(str(tmp_path / "logs" / "win-s0.log"))
     assert not died_of_oom(str(tmp_path / "logs" / "missing.log"))

@@ -46,7 +46,7 @@ if [ "$phase" != wait ] && [ "$phase" != stop ]; then  # never reinstall the pac
   . tools/gpu_env.sh
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-# workers at once on the machine, every study's launcher counted: 16 GiB each (80 GiB H100: 5; 141 GiB H200: 8)
+# workers at once on the machine, every study's launcher counted: 16 GiB each (80 GiB H100: 4; 141 GiB H200: 8)
 gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
 max_workers=${MAX_WORKERS:-$(( ${gpu_mib:-0} / 1024 / 16 ))}
 read -r -a studies <<< "${DATA:-vizdoom}"
@@ -134,15 +134,18 @@ case "$phase" in
       for log in runs/frontier-*/logs/*-s0.log; do  # the last iteration line of each arm's first seed
         [ -e "$log" ] && echo "${log#runs/frontier-}: $(grep -a iteration "$log" | tail -n 1 | sed 's/.*iteration/it/' | cut -c1-150)"
       done
-      echo "-- $(date +%T): $(pgrep -fc "bench_quality.py.*--worker") workers running"
+      echo "-- $(date +%T): $(pgrep -fc "bench_quality.py.* --worker ") workers running"
     done
     pgrep -f "bench_quality.py.*--launch" > /dev/null && echo "== still training after WAIT_S" || echo "== every launch ended"
     for log in runs/launch-*.log; do [ -e "$log" ] && { echo "== $log"; tail -n 12 "$log"; }; done
     ;;
-  stop)
-    pkill -f "bench_quality.py.*--launch"; pkill -f "bench_quality.py.*--worker"
-    for _ in 1 2 3 4 5 6 7 8 9 10; do pgrep -f "bench_quality.py.*--(launch|worker)" > /dev/null || break; sleep 1; done
-    echo "== stopped: $(pgrep -fc "bench_quality.py.*--(launch|worker)") launchers and workers left"
+  stop)  # the launchers first (a launcher retrying an OOM could start a worker meanwhile: ask again each second)
+    for i in 1 2 3 4 5 6 7 8 9 10; do
+      pgrep -f "bench_quality.py.* --(launch|worker) " > /dev/null || break
+      [ "$i" -lt 8 ] && sig=TERM || sig=KILL
+      pkill "-$sig" -f "bench_quality.py.* --launch "; pkill "-$sig" -f "bench_quality.py.* --worker "; sleep 1
+    done
+    echo "== stopped: $(pgrep -fc "bench_quality.py.* --(launch|worker) ") launchers and workers left"
     ;;
   time)
     time_studies
