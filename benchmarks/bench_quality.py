@@ -614,11 +614,13 @@ def report(args, names: List[str]) -> List[dict]:
         charge = dict(counts=counts, sparse_share=share if arm["attn"] == "dsv" else None)
         wc = wall_clock(mean_curve, arm, t_arm, **charge)
         # per timed length: the first time the mean curve reaches the target (full attention by the same rule)
-        reach_by_S = {length: time_to_reach(wall_clock(mean_curve, arm, t, **charge), full_mean) if t else None
-                      for length, t in (timing.get(name) or {}).items()}
+        wc_by_S = {length: wall_clock(mean_curve, arm, t, **charge) if t else None
+                   for length, t in (timing.get(name) or {}).items()}
+        reach_by_S = {length: time_to_reach(w, full_mean) if w else None for length, w in wc_by_S.items()}
         row = dict(bench="quality_frontier", kind="arm", name=name, data=arm["data"], S=S, steps=step,
                    seeds=sorted(at), attn=arm["attn"], budget_rule=arm.get("rule"), recall_target=arm.get("recall"),
-                   local_radius=arm.get("local"), granularity=arm.get("gran"), stage1=arm.get("stage1"),
+                   local_radius=arm.get("local"), local_mode=arm.get("lmode") if arm["attn"] == "dsv" else None,
+                   granularity=arm.get("gran"), stage1=arm.get("stage1"),
                    window_frac=arm.get("window_frac") if arm["attn"] == "window" else None,
                    library_default=is_library_default(arm),
                    val_loss=loss, val_loss_se=loss_se, val_loss_per_seed=at, val_loss_full=sum(full_at.values()) /
@@ -631,7 +633,7 @@ def report(args, names: List[str]) -> List[dict]:
                    budget_density=_mean([s.get("budget_density") for s in summaries]),
                    ms_step_alone=(t_arm or {}).get("stage2"), ms_step_alone_stage1=(t_arm or {}).get("stage1"),
                    ms_step_alone_by_S={k: v for k, v in (timing.get(name) or {}).items()},
-                   time_to_full_loss_s=reach_by_S.get(str(S)), curve=mean_curve, wall_clock=wc,
+                   time_to_full_loss_s=reach_by_S.get(str(S)), curve=mean_curve, wall_clock=wc, wall_clock_by_S=wc_by_S,
                    time_to_full_loss_s_by_S=reach_by_S,
                    stage2_charging=("per_interval" if counts else "uniform_share") if arm["attn"] == "dsv" else None,
                    # --at-step: curves cut there; kept_fraction, recall, sparsity and budget density are the runs'
@@ -687,14 +689,23 @@ def plot(rows: List[dict], prefix: str, title: str) -> List[str]:
     import matplotlib.pyplot as plt
 
     written = []
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    # a third panel: the same curves charged at the longest timed length (the speed target's length), when longer
+    longest = max((int(k) for row in rows for k, w in (row.get("wall_clock_by_S") or {}).items() if w), default=0)
+    longest = longest if longest > rows[0]["S"] else 0
+    fig, axes = plt.subplots(1, 3 if longest else 2, figsize=(18 if longest else 12, 4.5))
     for row in rows:
         label = f"{row['name']} ({row['delta_vs_full_pct']:+.2f}% at step {row['steps']})"
         axes[0].plot(*zip(*row["curve"]), marker="o", ms=3, label=label)
         if row["wall_clock"]:
             axes[1].plot(*zip(*row["wall_clock"]), marker="o", ms=3, label=label)
+        if longest and (row.get("wall_clock_by_S") or {}).get(str(longest)):
+            ratio = (row.get("time_to_full_loss_ratio_by_S") or {}).get(str(longest))
+            axes[2].plot(*zip(*row["wall_clock_by_S"][str(longest)]), marker="o", ms=3,
+                         label=f"{row['name']} (full's loss in {ratio:.2f}x its time)" if ratio else row["name"])
     axes[0].set_xlabel("training step")
-    axes[1].set_xlabel("training time alone on the GPU (s, measured step times)")
+    axes[1].set_xlabel(f"training time alone on the GPU at {rows[0]['S']} tokens (s, measured step times)")
+    if longest:
+        axes[2].set_xlabel(f"the same steps timed at {longest} tokens (s, measured step times)")
     for ax in axes:
         ax.set_ylabel("validation loss (EMA weights, held-out clips)")
         ax.grid(alpha=0.3)
