@@ -41,18 +41,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import MainWeightsAdamW, flow_matching_step, sync  # noqa: E402
 from megatron_dsv.attention import dsv_layers, dsv_metrics, dsv_on_step_end, dsv_stage  # noqa: E402
 from megatron_dsv.attention.schedule import is_profile_step  # noqa: E402
-from megatron_dsv.config import DSVConfig  # noqa: E402
+from megatron_dsv.config import LOCAL_MODES, DSVConfig  # noqa: E402
 
 ARM_DEFAULTS = dict(data="vizdoom", frames=32, res=256, attn="dsv", lr=3e-4, qk_norm=1, qk_lr=1.0, rope=10000.0,
                     gran="block", rule="recall", recall=0.96, local="0.0.0", lmode="shared", thr=0.8, cap=0.0, steps=1000,
-                    minutes=3.0,
-                    stage1=None, window_frac=0.1, label=None)
+                    minutes=3.0, stage1=None, window_frac=0.1, label=None)
 _INT_KEYS = ("frames", "res", "qk_norm", "steps", "stage1")
 _FLOAT_KEYS = ("lr", "qk_lr", "rope", "minutes", "window_frac", "recall", "thr", "cap")
 DATA_SOURCES = ("vizdoom", "ale", "footage", "synthetic")
 GRANULARITIES = ("block", "token")  # DSVConfig.granularity
 BUDGET_RULES = ("recall", "sparsity")  # DSVConfig.budget_rule
-LOCAL_MODES = ("shared", "window")  # DSVConfig.local_mode
 ATTENTIONS = ("full", "dsv", "window")
 
 

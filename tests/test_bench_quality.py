@@ -9,10 +9,11 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import bench_quality  # noqa: E402
+from benchmarks import frontier_launch  # noqa: E402
 from benchmarks.bench_quality import (FRONTIER, _sparse_share_at, arm_of, build_parser, cut_records,  # noqa: E402
-                                      died_of_oom, equal_step, is_library_default, launch, mean_se, profile_period,
-                                      running_workers, time_to_reach, wait_for_slot, wall_clock)
+                                      equal_step, is_library_default, mean_se, profile_period, time_to_reach,
+                                      wall_clock)
+from benchmarks.frontier_launch import died_of_oom, launch, running_workers, wait_for_slot  # noqa: E402
 
 
 def _rec(curve):
@@ -186,8 +187,7 @@ def test_a_worker_that_ran_out_of_gpu_memory_is_resumed_and_other_failures_are_r
         stdout.flush()
         return real_popen([sys.executable, "-c", f"raise SystemExit({code})"])
 
-    monkeypatch.setattr(bench_quality, "prepare_clips", lambda args: None)
-    monkeypatch.setattr(bench_quality.subprocess, "Popen", fake_popen)
+    monkeypatch.setattr(frontier_launch.subprocess, "Popen", fake_popen)
     args = build_parser().parse_args(["--arm", "data=vizdoom", "--save-dir", str(tmp_path), "--stagger", "0",
                                       "--oom-retries", "2"])
     with pytest.raises(SystemExit) as err:

@@ -462,10 +462,11 @@ class DSVCoreAttention(MegatronModule):
     def _local_mean_items(self, S: int, exact: bool = False):
         """The neighbourhood's mean size over the cubes, in items (key blocks, or keys), rounded up (``exact``: not
         rounded, a float): what ``local_mode`` 'window' takes off each head's budget before the predicted part."""
-        local = self._local_items(S, "cpu")
-        if local is None:
-            return 0
-        mean = (local >= 0).sum(1).double().mean().item()
+        key = ("local_mean", S, self.token_grid)  # every forward asks: computed once per grid
+        if key not in self._decisions:
+            local = self._local_items(S, "cpu")
+            self._decisions[key] = 0.0 if local is None else (local >= 0).sum(1).double().mean().item()
+        mean = self._decisions[key]
         return mean if exact else math.ceil(mean - 1e-9)
 
     @torch.no_grad()
