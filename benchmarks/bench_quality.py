@@ -340,7 +340,7 @@ def print_kernel_profile(label: str, run, n_steps: int, device: torch.device, ro
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, with_stack=device.type == "cuda") as prof:
         run()
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -357,6 +357,13 @@ def print_kernel_profile(label: str, run, n_steps: int, device: torch.device, ro
         ms = getattr(e, attr) / n_steps / 1e3
         print(f"[profile]   {ms:8.3f} ms {100 * ms / max(total, 1e-9):5.1f}%  x{e.count / n_steps:6.1f}  {e.key[:110]}",
               flush=True)
+    if device.type == "cuda":  # where the device waited for the host, by the code whose launch ended each wait
+        from benchmarks.host_ops import idle_sites, print_idle
+
+        try:
+            print_idle(label, idle_sites(prof, n_steps))
+        except Exception as err:  # a diagnostic: never lose the timing to it
+            print(f"[idle] {label}: not attributed ({type(err).__name__}: {err})", flush=True)
 
 
 def print_host_profile(label: str, run, n_steps: int, rows: int = 20) -> None:

@@ -168,12 +168,17 @@ def median_ms(fn: Callable[[], object], reps: int) -> float:
 
 def flow_matching_step(model, opt, latents, labels, generator, text=None) -> torch.Tensor:
     """One optimizer step of the flow-matching loss (``text``: a text-conditioned model's embeddings, e.g.
-    Wan's), gradients clipped at 1; returns the loss."""
+    Wan's), gradients clipped at 1; returns the loss.
+
+    The step reads its gradient norm on the host before the update, as every real trainer's step does (Megatron's
+    ``get_grad_norm_fp32`` ends in ``.item()``, ``megatron_dsv.train``'s optimizers return it as a float): one
+    stream sync a step, for every arm alike. Without it full attention's clocked steps synced nowhere while
+    DSV's synced once at its step end, so the host ran ahead across full attention's steps only."""
     from megatron_dsv.models.video_dit import flow_matching_loss
 
     loss = flow_matching_loss(model, latents, labels, generator=generator, text=text)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))  # the trainer's read (see above)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss

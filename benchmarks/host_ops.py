@@ -36,6 +36,7 @@ import json
 import os
 import sys
 import traceback
+from typing import Dict, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -201,12 +202,14 @@ def time_step(fn, reps: int, top: int) -> dict:
         fn()
     wall = median_ms(fn, reps)
     cuda = torch.cuda.is_available()
-    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities, with_stack=cuda) as prof:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
     kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
     device_ms = sum(e.self_device_time_total for e in kernels) / reps / 1e3
+    idle = idle_sites(prof, reps, top) if cuda else None
     sites = collections.Counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -218,7 +221,93 @@ def time_step(fn, reps: int, top: int) -> dict:
     for w in caught:
         if "synchroniz" in str(w.message):
             sites[f"{os.path.relpath(w.filename, _PKG) if w.filename.startswith(_PKG) else w.filename}:{w.lineno}"] += 1
-    return dict(ms_wall=wall, ms_device=device_ms, sync_sites=dict(sites.most_common()), **host_profile(fn, reps, top))
+    return dict(ms_wall=wall, ms_device=device_ms, sync_sites=dict(sites.most_common()), idle=idle,
+                **host_profile(fn, reps, top))
+
+
+def _repo_frame(stack) -> Optional[str]:
+    """The innermost frame of this repository in a profiler stack (``path(line): function`` entries, innermost
+    first), as ``module:function``; None when no frame is ours."""
+    for entry in stack or ():
+        path, _, rest = entry.partition("(")
+        path = os.path.abspath(path)
+        if path.startswith(_PKG) and "site-packages" not in path and not path.endswith("host_ops.py"):
+            rel = os.path.relpath(path, _PKG)[:-3].replace(os.sep, ".")
+            return f"{rel}:{rest.partition(': ')[2] or rest}"
+    return None
+
+
+def idle_sites(prof, n_steps: int, top: int = 15, min_gap_us: float = 2.0) -> dict:
+    """Where the device waits for the host, from a torch.profiler run (``with_stack=True``) of ``n_steps`` steps.
+
+    The device's timeline (kernels, copies and sets, merged) has gaps; each gap of more than ``min_gap_us`` is
+    charged to the code that launched the work ending it: the kernel's launch (its CUDA runtime event, by
+    correlation id), then up its enclosing CPU ops to the first with a Python stack (else the latest op with one
+    that began before it on the launching thread: a Triton kernel launched outside any torch op), and there the
+    innermost frame of this repository. A gap charged to a frame means the device idled until that code's launch
+    came: the host's work before it, up to the previous launch, is what to cut. ``idle_ms`` is the step's idle time
+    between its first and last kernel; ``busy_ms`` the device's busy time (ms a step). The profiler slows the
+    host: read the shares."""
+    import bisect
+
+    from torch.autograd import DeviceType
+
+    events = list(prof.events())
+    device = sorted((e for e in events if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    if not device:
+        return dict(idle_ms=0.0, busy_ms=0.0, sites=[])
+    cpu = [e for e in events if e.device_type == DeviceType.CPU]
+    by_id = {e.id: e for e in cpu}
+    with_stack: Dict[int, list] = collections.defaultdict(list)  # thread -> [(start, frame)] of ops with our frame
+    for e in cpu:
+        frame = _repo_frame(e.stack)
+        if frame is not None:
+            with_stack[e.thread].append((e.time_range.start, frame))
+    for rows in with_stack.values():
+        rows.sort()
+
+    def site(kernel) -> str:
+        launch = by_id.get(getattr(kernel, "linked_correlation_id", 0))
+        if launch is None:
+            return "<no launch event>"
+        node = launch
+        while node is not None:
+            frame = _repo_frame(node.stack)
+            if frame is not None:
+                return frame
+            node = node.cpu_parent
+        rows = with_stack.get(launch.thread, [])
+        i = bisect.bisect_right(rows, (launch.time_range.start, "\uffff")) - 1
+        return f"{rows[i][1]} (after)" if i >= 0 else "<torch>"
+
+    charged: Dict[str, float] = collections.Counter()
+    counts: Dict[str, int] = collections.Counter()
+    busy = idle = 0.0
+    start, end = device[0].time_range.start, device[0].time_range.end
+    busy_from = start
+    for e in device[1:]:
+        s, t = e.time_range.start, e.time_range.end
+        if s > end:
+            busy += end - busy_from
+            if s - end > min_gap_us:
+                where = site(e)
+                charged[where] += s - end
+                counts[where] += 1
+            idle += s - end
+            busy_from = s
+        end = max(end, t)
+    busy += end - busy_from
+    rows = sorted(charged.items(), key=lambda kv: -kv[1])[:top]
+    return dict(idle_ms=idle / n_steps / 1e3, busy_ms=busy / n_steps / 1e3,
+                sites=[dict(fn=k, ms=v / n_steps / 1e3, gaps=counts[k] / n_steps) for k, v in rows])
+
+
+def print_idle(label: str, got: dict, tag: str = "[idle]") -> None:
+    """:func:`idle_sites`' result as lines starting with ``tag``."""
+    print(f"{tag} {label}: the device idled {got['idle_ms']:.1f} ms a step between its kernels (busy "
+          f"{got['busy_ms']:.1f} ms), under the profiler; the gaps by the code whose launch ended them:", flush=True)
+    for e in got["sites"]:
+        print(f"{tag}   {e['ms']:8.3f} ms  x{e['gaps']:6.1f}  {e['fn'][:110]}", flush=True)
 
 
 def host_profile(fn, reps: int, top: int) -> dict:
@@ -288,6 +377,8 @@ def print_times(S: int, result: dict) -> None:
               f"{sum(r['sync_sites'].values()):6d}" + (f"   ({r['sparse_layers']} sparse layers)" if "sparse_layers" in r else ""))
     for kind, r in result.items():
         print(f"S={S} {kind}: sync sites {r['sync_sites']}")
+        if r.get("idle"):
+            print_idle(f"S={S} {kind}", r["idle"], tag=f"S={S} {kind}:")
         for key, what in (("host_top", "host functions by own time"),
                           ("host_cumulative_ours", "megatron_dsv functions by cumulative time")):
             print(f"S={S} {kind}: {what} (ms a step, calls a step):")

@@ -135,12 +135,16 @@ def grad_norm_fp32(params, mp_group) -> float:
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
     from megatron.core.transformer.module import param_is_not_shared
 
-    total = torch.zeros((), dtype=torch.float32)
-    for p in params:
-        if p.grad is None or not param_is_not_shared(p) or not param_is_not_tensor_parallel_duplicate(p):
-            continue
-        total += p.grad.detach().float().pow(2).sum().cpu()
+    # the squares are summed where the gradients live and read once: a read per parameter synced the stream
+    # once per parameter
+    squares = [p.grad.detach().float().pow(2).sum() for p in params
+               if p.grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
+    total = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float32)
     if mp_group is not None and dist.get_world_size(mp_group) > 1:
+        if dist.get_backend(mp_group) != "nccl":  # gloo reduces host tensors
+            total = total.cpu()
+        elif total.device.type != "cuda":  # a rank without gradients joins with a zero on its GPU
+            total = total.cuda()
         dist.all_reduce(total, group=mp_group)
     return float(total.sqrt())
 
