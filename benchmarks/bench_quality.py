@@ -340,7 +340,9 @@ def print_kernel_profile(label: str, run, n_steps: int, device: torch.device, ro
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities, with_stack=device.type == "cuda") as prof:
+    from benchmarks.host_ops import stack_config
+
+    with profile(activities=activities, **(stack_config() if device.type == "cuda" else {})) as prof:
         run()
         if device.type == "cuda":
             torch.cuda.synchronize()

@@ -203,7 +203,7 @@ def time_step(fn, reps: int, top: int) -> dict:
     wall = median_ms(fn, reps)
     cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities, with_stack=cuda) as prof:
+    with profile(activities=activities, **(stack_config() if cuda else {})) as prof:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
@@ -230,11 +230,24 @@ def _repo_frame(stack) -> Optional[str]:
     first), as ``module:function``; None when no frame is ours."""
     for entry in stack or ():
         path, _, rest = entry.partition("(")
-        path = os.path.abspath(path)
-        if path.startswith(_PKG) and "site-packages" not in path and not path.endswith("host_ops.py"):
-            rel = os.path.relpath(path, _PKG)[:-3].replace(os.sep, ".")
-            return f"{rel}:{rest.partition(': ')[2] or rest}"
+        if "site-packages" in path or path.endswith("host_ops.py"):
+            continue
+        # the profiler writes a path under its sys.path entry ("megatron_dsv/attention/x.py") or a full one
+        rel = os.path.relpath(os.path.abspath(path), _PKG) if os.path.isabs(path) else os.path.normpath(path)
+        if rel.split(os.sep)[0] in ("megatron_dsv", "benchmarks") and rel.endswith(".py"):
+            return f"{rel[:-3].replace(os.sep, '.')}:{rest.partition(': ')[2] or rest}"
     return None
+
+
+def stack_config() -> dict:
+    """torch.profiler keyword arguments that give its ops their Python stacks (``with_stack``; torch 2.11 fills
+    the stacks only with the experimental verbose config)."""
+    kwargs = dict(with_stack=True)
+    try:
+        kwargs["experimental_config"] = torch._C._profiler._ExperimentalConfig(verbose=True)
+    except (AttributeError, TypeError):  # another torch: with_stack alone
+        pass
+    return kwargs
 
 
 def idle_sites(prof, n_steps: int, top: int = 15, min_gap_us: float = 2.0) -> dict:
@@ -257,7 +270,9 @@ def idle_sites(prof, n_steps: int, top: int = 15, min_gap_us: float = 2.0) -> di
     if not device:
         return dict(idle_ms=0.0, busy_ms=0.0, sites=[])
     cpu = [e for e in events if e.device_type == DeviceType.CPU]
-    by_id = {e.id: e for e in cpu}
+    # the launches (CUDA runtime and driver calls) by correlation id: a kernel's linked_correlation_id (torch
+    # 2.13), or its own id, which is the same number (torch 2.11); ops' ids are another counter, left out
+    by_id = {e.id: e for e in cpu if e.name.startswith(("cuda", "cu")) and not e.name.startswith("cudnn")}
     with_stack: Dict[int, list] = collections.defaultdict(list)  # thread -> [(start, frame)] of ops with our frame
     for e in cpu:
         frame = _repo_frame(e.stack)
@@ -267,7 +282,7 @@ def idle_sites(prof, n_steps: int, top: int = 15, min_gap_us: float = 2.0) -> di
         rows.sort()
 
     def site(kernel) -> str:
-        launch = by_id.get(getattr(kernel, "linked_correlation_id", 0))
+        launch = by_id.get(getattr(kernel, "linked_correlation_id", 0) or kernel.id)
         if launch is None:
             return "<no launch event>"
         node = launch

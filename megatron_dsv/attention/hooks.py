@@ -1,7 +1,9 @@
-"""The trainer-facing API of the DSV method: five functions, called by any training loop.
+"""The trainer-facing API of the DSV method: six functions, called by any training loop.
 
 * :func:`dsv_layers` — every :class:`DSVCoreAttention` of a (wrapped, chunked) model.
 * :func:`dsv_on_step_end` — once after each optimizer step, on every rank.
+* :func:`dsv_prefetch_step_end` — optional, before the optimizer step: the step end's device work and host copy
+  issued early, so that the trainer's own sync (its gradient-norm read) covers them.
 * :func:`dsv_metrics` — flat ``{name: float}`` for the logger (this rank's layers).
 * :func:`dsv_stage` — 1 (dense, predictors learn) or 2 (sparse).
 * :func:`dsv_eval_forward` — a context for eval forwards (validation, analysis) that leave no trace.
@@ -14,7 +16,8 @@ identical on all data-parallel replicas; (2) one all-reduce over the default (wo
 group of the predictor losses and the stage, so every layer on every rank (pipeline and
 tensor ranks included) takes the same stage decision from the mean predictor loss over all
 layers; (3) **one** device-to-host copy of every layer's step scalars (and of (2)'s result),
-the only stream sync of the step end; (4) the predictors' Adam step (at the rate of the
+the only stream sync of the step end (none of its own when :func:`dsv_prefetch_step_end` issued (0)-(3) before
+the trainer's gradient-norm read); (4) the predictors' Adam step (at the rate of the
 stage the gradients were computed in); (5) counters, smoothing and the new stage, on host
 mirrors that are then written to the device without reading it back. Every rank must call
 it, also a pipeline rank without DSV layers (it joins the world all-reduce).
@@ -34,7 +37,8 @@ from megatron_dsv.attention.predictor import adam_step_many, from_host, train_pr
 from megatron_dsv.attention.schedule import should_switch
 from megatron_dsv.attention.state import StepScalars
 
-__all__ = ["dsv_layers", "dsv_on_step_end", "dsv_metrics", "dsv_stage", "dsv_eval_forward"]
+__all__ = ["dsv_layers", "dsv_on_step_end", "dsv_prefetch_step_end", "dsv_metrics", "dsv_stage",
+           "dsv_eval_forward"]
 
 
 def dsv_layers(model) -> List[DSVCoreAttention]:
@@ -91,17 +95,53 @@ def _world_size(group) -> int:
     return dist.get_world_size(group)
 
 
-def _exchange(layers: List[DSVCoreAttention], dp_group):
-    """The collectives and the one host copy of the step end.
+class _StepEndRead:
+    """The step end's device side, issued: (0) the predictors' losses and gradients, (1)-(2) the collectives, and
+    (3)'s copy of the step scalars to pinned host memory without waiting for it (an event marks its end). On a
+    GPU the copy lands while the device finishes what was queued before it; :meth:`result` waits for the event (a
+    no-op when the trainer has synced since, e.g. by reading its gradient norm) and reads the host values."""
 
-    Returns ``(per-layer (pending, grad count) host values, mean predictor loss over all layers of
-    all ranks or None, whether any layer anywhere is in stage 2)``.
-    """
-    scalars = StepScalars(layers)
+    def __init__(self, layers: List[DSVCoreAttention], dp_group):
+        self.layers, self.dp_group = layers, dp_group
+        _train_predictors(layers)
+        self.scalars = StepScalars(layers)
+        self.in_stage2 = any(layer.stage_host == 2 for layer in layers)
+        values, self.n_small, self.world = _exchange_device(layers, self.scalars, dp_group, self.in_stage2)
+        self.event = None
+        if values.is_cuda:
+            self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self.host.copy_(values, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:  # a host tensor already (or another device: a blocking copy)
+            self.host = values.cpu()
+
+    def result(self):
+        """``(per-layer (pending, grad count) host values, mean predictor loss over all layers of all ranks or
+        None, whether any layer anywhere is in stage 2)``."""
+        if self.event is not None:
+            self.event.synchronize()
+        host, scalars, n_small = self.host, self.scalars, self.n_small
+        if not self.world:
+            loss_sum, loss_layers = 0.0, 0.0
+            for l_sum, l_n in zip(scalars.loss_sums(host).tolist(), scalars.loss_counts(host).tolist()):
+                if l_n > 0:
+                    loss_sum += l_sum / l_n
+                    loss_layers += 1
+            return scalars.split(host[:n_small]), (loss_sum / loss_layers if loss_layers else None), self.in_stage2
+        loss_sum, loss_layers, stage2 = host[n_small:].tolist()
+        return (scalars.split(host[:n_small].float()), (loss_sum / loss_layers if loss_layers > 0 else None),
+                stage2 > 0)
+
+
+def _exchange_device(layers: List[DSVCoreAttention], scalars: StepScalars, dp_group, in_stage2: bool):
+    """The collectives of the step end, on the device: ``(values, n_small, world)``: ``values`` holds the step
+    scalars (``n_small`` of them, summed over ``dp_group``) and, when a world group of several ranks is
+    reduced over (``world``), float64 ``[loss sum, layers with a loss, layers in stage 2]`` of all ranks after
+    them. The predictor gradients are summed over ``dp_group`` in place."""
     small = scalars.device_flat()
     grads = [g for layer in layers for g in layer.predictor.grad_buffers()]
     n_small = sum(t.numel() for t in small)
-    in_stage2 = float(sum(layer.stage_host == 2 for layer in layers))
     flat = torch.cat([t.reshape(-1).float() for t in small]) if small else torch.zeros(0)
     if _world_size(dp_group) > 1 and layers:
         flat = torch.cat([flat] + [g.reshape(-1).float() for g in grads])
@@ -112,19 +152,10 @@ def _exchange(layers: List[DSVCoreAttention], dp_group):
             offset += g.numel()
     world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
     if _world_size(world) <= 1:
-        host = flat[:n_small].cpu()
-        loss_sum, loss_layers = 0.0, 0.0
-        for l_sum, l_n in zip(scalars.loss_sums(host).tolist(), scalars.loss_counts(host).tolist()):
-            if l_n > 0:
-                loss_sum += l_sum / l_n
-                loss_layers += 1
-        return scalars.split(host), (loss_sum / loss_layers if loss_layers else None), in_stage2 > 0
-    stats = _local_loss_stats(scalars, flat, in_stage2)
+        return flat[:n_small], n_small, False
+    stats = _local_loss_stats(scalars, flat, float(in_stage2))
     dist.all_reduce(stats, op=dist.ReduceOp.SUM)
-    host = torch.cat([flat[:n_small].to(stats), stats]).cpu()  # float32 values are exact in float64
-    loss_sum, loss_layers, stage2 = host[n_small:].tolist()
-    return (scalars.split(host[:n_small].float()), (loss_sum / loss_layers if loss_layers > 0 else None),
-            stage2 > 0)
+    return torch.cat([flat[:n_small].to(stats), stats]), n_small, True  # float32 values are exact in float64
 
 
 def _local_loss_stats(scalars: StepScalars, flat: torch.Tensor, in_stage2: float) -> torch.Tensor:
@@ -154,6 +185,37 @@ def _train_predictors(layers: List[DSVCoreAttention]) -> None:
     torch._foreach_add_([layer.dsv_state.layout.loss(layer.pending) for layer in layers], list(totals.unbind(0)))
 
 
+def _owner(model):
+    """The module a prefetched step end is kept on: the model, or its first chunk."""
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    if not chunks:  # no chunk on this rank: nothing to keep a prefetched step end on
+        return None
+    if not isinstance(chunks[0], torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module or a list of them, got {type(model).__name__}")
+    return chunks[0]
+
+
+def dsv_prefetch_step_end(model, dp_group=None) -> None:
+    """Issue the step end's device work and its host copy now, after the step's last backward and before the
+    optimizer reads its gradient norm; the next :func:`dsv_on_step_end` completes it.
+
+    A trainer's step syncs the stream once anyway (Megatron's ``get_grad_norm_fp32`` ends in ``.item()``); without
+    this call the step end syncs a second time, after the optimizer step, and the device idles through the step
+    end's host work. With it the predictors' batched training, the collectives and the copy are queued behind the
+    backward, the trainer's sync covers them, and the step end reads values already on the host. Same values,
+    same step: nothing moves to a later step. Call it on every rank (the collectives are the step end's), once
+    per optimizer step, after the last micro-batch's backward; ``dp_group`` as for :func:`dsv_on_step_end` (which
+    must then get the same group, or None)."""
+    owner = _owner(model)
+    if owner is None:
+        raise ValueError("dsv_prefetch_step_end: model is an empty list of chunks; call dsv_on_step_end alone")
+    if getattr(owner, "_dsv_step_end_read", None) is not None:
+        raise RuntimeError("dsv_prefetch_step_end was called twice before dsv_on_step_end: call it once per "
+                           "optimizer step, after the last micro-batch's backward")
+    group = dp_group if dp_group is not None else _default_dp_group()
+    owner._dsv_step_end_read = _StepEndRead(dsv_layers(model), group)
+
+
 def dsv_on_step_end(model, iteration: Optional[int] = None, dp_group=None) -> int:
     """Advance DSV after an optimizer step; returns the stage for the next step (1 or 2).
 
@@ -167,9 +229,18 @@ def dsv_on_step_end(model, iteration: Optional[int] = None, dp_group=None) -> in
     """
     if iteration is not None and (not isinstance(iteration, int) or iteration < 0):
         raise ValueError(f"iteration must be None or an int >= 0, got {iteration!r}")
-    layers = dsv_layers(model)
-    _train_predictors(layers)
-    per_layer, mean_loss, in_stage2 = _exchange(layers, dp_group if dp_group is not None else _default_dp_group())
+    owner = _owner(model)
+    read = getattr(owner, "_dsv_step_end_read", None) if owner is not None else None
+    if read is not None:  # issued by dsv_prefetch_step_end
+        owner._dsv_step_end_read = None
+        if dp_group is not None and dp_group is not read.dp_group:
+            raise ValueError("dsv_on_step_end: dp_group differs from the one dsv_prefetch_step_end reduced over; "
+                             "pass the same group (or None) to both")
+        layers = read.layers
+    else:
+        layers = dsv_layers(model)
+        read = _StepEndRead(layers, dp_group if dp_group is not None else _default_dp_group())
+    per_layer, mean_loss, in_stage2 = read.result()
     if not layers:
         return 1
     step = iteration if iteration is not None else layers[0].step_host + 1

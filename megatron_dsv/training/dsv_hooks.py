@@ -1,6 +1,7 @@
-"""The trainer's four calls into the DSV method, tolerant of a dense-only build.
+"""The trainer's calls into the DSV method, tolerant of a dense-only build.
 
-``megatron_dsv.attention`` provides ``dsv_on_step_end(model, iteration, dp_group)``,
+``megatron_dsv.attention`` provides ``dsv_on_step_end(model, iteration, dp_group)`` (with
+``dsv_prefetch_step_end(model, dp_group)`` before the optimizer step),
 ``dsv_metrics(model) -> {name: float}``, ``dsv_stage(model) -> int`` and the context
 ``dsv_eval_forward(model)`` (validation forwards that leave no trace). When a call is not
 provided (a build without the method) the trainer runs dense attention and logs stage 1 and
@@ -14,7 +15,7 @@ from typing import Dict
 
 import torch
 
-__all__ = ["on_step_end", "metrics", "stage", "eval_forward", "per_layer_sparsity"]
+__all__ = ["on_step_end", "prefetch_step_end", "metrics", "stage", "eval_forward", "per_layer_sparsity"]
 
 
 def _attention_api(name: str):
@@ -34,6 +35,15 @@ def on_step_end(model: torch.nn.Module, iteration: int, dp_group=None) -> None:
     fn = _attention_api("dsv_on_step_end")
     if fn is not None:
         fn(model, iteration, dp_group=dp_group)
+
+
+def prefetch_step_end(model: torch.nn.Module, dp_group=None) -> None:
+    """``dsv_prefetch_step_end(model, dp_group)`` when the model has DSV layers (before the optimizer step: the
+    step end's device work and host copy issued early, see ``megatron_dsv.attention.hooks``); else nothing."""
+    layers = _attention_api("dsv_layers")
+    fn = _attention_api("dsv_prefetch_step_end")
+    if fn is not None and layers is not None and layers(model):
+        fn(model, dp_group=dp_group)
 
 
 def eval_forward(model: torch.nn.Module):

@@ -157,6 +157,9 @@ def train_step(loss_model, ddp_model, optimizer, micro_batches, consumed: int, a
         total += loss.detach().float()
     ddp_model.finish_grad_sync()
     sum_partial_grads_over_tp(ddp_model, env.pg_collection.tp)
+    # DSV's step end queued behind the backward, before the optimizer's gradient-norm read (which then covers it);
+    # _loop's dsv_hooks.on_step_end completes it, with the same group
+    dsv_hooks.prefetch_step_end(unwrap(ddp_model), dp_group=getattr(env.pg_collection, "dp_cp", None))
     ok, grad_norm, _ = optimizer.step()
     mean = total / len(micro_batches)
     if env.dp_size > 1:

@@ -228,7 +228,7 @@ def test_config_backends_are_honoured(make_layer, fast_table, monkeypatch):
     with torch.no_grad(), pytest.raises(ValueError, match="cuda backend needs CUDA tensors"):
         layer(as_megatron(q), as_megatron(k), as_megatron(k), None)
     calls = []
-    monkeypatch.setattr("megatron_dsv.ops.sparse_attention.op.sparse_attn_fwd",
+    monkeypatch.setattr("megatron_dsv.ops.sparse_attention.op._fwd_impl",
                         lambda q, *a: calls.append(a) or (torch.zeros_like(q), None))
     layer = make_layer(kernel_backend="triton", sparsity_threshold=0.0, speedup_table=fast_table)
     force_state(layer, stage=2, sparsity=0.5)

@@ -270,6 +270,34 @@ def test_torch_compile_traces_op():
     assert rel_rmse(compiled, eager) < 1e-6
 
 
+@pytest.mark.parametrize("BS", [0, 64])
+def test_eager_entry_matches_the_library_op_bitwise(BS):
+    """Eager calls take _SparseAttention (no torch.library dispatch on the host); its output and gradients are
+    the op's, bit for bit (the same kernels), with o in q's layout and the op left for torch.compile."""
+    from megatron_dsv.ops.sparse_attention import op
+
+    B, H, S, D, G = 1, 2, 200, 64, 32
+    gen = torch.Generator().manual_seed(3)
+    base = [torch.randn(S, B, H, D, generator=gen) for _ in range(3)]
+    idx, cnt = make_lists(B, H, S, G, BS, 0.4)
+    do = torch.randn(B, H, S, D, generator=gen)
+
+    def run(entry):
+        q, k, v = (t.clone().requires_grad_(True) for t in base)
+        qq, kk, vv = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # Megatron's [S, B, H, D] seen as [B, H, S, D]
+        o = entry(qq, kk, vv)
+        o.backward(do)
+        return o, q.grad, k.grad, v.grad
+
+    eager = run(lambda q, k, v: sparse_attention(q, k, v, idx, cnt, G, BS, check_values=False, backend="triton"))
+    strides = op._dense_strides_like(base[0].permute(1, 2, 0, 3))
+    lib = run(lambda q, k, v: op.sparse_attn_fwd(q.contiguous(), k.contiguous(), v, idx, cnt, G, BS, 1 / 8.0,
+                                                 strides, False)[0])
+    for a, b in zip(eager, lib):
+        assert torch.equal(a, b)
+    assert eager[0].stride() == lib[0].stride() == base[0].permute(1, 2, 0, 3).stride()
+
+
 def test_backend_env(monkeypatch):
     B, H, S, D, G = 1, 2, 64, 64, 16
     q, k, v = (torch.randn(B, H, S, D) for _ in range(3))
