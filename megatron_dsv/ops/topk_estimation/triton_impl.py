@@ -9,10 +9,12 @@ Scores are recomputed in every pass (r is tiny), so memory is the output alone.
 Method "sample" (``_tk_sample``, see its docstring): a sampled threshold window, one scoring pass
 over all items into a per-group candidate buffer, exact selection on the buffer; groups whose window
 missed are redone by the two kernels above (flagged groups only, no host sync). Method "keys"
-(``_tk_keys``): one scoring pass writing every item's key, then ``torch.topk`` on packed (key, index)
-values; method "gemm" (``_gemm_keys``): the same keys from one batched matrix product (cuBLAS) and a torch
-block reduction, then the same selection. "auto": "sample" for token lists, "gemm" for block lists
-and wherever items are forced.
+(``_tk_keys``): one scoring pass writing every item's key, then the selection kernel
+(``select_kernel._select_rows``, one launch per chunk of groups; its torch twin ``_select_from_keys``, a
+``torch.topk`` on packed (key, index) values, for rows past ``select_kernel.MAX_ITEMS`` items); method "gemm":
+the token scores from one batched matrix product (cuBLAS), then the same kernel takes each block's max (the
+log-sum-exp stays in torch, ``_block_scores``), the forced items and the selection ("gemm" in torch:
+``_gemm_keys``). "auto": "sample" for token lists, "gemm" for block lists and wherever items are forced.
 The kernels' ``S`` is the KEY length (k_lr's Sk, may differ from q_lr's Sq):
 proxies are precomputed per query group, so the kernels never see Sq.
 """
@@ -27,6 +29,7 @@ import triton.language as tl
 
 from .common import check_forced, check_problem, forced_mask, forced_union
 from .naive import group_proxies
+from .select_kernel import fits, select_rows_into
 
 __all__ = ["estimate_topk_triton", "resolve_method", "sample_plan", "sample_positions", "METHODS"]
 
@@ -333,7 +336,7 @@ def _tk_keys(P, Kp, Keys, S, n_items, NG, g0, n_g,
              R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr):
     """Method "keys", one program = (BG groups of the chunk [g0, g0 + n_g), BN items, b * h): the ordered
     int32 key of each item, in one scoring pass, into ``Keys`` [B * H, n_g, n_items]; the selection is
-    :func:`_select_from_keys` (torch)."""
+    :func:`select_kernel.select_rows_into` (:func:`_select_from_keys` past its ``MAX_ITEMS``)."""
     pid_g = tl.program_id(0)
     pid_n = tl.program_id(1)
     bh = tl.program_id(2)
@@ -380,29 +383,102 @@ def _gemm_operand(x: torch.Tensor) -> torch.Tensor:
     return x.double() if x.dtype == torch.float32 else x.float()
 
 
+def _gemm_scores(pg: torch.Tensor, kg: torch.Tensor, g0: int, n: int) -> torch.Tensor:
+    """The token scores ``[B * H, n, Sk]`` of groups ``[g0, g0 + n)`` from ONE batched matrix product (cuBLAS on a
+    GPU) of their proxies (``pg`` [B * H, NG, r]) with every key (``kg`` [B * H, Sk, r]), both in
+    :func:`_gemm_operand`'s dtype, which the scores keep (float64 for float32 inputs). The sum over r runs in the
+    library's order, not the reference's (d = 0..r-1): a score may differ from it by a few units in its last
+    place where terms cancel (about r * eps * max |p_d k_d|), so only items tied within that can swap, as on the
+    CUDA kernel's tensor-core path; integer-valued inputs are exact."""
+    return torch.bmm(pg[:, g0:g0 + n], kg.transpose(1, 2))
+
+
+def _block_scores(s: torch.Tensor, block_size: int, lse: bool, n_items: int) -> torch.Tensor:
+    """float32 ``[..., Sk]`` token scores -> ``[..., n_items]``: the max (or log-sum-exp) of each block of
+    ``block_size`` tokens (0: the tokens themselves), in torch; may overwrite ``s``."""
+    if not block_size:
+        return s
+    Sk = s.shape[-1]
+    whole = Sk // block_size  # whole blocks as a view, the partial last block (if any) apart: no padded copy
+    parts = [s[..., :whole * block_size].unflatten(-1, (whole, block_size))] if whole else []
+    if whole < n_items:
+        parts.append(s[..., whole * block_size:].unsqueeze(-2))
+    if len(parts) == 1:
+        return _reduce_block(parts[0], lse)
+    return torch.cat([_reduce_block(x, lse) for x in parts], dim=-1)
+
+
+def _ordered_keys(s: torch.Tensor) -> torch.Tensor:
+    """float32 scores -> their monotone int32 keys (-0.0 read as +0.0)."""
+    key = (s + 0.0).view(torch.int32)
+    return torch.where(key >= 0, key, key ^ 0x7FFFFFFF)
+
+
 def _gemm_keys(proxies: torch.Tensor, kg: torch.Tensor, g0: int, n: int, block_size: int, lse: bool,
                n_items: int) -> torch.Tensor:
-    """Method "gemm": the ordered int32 keys ``[B * H, n, n_items]`` of groups ``[g0, g0 + n)`` from ONE batched
-    matrix product (cuBLAS on a GPU) of the groups' proxies with every key (``kg`` [B * H, Sk, r], already in
-    :func:`_gemm_operand`'s dtype), then the block reduction (max or log-sum-exp over each block's tokens) in
-    torch. The sum over r runs in the library's order, not the reference's (d = 0..r-1): a score may differ
-    from it by a few units in its last place where terms cancel (about r * eps * max |p_d k_d|), so only items
-    tied within that can swap, as on the CUDA kernel's tensor-core path; integer-valued inputs are exact."""
+    """Method "gemm" in torch: the ordered int32 keys ``[B * H, n, n_items]`` of groups ``[g0, g0 + n)``
+    (:func:`_gemm_scores`, rounded to float32, then :func:`_block_scores`); the reference of the kernel's
+    fused block max, and the path of rows longer than :data:`select_kernel.MAX_ITEMS`."""
     BH, NG, r = proxies.shape[0] * proxies.shape[1], proxies.shape[2], proxies.shape[3]
-    Sk = kg.shape[1]
-    p = proxies.reshape(BH, NG, r)[:, g0:g0 + n].to(kg.dtype)
-    s = torch.bmm(p, kg.transpose(1, 2))  # [BH, n, Sk]
-    if s.dtype != torch.float32:
-        s = s.float()
-    if block_size:  # whole blocks as a view, the partial last block (if any) apart: no padded copy
-        whole = Sk // block_size
-        parts = [s[..., :whole * block_size].view(BH, n, whole, block_size)] if whole else []
-        if whole < n_items:
-            parts.append(s[..., whole * block_size:].unsqueeze(-2))
-        s = torch.cat([_reduce_block(x, lse) for x in parts], dim=-1) if len(parts) > 1 else _reduce_block(parts[0], lse)
-    s = s + 0.0  # -0.0 -> +0.0
-    key = s.view(torch.int32)
-    return torch.where(key >= 0, key, key ^ 0x7FFFFFFF)  # monotone int32 key of the float
+    s = _gemm_scores(proxies.reshape(BH, NG, r).to(kg.dtype), kg, g0, n)
+    return _ordered_keys(_block_scores(s.float(), block_size, lse, n_items))
+
+
+def _select_chunk_torch(keys: torch.Tensor, counts: torch.Tensor, kmax: int, forced_rows, forced_extra: bool,
+                        n_items: int):
+    """The torch selection of one chunk (the kernel's twin, kept for rows past
+    :data:`select_kernel.MAX_ITEMS`): forced items (``forced_rows`` [n, F] or None) take the top key (the
+    bottom one with ``forced_extra``), :func:`_select_from_keys`, then with ``forced_extra`` the union with the
+    forced items. Returns (lists ``[BH, n, W]``, per-group counts ``[BH, n]`` or None)."""
+    if forced_rows is not None:  # the top ordered key (below every score with forced_extra), ties by lower index
+        info = torch.iinfo(torch.int32)
+        keys.masked_fill_(forced_mask(forced_rows, n_items), info.min if forced_extra else info.max)
+    chosen = _select_from_keys(keys, counts, kmax)
+    if forced_extra:
+        return forced_union(chosen, forced_rows, n_items)
+    return chosen, None
+
+
+def _lists_by_keys(method: str, P, proxies, k, out, group_counts, forced, chunk_elems: int, meta: dict) -> None:
+    """Methods "keys" and "gemm": ``out`` ``[B, H, NG, W]`` (and ``group_counts`` ``[B, H, NG]``, given with
+    ``forced_extra``) filled chunk by chunk of groups (``chunk_elems``, see :func:`estimate_topk_triton`): per
+    chunk the keys (:func:`_tk_keys`) or the scores (:func:`_gemm_scores`), then ONE selection launch
+    (:func:`select_kernel.select_rows_into`: block max, forced items, selection), or for rows past its
+    ``MAX_ITEMS`` items the torch path (:func:`_gemm_keys`, :func:`_select_chunk_torch`)."""
+    BH, bs, lse, extra = P.B * P.H, P.block_size, meta["LSE"], group_counts is not None
+    # keys: int32 keys (and their int64 packing) per group; gemm: its scores, 4x as many allowed in float32
+    # (2x in float64, the product's dtype for float32 inputs)
+    per_group = BH * P.num_items
+    if method == "gemm":
+        kg = _gemm_operand(k).reshape(BH, P.Sk, P.r)
+        pg = proxies.reshape(BH, P.num_groups, P.r).to(kg.dtype)
+        per_group = BH * max(P.num_items, -(-P.Sk // (2 if kg.dtype == torch.float64 else 4)))
+    n_g = max(1, min(P.num_groups, chunk_elems // max(1, per_group)))
+    rows = out.view(BH, P.num_groups, out.shape[-1])
+    row_counts = group_counts.view(BH, P.num_groups) if extra else None
+    counts = P.counts.view(BH)
+    fused = fits(P.num_items)  # a row's keys fit one program
+    for g0 in range(0, P.num_groups, n_g):
+        n = min(n_g, P.num_groups - g0)
+        f_rows = None if forced is None else forced[g0:g0 + n]
+        src_bs = 1
+        if method == "gemm" and fused:
+            src, src_bs = _gemm_scores(pg, kg, g0, n), max(1, bs)
+            if lse and bs:  # torch's exp/log bits: reduced in torch, selected in the kernel
+                src, src_bs = _block_scores(src.float(), bs, True, P.num_items), 1
+        elif method == "gemm":
+            src = _gemm_keys(proxies, kg, g0, n, bs, lse, P.num_items)
+        else:
+            src = torch.empty(BH, n, P.num_items, dtype=torch.int32, device=out.device)
+            _tk_keys[(triton.cdiv(n, meta["BG"]), triton.cdiv(P.num_items, meta["BN"]), BH)](
+                proxies, k, src, P.Sk, P.num_items, P.num_groups, g0, n, **meta)
+        if fused:
+            select_rows_into(rows, src, counts, g0, P.num_items, src_bs, f_rows, extra, row_counts)
+            continue
+        chosen, chunk_counts = _select_chunk_torch(src, counts, P.kmax, f_rows, extra, P.num_items)
+        rows[:, g0:g0 + n] = chosen
+        if extra:
+            row_counts[:, g0:g0 + n] = chunk_counts
 
 
 METHODS = ("auto", "search", "sample", "keys", "gemm")
@@ -455,12 +531,14 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     into a per-group candidate buffer, exact selection on the buffer; groups whose window missed
     fall back to the search kernels, on those groups only, without a host sync), "keys" (:func:`_tk_keys`:
     ONE scoring pass writing every item's ordered key, ``chunk_elems`` keys at a time (but at least one
-    group of every batch and head), then one int64 ``torch.topk`` per chunk, :func:`_select_from_keys`;
-    about 12 bytes per key of a chunk, so meant for block lists, whose n_items is S / block_size), or
-    "gemm" (:func:`_gemm_keys`: the keys of "keys" from one batched matrix product per chunk, on cuBLAS,
-    then the same selection; the chunk's scores take ``4 * chunk_elems`` float32 elements (float64 for
-    float32 inputs: ``2 * chunk_elems``); the same lists up to items tied within a few units in the last place
-    of their score), or
+    group of every batch and head), then one selection launch per chunk (:func:`select_kernel.select_rows_into`;
+    rows past ``select_kernel.MAX_ITEMS`` items: one int64 ``torch.topk``, :func:`_select_from_keys`, about 12
+    bytes per key of a chunk), so meant for block lists, whose n_items is S / block_size, or
+    "gemm" (:func:`_gemm_scores`: the scores of "keys" from one batched matrix product per chunk, on cuBLAS,
+    then ONE launch taking the block max, the forced items and the selection (log-sum-exp blocks reduced in
+    torch first; ~3 host ops a chunk against ~34 in torch); the chunk's scores take ``4 * chunk_elems`` float32
+    elements (float64 for float32 inputs: ``2 * chunk_elems``); the same lists up to items tied within a few
+    units in the last place of their score), or
     "auto" (:func:`resolve_method`): "sample" for token lists (H200, 2026-12-01, S=16K, G=32, 90%
     sparsity: 58.7 ms vs "search" 149.6 ms), "gemm" for block lists: "keys" scores on CUDA cores and
     took 5.2 ms a call at S=32K, H=8, G=128, 128-key blocks (H200, 2026-12-02, the frontier's 4-layer
@@ -507,31 +585,7 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     BN = BN or (64 if block_size == 0 else 16)
     meta = dict(R=P.r, BG=BG, BN=BN, BS=block_size, LSE=block_score == "lse")
     if method in ("keys", "gemm"):
-        # keys: int32 keys (and their int64 packing) per group; gemm: its scores, 4x as many allowed in float32
-        # (2x in float64, the product's dtype for float32 inputs)
-        per_group = P.B * P.H * P.num_items
-        if method == "gemm":
-            kg = _gemm_operand(k).reshape(P.B * P.H, P.Sk, P.r)
-            per_group = P.B * P.H * max(P.num_items, -(-P.Sk // (2 if kg.dtype == torch.float64 else 4)))
-        n_g = max(1, min(P.num_groups, chunk_elems // max(1, per_group)))
-        rows = out.view(P.B * P.H, P.num_groups, out.shape[-1])
-        for g0 in range(0, P.num_groups, n_g):
-            n = min(n_g, P.num_groups - g0)
-            if method == "gemm":
-                keys = _gemm_keys(proxies, kg, g0, n, block_size, block_score == "lse", P.num_items)
-            else:
-                keys = torch.empty(P.B * P.H, n, P.num_items, dtype=torch.int32, device=q_lr.device)
-                _tk_keys[(triton.cdiv(n, BG), triton.cdiv(P.num_items, BN), P.B * P.H)](
-                    proxies, k, keys, P.Sk, P.num_items, P.num_groups, g0, n, **meta)
-            if forced is not None:  # the top ordered key (below every score with forced_extra), ties by lower index
-                info = torch.iinfo(torch.int32)
-                keys.masked_fill_(forced_mask(forced[g0:g0 + n], P.num_items), info.min if forced_extra else info.max)
-            chosen = _select_from_keys(keys, counts, P.kmax)
-            if forced_extra:
-                rows[:, g0:g0 + n], group_counts.view(P.B * P.H, P.num_groups)[:, g0:g0 + n] = forced_union(
-                    chosen, forced[g0:g0 + n], P.num_items)
-            else:
-                rows[:, g0:g0 + n] = chosen
+        _lists_by_keys(method, P, proxies, k, out, group_counts if forced_extra else None, forced, chunk_elems, meta)
         return out, (group_counts if forced_extra else counts)
     grid = (triton.cdiv(P.num_groups, BG), P.B * P.H)
     thr = torch.empty(P.B, P.H, P.num_groups, dtype=torch.int32, device=q_lr.device)
