@@ -100,8 +100,8 @@ report() {
 case "$phase" in
   train)
     if [ "${SKIP_GPU_TESTS:-0}" != 1 ]; then  # beside the arms (small): a failure shows in the log's tail
-      (timeout 300 python3 -m pytest -q -rs tests/ops/test_topk_forced.py tests/attention/test_local_lists.py \
-        tests/ops/test_topk_keys.py tests/ops/test_sparse_attention_gpu.py tests/models/test_video_dit.py \
+      (timeout 300 python3 -m pytest -q -rs tests/ops/test_topk_forced.py tests/ops/test_topk_select_kernel.py tests/attention/test_local_lists.py \
+        tests/ops/test_topk_keys.py tests/ops/test_sparse_attention_gpu.py tests/models/test_video_dit.py tests/attention/test_prefetch_step_end.py \
         -k "not slow" > "$out/logs/gpu_tests.log" 2>&1; echo "gpu tests exit $?" >> "$out/logs/gpu_tests.log") &
     fi
     if [ "${MEGATRON_CHECK:-0}" = 1 ]; then
@@ -121,8 +121,8 @@ case "$phase" in
   start)
     train "${MINUTES:-7.0}" detach
     if [ "${SKIP_GPU_TESTS:-0}" != 1 ]; then  # in the foreground, beside the detached arms
-      timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -rs tests/ops/test_topk_forced.py tests/attention/test_local_lists.py \
-        tests/ops/test_topk_keys.py tests/ops/test_sparse_attention_gpu.py tests/models/test_video_dit.py \
+      timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -rs tests/ops/test_topk_forced.py tests/ops/test_topk_select_kernel.py tests/attention/test_local_lists.py \
+        tests/ops/test_topk_keys.py tests/ops/test_sparse_attention_gpu.py tests/models/test_video_dit.py tests/attention/test_prefetch_step_end.py \
         tests/attention/test_dispatch_schedule.py -k "not slow" 2>&1 | tail -n 15
     fi
     ;;
