@@ -204,8 +204,8 @@ def time_arms(names: List[str], args) -> dict:
         out[name] = {}
         for S in lengths:
             out[name][str(S)] = time_arm(name, S, args, profile=args.time_profile and S == lengths[-1])
-            print(f"[time] {name} S={S}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in out[name][str(S)].items()),
-                  flush=True)
+            print(f"[time] {name} S={S}: " + ", ".join(f"{k} {v:.2f}" if k.endswith("share") else f"{k} {v:.1f} ms"
+                                                     for k, v in out[name][str(S)].items()), flush=True)
     _write_json(os.path.join(args.save_dir, "timing.json"), out)
     return out
 
