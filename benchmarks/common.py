@@ -175,13 +175,12 @@ def flow_matching_step(model, opt, latents, labels, generator, text=None) -> tor
     stream sync a step, for every arm alike. Without it full attention's clocked steps synced nowhere while
     DSV's synced once at its step end, so the host ran ahead across full attention's steps only."""
     from megatron_dsv.models.video_dit import flow_matching_loss
-
-    from megatron_dsv.attention import dsv_layers, dsv_prefetch_step_end
+    from megatron_dsv.training.dsv_hooks import prefetch_step_end
 
     loss = flow_matching_loss(model, latents, labels, generator=generator, text=text)
     loss.backward()
-    if dsv_layers(model):  # DSV's step end issued before the read below, which then covers it (the caller's
-        dsv_prefetch_step_end(model)  # dsv_on_step_end completes it)
+    prefetch_step_end(model)  # DSV's step end issued before the read below, which covers it (the caller's
+    # dsv_on_step_end completes it); nothing without DSV layers
     float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))  # the trainer's read (see above)
     opt.step()
     opt.zero_grad(set_to_none=True)
