@@ -14,7 +14,7 @@ Phases (each resumable; a GPU session runs them over several calls):
   validations at the same steps); a later ``--launch`` resumes them;
 * ``--time``: each arm's step time **alone on the GPU**, from its trained checkpoint (seed 0): its own
   per-head budgets and lists as training left them, at the arm's length and every ``--time-lengths``
-  (DSV arms: stage 2 as trained, and stage 1 = the same model with every layer kept dense), after a
+  (DSV arms: stage 2 as trained, and stage 1 = the same model attending as its stage 1 does), after a
   warm-up of a whole profile period (every kernel compiled) and over whole profile periods;
 * ``--report``: per arm the final validation loss at the last step every run reached, its difference to
   full attention as mean +- standard error over seeds (paired), kept fraction, share of stage-2
@@ -68,6 +68,12 @@ FRONTIER: Dict[str, str] = {
     # own neighbourhood (DSVConfig.local_mode 'window'), plus predicted blocks up to a 35% cap; threshold 0.6, so
     # the capped lists run sparse from the switch (not yet measured)
     "windowpred35_s400": "attn=dsv,rule=sparsity,local=2.2.1,lmode=window,thr=0.6,cap=0.35,stage1=400",
+    # the default and windowpred35_s400 with the 3D window (radius 2 2 1, the `window` arm's at 16K) in stage 1
+    # instead of dense attention (DSVConfig.stage1_local_radius): the window's lead from the first validation on,
+    # then the predicted lists (not yet measured)
+    "s1win_cap25_s400": "attn=dsv,rule=sparsity,local=auto,thr=0.7,cap=0.25,stage1=400,s1local=2.2.1",
+    "s1win_windowpred35_s400": "attn=dsv,rule=sparsity,local=2.2.1,lmode=window,thr=0.6,cap=0.35,stage1=400,"
+                               "s1local=2.2.1",
     "recall90": "attn=dsv,rule=recall,recall=0.9",
     "recall80": "attn=dsv,rule=recall,recall=0.8",
     "paper": "attn=dsv,rule=sparsity",
@@ -91,7 +97,8 @@ def is_library_default(arm: dict) -> bool:
     return (arm.get("gran") == d.granularity and arm.get("rule") == d.budget_rule
             and (d.budget_rule != "recall" or arm.get("recall") == d.recall_target)
             and arm.get("thr", d.sparsity_threshold) == d.sparsity_threshold and local == d.local_radius_for(grid)
-            and (arm.get("cap") or None) == d.max_density and arm.get("lmode", "shared") == d.local_mode)
+            and (arm.get("cap") or None) == d.max_density and arm.get("lmode", "shared") == d.local_mode
+            and tuple(arm.get("stage1_local_radius", (0, 0, 0))) == d.stage1_local_radius)
 
 
 def arm_of(name: str, base: str, args) -> dict:
@@ -195,6 +202,9 @@ def time_arms(names: List[str], args) -> dict:
     """Each arm's step time alone, from its first seed's run: ``{name: {S: {"stage2": ms, "stage1": ms}}}``."""
     lengths = sorted({tokens_of(parse_arm(args.arm)), *[int(s) for s in args.time_lengths.split(",") if s]})
     seed = min(int(x) for x in args.seeds.split(",") if x)
+    profiled = args.time_profile_at or lengths[-1]
+    if args.time_profile and profiled not in lengths:
+        raise ValueError(f"--time-profile-at {profiled} is not a timed length (the arm's and --time-lengths: {lengths})")
     missing = [name for name in names if not os.path.exists(_trained_run(name, args, seed))]
     if missing:  # before any arm is clocked: a GPU call's minutes are not spent on a timing that cannot finish
         raise ValueError(f"--time: arms {missing} have no trained run of seed {seed} under {args.save_dir} "
@@ -203,7 +213,7 @@ def time_arms(names: List[str], args) -> dict:
     for name in names:
         out[name] = {}
         for S in lengths:
-            out[name][str(S)] = time_arm(name, S, args, profile=args.time_profile and S == lengths[-1])
+            out[name][str(S)] = time_arm(name, S, args, profile=args.time_profile and S == profiled)
             print(f"[time] {name} S={S}: " + ", ".join(f"{k} {v:.2f}" if k.endswith("share") else f"{k} {v:.1f} ms"
                                                      for k, v in out[name][str(S)].items()), flush=True)
     _write_json(os.path.join(args.save_dir, "timing.json"), out)
@@ -298,7 +308,7 @@ def time_arm(name: str, S: int, args, profile: bool = False) -> dict:
     kinds = ["stage2", "stage1"] if stage == 2 else ["step"]
     for kind in kinds:
         for layer in layers:
-            layer.force_dense = kind == "stage1"
+            layer.force_stage1 = kind == "stage1"
             layer._decisions = {}
         steps(args.time_warmup)
         if split:
@@ -685,6 +695,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--time-warmup", type=int, default=5)
     ap.add_argument("--time-profile", action="store_true",
                     help="--time: also print each arm's top kernels over three plain steps at the longest length")
+    ap.add_argument("--time-profile-at", type=int, default=0,
+                    help="--time-profile: profile at this timed length (tokens) instead of the longest (a host-bound "
+                         "step shows its host work at a short length, a device-bound one hides it)")
     ap.add_argument("--report", action="store_true", help="write the frontier JSON and plots")
     ap.add_argument("--note", default=None, help="a note kept in the JSON's meta (what a reader must know)")
     ap.add_argument("--meta-from", default=None,

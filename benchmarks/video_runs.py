@@ -15,7 +15,8 @@ granularity, ``block`` or ``token``: ``DSVConfig.granularity``), ``rule`` and ``
 predicted lists, the always-on radius in cubes as ``rt.rh.rw``, ``0.0.0`` = off, ``auto`` = the library's
 default: ``DSVConfig.local_radius``), ``lmode`` (how those lists size each cube's list: ``shared`` or
 ``window``, ``DSVConfig.local_mode``), ``thr`` (the dispatcher's ``DSVConfig.sparsity_threshold``), ``cap``
-(``DSVConfig.max_density``, the cap on every head's kept fraction; 0 = none), ``steps`` and ``minutes`` (the run
+(``DSVConfig.max_density``, the cap on every head's kept fraction; 0 = none), ``s1local`` (what stage 1 attends:
+``0.0.0`` every key, ``rt.rh.rw`` the 3D window of that radius in cubes: ``DSVConfig.stage1_local_radius``), ``steps`` and ``minutes`` (the run
 stops at whichever comes first, so a run fits the device time; with ``--align-stops`` a run stopped by its minutes is saved
 where it stopped and reports its last validation step), ``stage1`` (DSV's stage-1 steps; default
 half of ``steps``), ``window_frac`` (the window baseline's kept fraction of keys), ``label`` (a
@@ -44,8 +45,8 @@ from megatron_dsv.attention.schedule import is_profile_step  # noqa: E402
 from megatron_dsv.config import LOCAL_MODES, DSVConfig  # noqa: E402
 
 ARM_DEFAULTS = dict(data="vizdoom", frames=32, res=256, attn="dsv", lr=3e-4, qk_norm=1, qk_lr=1.0, rope=10000.0,
-                    gran="block", rule="recall", recall=0.96, local="0.0.0", lmode="shared", thr=0.8, cap=0.0, steps=1000,
-                    minutes=3.0, stage1=None, window_frac=0.1, label=None)
+                    gran="block", rule="recall", recall=0.96, local="0.0.0", lmode="shared", thr=0.8, cap=0.0,
+                    s1local="0.0.0", steps=1000, minutes=3.0, stage1=None, window_frac=0.1, label=None)
 _INT_KEYS = ("frames", "res", "qk_norm", "steps", "stage1")
 _FLOAT_KEYS = ("lr", "qk_lr", "rope", "minutes", "window_frac", "recall", "thr", "cap")
 DATA_SOURCES = ("vizdoom", "ale", "footage", "synthetic")
@@ -75,6 +76,10 @@ def parse_arm(text: str) -> dict:
     if arm["lmode"] not in LOCAL_MODES:
         raise ValueError(f"arm lmode must be one of {LOCAL_MODES}, got {arm['lmode']!r}")
     arm["local_radius"] = local_radius(arm["local"])
+    arm["stage1_local_radius"] = local_radius(arm["s1local"])
+    if arm["stage1_local_radius"] is None:
+        raise ValueError(f"arm s1local must be three ints >= 0 joined by dots (rt.rh.rw; 0.0.0 = a dense stage 1), "
+                         f"got {arm['s1local']!r}")
     if arm["res"] % 8:
         raise ValueError(f"arm res must be a multiple of 8 (4x downsampler, 2x2 patches), got {arm['res']}")
     if arm["qk_lr"] != 1.0 and not arm["qk_norm"]:
@@ -92,6 +97,7 @@ def parse_arm(text: str) -> dict:
             variants += [f"cap{arm['cap']:g}"] if arm["cap"] else []
             variants += [f"local{arm['local']}"] if arm["local_radius"] is None or any(arm["local_radius"]) else []
             variants += [f"lmode{arm['lmode']}"] if arm["lmode"] != ARM_DEFAULTS["lmode"] else []
+            variants += [f"s1local{arm['s1local']}"] if any(arm["stage1_local_radius"]) else []
             variants += ["staysdense"] if arm["stage1"] >= arm["steps"] else []
         if arm["attn"] == "window":
             variants += [f"frac{arm['window_frac']:g}"]
@@ -242,7 +248,7 @@ def build_model(arm: dict, args, device, dtype):
     if arm["attn"] == "dsv":
         dsv = DSVConfig(stage_switch_rule="steps", stage_switch_steps=arm["stage1"], granularity=arm["gran"],
                         budget_rule=arm["rule"], recall_target=arm["recall"], local_radius=arm["local_radius"],
-                        local_mode=arm["lmode"],
+                        local_mode=arm["lmode"], stage1_local_radius=arm["stage1_local_radius"],
                         sparsity_threshold=arm["thr"], max_density=arm["cap"] or None,
                         profile_interval=args.profile_every, profile_warmup_steps=10**9,
                         speedup_table=args.speedup_table if device.type == "cuda" else None)

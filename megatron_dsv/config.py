@@ -92,6 +92,20 @@ class DSVConfig:
     """Loss rule threshold on the mean predictor loss over layers."""
     stage_switch_steps: Optional[int] = _knob(None, "Step rule: switch after this many steps (None: never by steps).")
     """Step rule: the step at which stage 2 starts (None disables the rule)."""
+    stage1_local_radius: Tuple[int, int, int] = _knob(
+        (0, 0, 0), "What stage 1 attends: 0 0 0 = every key (dense, the paper); rt rh rw = only the keys of the "
+        "query cubes within that many cubes of each query cube (a 3D window), through the sparse kernel. The "
+        "predictors learn from the sampled queries' exact scores either way. Needs the token grid (the video DiT).")
+    """A 3D window in stage 1 instead of dense attention (``(0, 0, 0)``: dense, the paper's schedule).
+
+    The predictors never learn from the attention the model runs: they fit the exact scores of the sampled queries
+    (:meth:`LowRankPredictor.collect`), and the profiler measures the exact sparsity on them, so stage 1 needs
+    dense attention only if the model's own training does. On the H200 quality frontier the 3D window led full
+    attention from the first validation on (benchmarks/NOTES_quality.md runs 6, 8, 9: ViZDoom -2.4% at step 500,
+    footage -10%), and local + predicted lists after a dense stage 1 did not keep that lead (run 8,
+    ``windowpred35_s400``). A windowed stage 1 also costs the window's step, not more than dense attention's.
+    The neighbourhood is the local + predicted lists' (:func:`megatron_dsv.attention.neighbourhood.local_item_lists`,
+    edge cubes keep fewer keys). Context parallelism refuses it. Not yet measured on the frontier: off until it is."""
 
     # ---- dispatcher ---------------------------------------------------------
     budget_rule: str = _knob(
@@ -219,6 +233,8 @@ class DSVConfig:
         self.query_group_shape = tuple(int(x) for x in self.query_group_shape)
         if isinstance(self.local_radius, (list, tuple)):
             self.local_radius = tuple(self.local_radius)
+        if isinstance(self.stage1_local_radius, list):
+            self.stage1_local_radius = tuple(self.stage1_local_radius)
         self._check_choices()
         self._check_ranges()
 
@@ -305,6 +321,9 @@ class DSVConfig:
         need(not (self.uses_local and self.topk_backend == "cuda"), "topk_backend",
              "'auto', 'triton' or 'naive' with local_radius (the CUDA estimator takes no local part)")
         need(self.kv_block_size in SUPPORTED_KV_BLOCKS, "kv_block_size", f"one of {list(SUPPORTED_KV_BLOCKS)}")
+        need(isinstance(self.stage1_local_radius, tuple) and len(self.stage1_local_radius) == 3
+             and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in self.stage1_local_radius),
+             "stage1_local_radius", "three ints >= 0 (rt, rh, rw), in cubes (0 0 0: a dense stage 1)")
 
     def to_dict(self) -> dict:
         """Plain dict (for logs and checkpoints)."""

@@ -94,6 +94,9 @@ def test_frontier_arms_parse_with_their_settings():
     wp = arm_of("windowpred35_s400", args.arm, args)
     assert wp["lmode"] == "window" and wp["local_radius"] == (2, 2, 1) and wp["cap"] == 0.35 and wp["stage1"] == 400
     assert not is_library_default(wp)
+    s1 = arm_of("s1win_cap25_s400", args.arm, args)  # the default's stage 2 after a windowed stage 1: not the default
+    assert s1["stage1_local_radius"] == (2, 2, 1) and s1["cap"] == 0.25 and not is_library_default(s1)
+    assert arm_of("s1win_windowpred35_s400", args.arm, args)["lmode"] == "window"
     study = "data=synthetic,frames=4,res=64,steps=1500,stage1=700"
     own, base = arm_of("default_s400", study, args), arm_of("default", study, args)
     assert own["stage1"] == 400 and base["stage1"] == 700 and own["label"] != base["label"]  # two runs, two paths

@@ -125,3 +125,34 @@ def test_align_stops_save_where_they_stop_report_the_last_validation_and_resume_
                            torch.device("cpu"), torch.float32)
     assert clips1 is clips0 and not torch.equal(clips1.batch_at(0, 3)[0], first0)  # same clips, other order
     assert sorted(clips1._epoch_order(0).tolist()) == [0, 1, 2]
+
+
+def test_s1local_key_reaches_the_config_and_the_label():
+    """s1local (DSVConfig.stage1_local_radius): 0.0.0 (a dense stage 1) by default and absent from the label (runs
+    saved before the key keep their paths); a radius is named in it; 'auto' and malformed radii are refused."""
+    base = parse_arm("data=synthetic,frames=4,res=64")
+    assert base["stage1_local_radius"] == (0, 0, 0) and "s1local" not in base["label"]
+    arm = parse_arm("data=synthetic,frames=4,res=64,s1local=2.2.1")
+    assert arm["stage1_local_radius"] == (2, 2, 1) and arm["label"] == "synthetic-dsv-s1local2.2.1-S256"
+    for bad in ("auto", "1.1"):
+        with pytest.raises(ValueError, match="arm (s1local|local) must be three ints"):
+            parse_arm(f"s1local={bad}")
+
+
+@pytest.mark.timeout(300)
+def test_windowed_stage1_arm_trains_into_stage_two(megatron_cpu, tmp_path):
+    """s1local reaches every DSV layer; stage 1 then attends the window (kept keys below S) and the run still
+    profiles, switches and runs its predicted lists in stage 2."""
+    from benchmarks.video_runs import train_arm
+    from megatron_dsv.attention import dsv_layers
+    from tests.test_benchmarks_smoke import _run_args
+
+    model, _, summary = train_arm(parse_arm("data=synthetic,frames=4,res=128,stage1=3,steps=6,rule=sparsity,"
+                                            "thr=0,s1local=0.1.1"), _run_args(tmp_path))
+    layers = dsv_layers(model)
+    assert layers and all(m.dsv_config.stage1_local_radius == (0, 1, 1) for m in layers)
+    assert summary["steps"] == 6 and all(m.stage_host == 2 for m in layers)
+    for m in layers:  # the stage-1 window attends fewer keys than S on this grid (1024 tokens, 4x4x8 cubes: 1x4x2)
+        m.stage.fill_(1)
+        m._sync_host()
+        assert m._stage1_window(1024, "cpu")[2] < 1024

@@ -87,7 +87,8 @@ time_studies() {  # each study's arms alone, one study after the other, in TIME_
   local limit=$(( ${TIME_TIMEOUT:-240} / ${#studies[@]} )) d
   for d in "${studies[@]}"; do  # one arm at a time on the GPU: these are speed figures
     study "$d"
-    timeout "$limit" "${cmd[@]}" --time --time-lengths "${TIME_LENGTHS:-32768}" --time-profile > "$out/logs/time-$d.log" 2>&1
+    timeout "$limit" "${cmd[@]}" --time --time-lengths "${TIME_LENGTHS:-32768}" --time-profile \
+      --time-profile-at "${TIME_PROFILE_AT:-0}" > "$out/logs/time-$d.log" 2>&1
     echo "time $d exit $? (limit ${limit}s)"; grep "^\[time\]" "$out/logs/time-$d.log"
   done
 }
@@ -97,11 +98,16 @@ report() {
   for d in "${studies[@]}"; do echo "== $d"; study "$d"; "${cmd[@]}" --report 2>&1 | tail -n 10; done
 }
 
+# the GPU tests of the paths the frontier trains, the newest first (beside the workers a phase's limit may end them
+# early: the log names the last file reached)
+gpu_tests=(tests/attention/test_stage1_window.py tests/attention/test_prefetch_step_end.py
+           tests/ops/test_topk_select_kernel.py tests/ops/test_topk_forced.py tests/attention/test_local_lists.py
+           tests/ops/test_topk_keys.py tests/ops/test_sparse_attention_gpu.py tests/models/test_video_dit.py)
+
 case "$phase" in
   train)
     if [ "${SKIP_GPU_TESTS:-0}" != 1 ]; then  # beside the arms (small): a failure shows in the log's tail
-      (timeout 300 python3 -m pytest -q -rs tests/ops/test_topk_forced.py tests/ops/test_topk_select_kernel.py tests/attention/test_local_lists.py \
-        tests/ops/test_topk_keys.py tests/ops/test_sparse_attention_gpu.py tests/models/test_video_dit.py tests/attention/test_prefetch_step_end.py \
+      (timeout 300 python3 -m pytest -v -rs "${gpu_tests[@]}" \
         -k "not slow" > "$out/logs/gpu_tests.log" 2>&1; echo "gpu tests exit $?" >> "$out/logs/gpu_tests.log") &
     fi
     if [ "${MEGATRON_CHECK:-0}" = 1 ]; then
@@ -121,9 +127,10 @@ case "$phase" in
   start)
     train "${MINUTES:-7.0}" detach
     if [ "${SKIP_GPU_TESTS:-0}" != 1 ]; then  # in the foreground, beside the detached arms
-      timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -rs tests/ops/test_topk_forced.py tests/ops/test_topk_select_kernel.py tests/attention/test_local_lists.py \
-        tests/ops/test_topk_keys.py tests/ops/test_sparse_attention_gpu.py tests/models/test_video_dit.py tests/attention/test_prefetch_step_end.py \
-        tests/attention/test_dispatch_schedule.py -k "not slow" 2>&1 | tail -n 15
+      timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -v -rs "${gpu_tests[@]}" \
+        tests/attention/test_dispatch_schedule.py -k "not slow" > "$out/logs/gpu_tests.log" 2>&1
+      echo "gpu tests exit $? (limit ${TEST_TIMEOUT:-240}s; 124: not all ran)" | tee -a "$out/logs/gpu_tests.log"
+      tail -n 15 "$out/logs/gpu_tests.log"
     fi
     ;;
   wait)

@@ -48,7 +48,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_dsv.attention import _ops
 from megatron_dsv.attention.dispatcher import SpeedupTable, density_budgets, head_budgets, plan_layer
-from megatron_dsv.attention.neighbourhood import local_item_lists
+from megatron_dsv.attention.neighbourhood import local_item_counts, local_item_lists
 from megatron_dsv.attention.predictor import LowRankPredictor, all_reduce_many
 from megatron_dsv.attention.profiler import profile_stats, recall_density
 from megatron_dsv.attention.schedule import is_profile_step, profile_thinning, sampled_queries, trains_predictor
@@ -129,6 +129,11 @@ class DSVCoreAttention(MegatronModule):
                 raise ValueError("DSVConfig.local_mode (--dsv-local-mode) 'window' gives every query cube its own "
                                  "list length, which the context-parallel paths do not carry yet; use "
                                  f"local_mode='shared' with context_parallel_size={self.cp_size}")
+            if any(self.dsv_config.stage1_local_radius):
+                raise ValueError("DSVConfig.stage1_local_radius (--dsv-stage1-local-radius) "
+                                 f"{self.dsv_config.stage1_local_radius} gives every query cube its own list length, "
+                                 "which the context-parallel paths do not carry yet; use 0 0 0 (a dense stage 1) with "
+                                 f"context_parallel_size={self.cp_size}")
             from megatron_dsv.parallel.cp_attention import CPContext
 
             self.cp_ctx = CPContext.get(self.cp_group, self.num_heads, tp)
@@ -178,10 +183,13 @@ class DSVCoreAttention(MegatronModule):
         self.last_sparse = False
         self._hidden = None  # set by DSVSelfAttention for predictor_input='hidden', only during its forward
         # Run-time switches, not state: benchmarks turn the method's own work off for an A/B of its cost,
-        # and force_dense runs the layer dense whatever the dispatcher says (bench_recall.py's baseline).
+        # force_dense runs the layer dense whatever the dispatcher says (bench_recall.py's baseline), and
+        # force_stage1 attends as stage 1 does whatever the stage (bench_quality.py times stage 1 from a
+        # stage-2 run: dense, or stage1_local_radius's window).
         self.predictor_training = True
         self.profiling = True
         self.force_dense = False
+        self.force_stage1 = False
         # (T, H, W) of the patch tokens: set by the model on every forward (the video DiT does); needed by
         # local + predicted lists (DSVConfig.local_radius) only
         self.token_grid = None
@@ -299,7 +307,15 @@ class DSVCoreAttention(MegatronModule):
         self.last_sparse = sparse
         self.last_k.copy_(tokens)
         if not sparse:
-            return dense_attention(q, k, v, softmax_scale=self.softmax_scale)
+            window = self._stage1_window(S, q.device)
+            if window is None:
+                return dense_attention(q, k, v, softmax_scale=self.softmax_scale)
+            lists, counts, keys = window
+            self.last_k.fill_(keys)
+            B, H = q.shape[:2]
+            return _ops.run_sparse_attention(self.kernel_backend, q, k, self._v_for_kernel(v),
+                                             lists.expand(B, H, *lists.shape), counts.expand(B, H, -1),
+                                             cfg.group_size, cfg.block_size, self.softmax_scale)
         idx, counts = lists
         return _ops.run_sparse_attention(self.kernel_backend, q, k, self._v_for_kernel(v), idx, counts,
                                          cfg.group_size, cfg.block_size, self.softmax_scale)
@@ -412,13 +428,13 @@ class DSVCoreAttention(MegatronModule):
 
     def decide(self, S: int):
         """``(sparse, budgets, tokens)`` for sequence length S (cached until the state changes)."""
-        key = (S, self.training, self.force_dense, self.token_grid)
+        key = (S, self.training, self.force_dense, self.force_stage1, self.token_grid)
         if key not in self._decisions:
             cfg = self.dsv_config
             ok, budgets, tokens = plan_layer(self._sparsity_cpu, self._density_cpu, S, cfg, self.speedup_table,
                                              self.training, self._local_tokens(S))
             sparse = (self.stage_host == 2 and self.profiled_host and self.kernel_ok and S >= cfg.group_size and ok
-                      and not self.force_dense)
+                      and not self.force_dense and not self.force_stage1)
             if cfg.local_mode == "window":  # keys a query attends: the mean neighbourhood itself, not its round-up
                 excess = self._local_mean_items(S) - self._local_mean_items(S, exact=True)
                 tokens = tokens.double() - excess * max(1, cfg.block_size)
@@ -426,6 +442,23 @@ class DSVCoreAttention(MegatronModule):
                 tokens = torch.full_like(tokens, S)
             self._decisions[key] = (sparse, budgets, tokens.float())
         return self._decisions[key]
+
+    def _stage1_window(self, S: int, device):
+        """``(lists [NG, F], counts [NG], mean keys)`` of stage 1's window (``DSVConfig.stage1_local_radius``) when
+        this forward attends as stage 1 does and the window is on (else None: dense attention); a layer the
+        dispatcher keeps dense in stage 2, ``force_dense`` and a head dim the kernels lack stay dense."""
+        cfg = self.dsv_config
+        if (not any(cfg.stage1_local_radius) or self.force_dense or not self.kernel_ok
+                or not (self.stage_host == 1 or self.force_stage1)):
+            return None
+        grid = self.token_grid
+        if grid is None or math.prod(grid) != S:
+            raise ValueError(f"DSVConfig.stage1_local_radius (--dsv-stage1-local-radius) {cfg.stage1_local_radius} "
+                             f"needs the token grid (T, H, W) of this sequence of {S} tokens on "
+                             f"DSVCoreAttention.token_grid (the video DiT sets it on every forward); got {grid}")
+        args = (grid, cfg.query_group_shape, cfg.stage1_local_radius, cfg.block_size, device)
+        counts, mean_items = local_item_counts(*args)
+        return local_item_lists(*args), counts, min(float(S), mean_items * max(1, cfg.block_size))
 
     def _local_items(self, S: int, device) -> Optional[torch.Tensor]:
         """The local part of local + predicted lists (``[NG, F]`` items, -1 padded), or None when off."""

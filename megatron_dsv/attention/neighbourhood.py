@@ -21,7 +21,8 @@ from typing import Sequence, Tuple
 
 import torch
 
-__all__ = ["Triple", "window_block_lists", "kept_fraction", "radius_for_fraction", "local_item_lists"]
+__all__ = ["Triple", "window_block_lists", "kept_fraction", "radius_for_fraction", "local_item_lists",
+           "local_item_counts"]
 
 Triple = Tuple[int, int, int]
 
@@ -162,3 +163,20 @@ def local_item_lists(token_grid: Sequence[int], cube: Sequence[int], radius: Seq
         raise ValueError(f"block_size must be one of (0, 64, 128) (0 = token lists), got {block_size!r}")
     return _local_items_on(ncubes, cube, _radius(radius), int(block_size),
                            torch.device(device if device is not None else "cpu"))
+
+
+@lru_cache(maxsize=32)
+def _local_counts_on(ncubes: Triple, cube: Triple, radius: Triple, block_size: int, device: torch.device):
+    counts = (_local_items_cpu(ncubes, cube, radius, block_size) >= 0).sum(1)
+    return counts.to(device=device, dtype=torch.int32), counts.double().mean().item()
+
+
+def local_item_counts(token_grid: Sequence[int], cube: Sequence[int], radius: Sequence[int], block_size: int,
+                      device=None) -> Tuple[torch.Tensor, float]:
+    """``(counts, mean)``: the valid items of each row of :func:`local_item_lists` (int32 ``[nG]`` on ``device``)
+    and their mean over the query groups (a host float, in items). Cached like the lists: read-only."""
+    _, cube, ncubes = _geometry(token_grid, cube)
+    if block_size not in (0, 64, 128):
+        raise ValueError(f"block_size must be one of (0, 64, 128) (0 = token lists), got {block_size!r}")
+    return _local_counts_on(ncubes, cube, _radius(radius), int(block_size),
+                            torch.device(device if device is not None else "cpu"))
