@@ -205,7 +205,10 @@ def time_arms(names: List[str], args) -> dict:
     profiled = args.time_profile_at or lengths[-1]
     if args.time_profile and profiled not in lengths:
         raise ValueError(f"--time-profile-at {profiled} is not a timed length (the arm's and --time-lengths: {lengths})")
-    missing = [name for name in names if not os.path.exists(_trained_run(name, args, seed))]
+    # full attention's and the window's steps do not depend on their weights (no budgets, no lists learnt): an
+    # untrained one is timed from its initial weights; a DSV arm's step needs its trained budgets
+    missing = [name for name in names
+               if arm_of(name, args.arm, args)["attn"] == "dsv" and not os.path.exists(_trained_run(name, args, seed))]
     if missing:  # before any arm is clocked: a GPU call's minutes are not spent on a timing that cannot finish
         raise ValueError(f"--time: arms {missing} have no trained run of seed {seed} under {args.save_dir} "
                          "(run --launch first, or name the trained arms in --arms)")
@@ -245,9 +248,13 @@ def time_arm(name: str, S: int, args, profile: bool = False) -> dict:
     model, cfg = build_model(timed, args, device, dtype)
     seed = min(int(x) for x in args.seeds.split(",") if x)
     path = _trained_run(name, args, seed)
-    if not os.path.exists(path):
+    if os.path.exists(path):
+        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True)["model"])
+    elif arm["attn"] == "dsv":
         raise ValueError(f"--time: arm {name!r} has no trained run at {path} (seed {seed}): run --launch first")
-    model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True)["model"])
+    else:
+        print(f"[time] {name}: no trained run at {path}; timed from its initial weights (its step does not depend "
+              "on them)", flush=True)
     # built after the load: its fp32 main copies must be the trained weights (on bf16 its first step writes
     # them back into the model); the study's optimizer, at a rate that moves nothing
     opt = MainWeightsAdamW(model.parameters(), lr=1e-9, weight_decay=0.0)

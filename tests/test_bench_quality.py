@@ -207,10 +207,22 @@ def test_a_worker_that_ran_out_of_gpu_memory_is_resumed_and_other_failures_are_r
 
 
 def test_timing_refuses_before_clocking_when_an_arm_has_no_trained_run(tmp_path):
-    """--time checks every arm's trained run first: run 7's timing clocked full attention for a minute of GPU
-    time, then failed on an arm the study never trained."""
+    """--time checks every DSV arm's trained run first: run 7's timing clocked full attention for a minute of GPU
+    time, then failed on an arm the study never trained. Full attention and the window need none: their steps do
+    not depend on their weights."""
     from benchmarks.bench_quality import time_arms
 
     args = build_parser().parse_args(["--arm", "data=vizdoom,frames=2,res=64", "--save-dir", str(tmp_path)])
-    with pytest.raises(ValueError, match=r"arms \['full', 'control'\] have no trained run of seed 0"):
-        time_arms(["full", "control"], args)
+    with pytest.raises(ValueError, match=r"arms \['control', 'default'\] have no trained run of seed 0"):
+        time_arms(["full", "control", "window", "default"], args)
+
+
+def test_untrained_full_attention_is_timed_from_its_initial_weights(megatron_cpu, tmp_path, capsys):
+    from benchmarks.bench_quality import time_arms
+
+    args = build_parser().parse_args(["--arm", "data=synthetic,frames=2,res=64", "--save-dir", str(tmp_path),
+                                      "--preset", "tiny", "--layers", "1", "--time-lengths", "",
+                                      "--time-steps", "3", "--time-warmup", "1"])
+    got = time_arms(["full"], args)
+    assert got["full"]["128"]["stage2"] > 0 and got["full"]["128"]["stage2_sparse_share"] == 0.0
+    assert "no trained run" in capsys.readouterr().out

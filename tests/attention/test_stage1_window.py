@@ -134,6 +134,9 @@ def test_needs_the_token_grid(make_layer):
     layer.token_grid = (4, 8, 8)  # 256 tokens, not this sequence's 512
     with pytest.raises(ValueError, match="token grid"):
         run(layer, q, k, v)
+    layer.token_grid = (2, 2, 128)  # 512 tokens, but the 2x4x8 cube does not tile the height
+    with pytest.raises(ValueError, match=r"query cube tiles.*--dsv-query-group-shape"):
+        run(layer, q, k, v)
 
 
 @pytest.mark.parametrize("bad", [(1, 1), (1, -1, 0), (1.0, 1, 1), (True, 0, 0)])
