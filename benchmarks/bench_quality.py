@@ -738,8 +738,11 @@ def main(argv=None):
     for n in names:
         if n not in FRONTIER:
             raise SystemExit(f"bench_quality: unknown arm {n!r} in --arms; allowed: {sorted(FRONTIER)}")
-    if "full" not in names:
-        raise SystemExit("bench_quality: --arms must include 'full' (every difference is to it)")
+    if "full" not in names and (args.time or args.report or args.quick):
+        # training may add arms to a study whose full attention is trained (or trained elsewhere: its curves are
+        # joined where the report is made); the timing's baseline and the report's differences need it
+        raise SystemExit("bench_quality: --arms must include 'full' with --time or --report (every difference and "
+                         "every ratio is to it)")
     check_distinct_runs(names, args)
     seeds = [int(s) for s in args.seeds.split(",") if s]
     args.clips_cache = args.clips_cache or os.path.join(args.save_dir, "clips")

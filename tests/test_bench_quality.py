@@ -226,3 +226,19 @@ def test_untrained_full_attention_is_timed_from_its_initial_weights(megatron_cpu
     got = time_arms(["full"], args)
     assert got["full"]["128"]["stage2"] > 0 and got["full"]["128"]["stage2_sparse_share"] == 0.0
     assert "no trained run" in capsys.readouterr().out
+
+
+def test_full_attention_is_required_only_where_it_is_the_baseline(tmp_path, monkeypatch):
+    """A study may train new arms beside an existing full-attention run (--launch without 'full'); timing and
+    reports refuse an arm list without it."""
+    import benchmarks.bench_quality as bq
+
+    base = ["--arm", "data=synthetic,frames=2,res=64", "--save-dir", str(tmp_path), "--arms", "s1win_cap25_s400"]
+    for phase in ("--time", "--report"):
+        with pytest.raises(SystemExit, match="must include 'full' with --time or --report"):
+            bq.main(base + [phase])
+    launched = []
+    monkeypatch.setattr(bq, "prepare_clips", lambda args: None)
+    monkeypatch.setattr(bq, "launch", lambda names, seeds, argv, args: launched.append((names, seeds)))
+    bq.main(base + ["--launch", "--seeds", "0,1"])
+    assert launched == [(["s1win_cap25_s400"], [0, 1])]
