@@ -456,13 +456,13 @@ class DSVCoreAttention(MegatronModule):
             raise ValueError(f"DSVConfig.stage1_local_radius (--dsv-stage1-local-radius) {cfg.stage1_local_radius} "
                              f"needs the token grid (T, H, W) of this sequence of {S} tokens on "
                              f"DSVCoreAttention.token_grid (the video DiT sets it on every forward); got {grid}")
-        if any(int(g) % c for g, c in zip(grid, cfg.query_group_shape)):
-            raise ValueError(f"DSVConfig.stage1_local_radius (--dsv-stage1-local-radius) needs a token grid the query "
-                             f"cube tiles: grid {tuple(grid)} is not a multiple of query_group_shape "
-                             f"(--dsv-query-group-shape) {cfg.query_group_shape} on every axis; use 0 0 0 (a dense "
-                             "stage 1) or a cube that tiles the grid")
         args = (grid, cfg.query_group_shape, cfg.stage1_local_radius, cfg.block_size, device)
-        counts, mean_items = local_item_counts(*args)
+        try:
+            counts, mean_items = local_item_counts(*args)
+        except ValueError as err:  # the neighbourhood's own check, with the flags that set it
+            raise ValueError(f"DSVConfig.stage1_local_radius (--dsv-stage1-local-radius) needs a token grid the query "
+                             f"cube tiles (query_group_shape, --dsv-query-group-shape {cfg.query_group_shape}; or 0 0 0, "
+                             f"a dense stage 1): {err}") from err
         return local_item_lists(*args), counts, min(float(S), mean_items * max(1, cfg.block_size))
 
     def _local_items(self, S: int, device) -> Optional[torch.Tensor]:

@@ -158,11 +158,15 @@ def local_item_lists(token_grid: Sequence[int], cube: Sequence[int], radius: Seq
     (grid, cube, radius, block, device): treat the tensor as read-only. ``F * max(block_size, 1)``
     tokens is the most any group's local part can hold.
     """
+    return _local_items_on(*_cache_key(token_grid, cube, radius, block_size, device))
+
+
+def _cache_key(token_grid, cube, radius, block_size, device) -> tuple:
+    """``(cube grid, cube, radius, block_size, device)``, validated: the key of the neighbourhood caches."""
     _, cube, ncubes = _geometry(token_grid, cube)
     if block_size not in (0, 64, 128):
         raise ValueError(f"block_size must be one of (0, 64, 128) (0 = token lists), got {block_size!r}")
-    return _local_items_on(ncubes, cube, _radius(radius), int(block_size),
-                           torch.device(device if device is not None else "cpu"))
+    return ncubes, cube, _radius(radius), int(block_size), torch.device(device if device is not None else "cpu")
 
 
 @lru_cache(maxsize=32)
@@ -175,8 +179,4 @@ def local_item_counts(token_grid: Sequence[int], cube: Sequence[int], radius: Se
                       device=None) -> Tuple[torch.Tensor, float]:
     """``(counts, mean)``: the valid items of each row of :func:`local_item_lists` (int32 ``[nG]`` on ``device``)
     and their mean over the query groups (a host float, in items). Cached like the lists: read-only."""
-    _, cube, ncubes = _geometry(token_grid, cube)
-    if block_size not in (0, 64, 128):
-        raise ValueError(f"block_size must be one of (0, 64, 128) (0 = token lists), got {block_size!r}")
-    return _local_counts_on(ncubes, cube, _radius(radius), int(block_size),
-                            torch.device(device if device is not None else "cpu"))
+    return _local_counts_on(*_cache_key(token_grid, cube, radius, block_size, device))
