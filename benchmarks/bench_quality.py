@@ -204,7 +204,8 @@ def time_arms(names: List[str], args) -> dict:
     seed = min(int(x) for x in args.seeds.split(",") if x)
     profiled = args.time_profile_at or lengths[-1]
     if args.time_profile and profiled not in lengths:
-        raise ValueError(f"--time-profile-at {profiled} is not a timed length (the arm's and --time-lengths: {lengths})")
+        raise ValueError(f"--time-profile-at {profiled} is not a timed length (the arm's and --time-lengths: "
+                         f"{lengths})")
     # full attention's and the window's steps do not depend on their weights (no budgets, no lists learnt): an
     # untrained one is timed from its initial weights; a DSV arm's step needs its trained budgets
     missing = [name for name in names

@@ -16,7 +16,8 @@ predicted lists, the always-on radius in cubes as ``rt.rh.rw``, ``0.0.0`` = off,
 default: ``DSVConfig.local_radius``), ``lmode`` (how those lists size each cube's list: ``shared`` or
 ``window``, ``DSVConfig.local_mode``), ``thr`` (the dispatcher's ``DSVConfig.sparsity_threshold``), ``cap``
 (``DSVConfig.max_density``, the cap on every head's kept fraction; 0 = none), ``s1local`` (what stage 1 attends:
-``0.0.0`` every key, ``rt.rh.rw`` the 3D window of that radius in cubes: ``DSVConfig.stage1_local_radius``), ``steps`` and ``minutes`` (the run
+``0.0.0`` every key, ``rt.rh.rw`` the 3D window of that radius in cubes: ``DSVConfig.stage1_local_radius``),
+``steps`` and ``minutes`` (the run
 stops at whichever comes first, so a run fits the device time; with ``--align-stops`` a run stopped by its minutes is saved
 where it stopped and reports its last validation step), ``stage1`` (DSV's stage-1 steps; default
 half of ``steps``), ``window_frac`` (the window baseline's kept fraction of keys), ``label`` (a

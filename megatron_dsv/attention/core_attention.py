@@ -461,8 +461,8 @@ class DSVCoreAttention(MegatronModule):
             counts, mean_items = local_item_counts(*args)
         except ValueError as err:  # the neighbourhood's own check, with the flags that set it
             raise ValueError(f"DSVConfig.stage1_local_radius (--dsv-stage1-local-radius) needs a token grid the query "
-                             f"cube tiles (query_group_shape, --dsv-query-group-shape {cfg.query_group_shape}; or 0 0 0, "
-                             f"a dense stage 1): {err}") from err
+                             f"cube tiles (query_group_shape, --dsv-query-group-shape {cfg.query_group_shape}; "
+                             f"or 0 0 0, a dense stage 1): {err}") from err
         return local_item_lists(*args), counts, min(float(S), mean_items * max(1, cfg.block_size))
 
     def _local_items(self, S: int, device) -> Optional[torch.Tensor]:
