@@ -20,23 +20,12 @@ from .naive import sparse_attention_naive
 
 BACKENDS = ("auto", "triton", "flex", "naive")
 
-# Where FlexAttention measured faster than ours on the H200 (benchmarks/results/
-# sparse_attention-h200-20261130.json, G=128, block 128, D=128, fwd+bwd): small problems,
-# where our backward's fixed cost (inverse map, two launches, ~1 ms floor) shows, and very
-# sparse lists. Only (G, block) = (128, 128) was measured; other shapes stay on ours.
-# Decided from shapes alone (Kmax, not the counts) so the choice costs no host sync.
-FLEX_MEASURED = ((128, 128),)
-FLEX_BELOW_WORK = 1.0e8  # S * Kmax * block_size per head: flex won fwd+bwd under this
-FLEX_BELOW_DENSITY = 0.03  # Kmax * block_size / S: flex won at 98% sparsity at every S
-
-
-def flex_is_faster(q: torch.Tensor, kv_indices: torch.Tensor, group_size: int, block_size: int) -> bool:
-    """Training calls only: our forward alone beat flex everywhere measured (1.06-1.16x)."""
-    if (group_size, block_size) not in FLEX_MEASURED or not torch.is_grad_enabled() or not q.requires_grad:
-        return False
-    S = q.shape[2]
-    kept = min(kv_indices.shape[-1] * block_size, S)
-    return S * kept < FLEX_BELOW_WORK or kept / S < FLEX_BELOW_DENSITY
+# FlexAttention is never picked by "auto", only on request (DSV_SPARSE_ATTN_BACKEND=flex,
+# DSVConfig.kernel_backend). Its kernels alone beat ours on small or very sparse block problems
+# (sparse_attention-h200-20261130.json; -sweep-h200-20261203.json: 0.90x ours at 16K, D=64), but
+# a training step pays its per-call BlockMask build and compiled-graph guards on the host: the
+# trained 16K stage-2 step (hidden 512 x 4 layers, D=64, 25% kept; quality-frontier run 10)
+# took 51.3 ms through flex against 31.1 ms through ours (ViZDoom), 49.4 against 36.7 (footage).
 
 
 def requested_backend(requested: Optional[str] = None) -> str:
@@ -55,14 +44,10 @@ def requested_backend(requested: Optional[str] = None) -> str:
 
 def auto_backend(q: torch.Tensor, kv_indices: torch.Tensor, group_size: int, block_size: int,
                  k_len: Optional[int] = None) -> str:
-    """The "auto" rule, from shapes alone: Triton on CUDA (flex where it measured faster), the
-    reference on CPU (Triton there only under its interpreter, i.e. in tests). ``k_len``: the key
-    length (None: q's length); flex is never picked when it differs from q's."""
+    """The "auto" rule: Triton on CUDA (never flex: see above), the reference on CPU (Triton there
+    only under its interpreter, i.e. in tests). The lists, sizes and ``k_len`` (the key length) do
+    not enter it; they stay in the signature so that a measured rule can use them."""
     if q.is_cuda:
-        same_len = k_len is None or k_len == q.shape[2]
-        if same_len and flex_supported(q.shape[2], group_size, block_size) and \
-                flex_is_faster(q, kv_indices, group_size, block_size):
-            return "flex"
         return "triton"
     return "triton" if os.environ.get("TRITON_INTERPRET", "0") == "1" else "naive"
 
