@@ -416,6 +416,32 @@ def test_auto_never_picks_flex(monkeypatch):
     assert choose_backend(q, idx, 128, 128) == "flex"
 
 
+def test_backend_choice_logged_once(monkeypatch, caplog):
+    """The backend that runs, and why, is logged once per process and reason, not per call."""
+    import logging
+    from types import SimpleNamespace
+
+    from megatron_dsv.ops.sparse_attention import op as op_mod
+
+    monkeypatch.setattr(op_mod, "_LOGGED", set())
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cpu_q = torch.empty(1, 1, 64, 64)
+    cuda_q = SimpleNamespace(is_cuda=True, shape=(1, 1, 64, 64))
+    idx = torch.zeros(1, 1, 1, 1, dtype=torch.int32)
+    with caplog.at_level(logging.INFO, logger=op_mod.__name__):
+        for _ in range(3):
+            assert op_mod.auto_backend(cpu_q, idx, 64, 64) == "naive"
+            assert op_mod.auto_backend(cuda_q, idx, 64, 64) == "triton"
+        monkeypatch.setenv("DSV_SPARSE_ATTN_BACKEND", "naive")
+        op_mod.requested_backend()
+        op_mod.requested_backend()
+    lines = [r.getMessage() for r in caplog.records if r.name == op_mod.__name__]
+    assert len(lines) == 3, lines
+    assert "naive backend (auto: tensors not on CUDA" in lines[0]
+    assert "triton backend (auto: tensors on CUDA; FlexAttention only on request" in lines[1]
+    assert "naive backend (asked for by DSV_SPARSE_ATTN_BACKEND)" in lines[2]
+
+
 def test_check_values_false_skips_the_host_sync(monkeypatch):
     """Callers with lists from our own estimator skip the value check (it syncs the host)."""
     from megatron_dsv.ops.sparse_attention import op as op_mod

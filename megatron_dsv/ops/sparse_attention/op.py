@@ -7,6 +7,7 @@ registered on the forward op, and the public ``sparse_attention``.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from typing import List, Optional, Tuple
@@ -19,6 +20,15 @@ from .flex import flex_supported, sparse_attention_flex
 from .naive import sparse_attention_naive
 
 BACKENDS = ("auto", "triton", "flex", "naive")
+_log = logging.getLogger(__name__)
+_LOGGED: set = set()
+
+
+def _log_once(backend: str, reason: str) -> None:
+    """One log line per (backend, reason) and process: which sparse attention backend runs, and why."""
+    if (backend, reason) not in _LOGGED:
+        _LOGGED.add((backend, reason))
+        _log.info("sparse_attention uses the %s backend (%s)", backend, reason)
 
 # FlexAttention is never picked by "auto", only on request (DSV_SPARSE_ATTN_BACKEND=flex,
 # DSVConfig.kernel_backend). Its kernels alone beat ours on small or very sparse block problems
@@ -39,6 +49,8 @@ def requested_backend(requested: Optional[str] = None) -> str:
             "DSV_SPARSE_ATTN_BACKEND"
     if name not in BACKENDS:
         raise ValueError(f"{source} must be one of {BACKENDS}; got {name!r}")
+    if name != "auto" and source == "DSV_SPARSE_ATTN_BACKEND":
+        _log_once(name, "asked for by DSV_SPARSE_ATTN_BACKEND")
     return name
 
 
@@ -48,8 +60,14 @@ def auto_backend(q: torch.Tensor, kv_indices: torch.Tensor, group_size: int, blo
     only under its interpreter, i.e. in tests). The lists, sizes and ``k_len`` (the key length) do
     not enter it; they stay in the signature so that a measured rule can use them."""
     if q.is_cuda:
+        _log_once("triton", "auto: tensors on CUDA; FlexAttention only on request, its per-call host cost made "
+                            "training steps slower (benchmarks/NOTES_sparse_attention.md, 2026-12-03)")
         return "triton"
-    return "triton" if os.environ.get("TRITON_INTERPRET", "0") == "1" else "naive"
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        _log_once("triton", "auto: TRITON_INTERPRET=1, the Triton kernels under the interpreter")
+        return "triton"
+    _log_once("naive", "auto: tensors not on CUDA, the PyTorch reference")
+    return "naive"
 
 
 def choose_backend(q: torch.Tensor, kv_indices: torch.Tensor, group_size: int, block_size: int,
