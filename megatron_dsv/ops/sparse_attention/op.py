@@ -34,7 +34,7 @@ def _log_once(backend: str, reason: str) -> None:
 # DSVConfig.kernel_backend). Its kernels alone beat ours on small or very sparse block problems
 # (sparse_attention-h200-20261130.json; -sweep-h200-20261203.json: 0.90x ours at 16K, D=64), but
 # a training step pays its per-call BlockMask build and compiled-graph guards on the host: the
-# trained 16K stage-2 step (hidden 512 x 4 layers, D=64, 25% kept; quality-frontier run 10)
+# trained 16K stage-2 step (hidden 512 x 4 layers, D=64, 22% kept; quality-frontier run 10)
 # took 51.3 ms through flex against 31.1 ms through ours (ViZDoom), 49.4 against 36.7 (footage).
 
 
