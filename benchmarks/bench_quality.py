@@ -462,6 +462,16 @@ def mean_se(xs: List[float]):
     return mean, math.sqrt(var / n)
 
 
+def unpaired_delta(arm: List[float], full: List[float]):
+    """``(100 (mean(arm) / mean(full) - 1), its se)``: the arm's mean loss against full attention's over every
+    seed each has, not seed by seed; the se by the delta method from the two means' standard errors (nan with fewer
+    than 2 values on a side). The paired difference removes what a seed does to both runs, which holds while their
+    trajectories stay together; an arm that moves its trajectory early (e.g. a windowed stage 1) decorrelates them,
+    and then this is the honest comparison."""
+    (ma, sa), (mf, sf) = mean_se(arm), mean_se(full)
+    return 100.0 * (ma / mf - 1.0), 100.0 * math.sqrt(sa ** 2 / mf ** 2 + ma ** 2 * sf ** 2 / mf ** 4)
+
+
 def wall_clock(curve, arm: dict, timing: Optional[dict], counts: Optional[Dict[int, tuple]] = None,
                sparse_share: Optional[float] = None) -> Optional[List[tuple]]:
     """(seconds of training, val loss) per validation point, from the arm's measured step times alone.
@@ -532,6 +542,9 @@ def report(args, names: List[str]) -> List[dict]:
         paired = [100.0 * (at[s] / full_at[s] - 1.0) for s in at if s in full_at]
         delta, delta_se = mean_se(paired) if paired else (float("nan"), float("nan"))
         loss, loss_se = mean_se(list(at.values()))
+        # full attention over every seed that reached this step, whether or not the arm has it
+        full_all = [dict(rec["curve"])[step] for rec in full_seeds.values() if step in dict(rec["curve"])]
+        unpaired, unpaired_se = unpaired_delta(list(at.values()), full_all)
         summaries = [rec.get("summary", {}) for rec in runs.values()]
         t_arm = (timing.get(name) or {}).get(str(S))
         mean_curve = _mean_curve([rec["curve"] for rec in runs.values()], full_step if name == "full" else 10**12)
@@ -552,6 +565,8 @@ def report(args, names: List[str]) -> List[dict]:
                    val_loss=loss, val_loss_se=loss_se, val_loss_per_seed=at, val_loss_full=sum(full_at.values()) /
                    len(full_at), full_loss_target=full_mean, full_loss_target_step=full_step,
                    delta_vs_full_pct=delta, delta_vs_full_se_pct=delta_se,
+                   delta_vs_full_unpaired_pct=unpaired, delta_vs_full_unpaired_se_pct=unpaired_se,
+                   full_seeds_unpaired=len(full_all),
                    kept_fraction=_mean([r.get("kept_fraction") for r in runs.values()]),
                    sparse_layer_fraction=_sparse_share_at(runs.values(), step, summaries),
                    recall=_mean([s.get("recall") for s in summaries]),
@@ -780,12 +795,14 @@ def main(argv=None):
             print("wrote", *plot(rows, str(path).replace(".json", ""), title))
         except ImportError as err:
             print(f"no plot ({err}): pip install -e '.[plots]'")
-        print(f"{'arm':16s} {'step':>5s} {'val loss':>10s} {'vs full %':>14s} {'kept':>6s} {'sparse':>7s} "
+        print(f"{'arm':16s} {'step':>5s} {'val loss':>10s} {'vs full %':>14s} {'unpaired %':>14s} {'kept':>6s} "
+              f"{'sparse':>7s} "
               f"{'recall':>7s} {'ms alone':>9s} {'t->full':>8s} {'t->full at each timed S':s}")
         for r in rows:
             fmt = lambda x, f: "-" if x is None or x != x else format(x, f)  # noqa: E731
             print(f"{r['name']:16s} {r['steps']:5d} {r['val_loss']:10.4f} {fmt(r['delta_vs_full_pct'], '+7.2f')} +-"
-                  f"{fmt(r['delta_vs_full_se_pct'], '4.2f')} {fmt(r['kept_fraction'], '6.3f')} "
+                  f"{fmt(r['delta_vs_full_se_pct'], '4.2f')} {fmt(r['delta_vs_full_unpaired_pct'], '+7.2f')} +-"
+                  f"{fmt(r['delta_vs_full_unpaired_se_pct'], '4.2f')} {fmt(r['kept_fraction'], '6.3f')} "
                   f"{fmt(r['sparse_layer_fraction'], '7.2f')} {fmt(r['recall'], '7.3f')} "
                   f"{fmt(r['ms_step_alone'], '9.1f')} {fmt(r['time_to_full_loss_ratio'], '8.2f')} "
                   + " ".join(f"{k}:{fmt(v, '.2f')}" for k, v in r["time_to_full_loss_ratio_by_S"].items()))

@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import frontier_launch  # noqa: E402
 from benchmarks.bench_quality import (FRONTIER, _sparse_share_at, arm_of, build_parser, cut_records,  # noqa: E402
                                       equal_step, is_library_default, mean_se, profile_period, time_to_reach,
-                                      wall_clock)
+                                      unpaired_delta, wall_clock)
 from benchmarks.frontier_launch import died_of_oom, launch, running_workers, wait_for_slot  # noqa: E402
 
 
@@ -36,6 +36,16 @@ def test_mean_se_and_time_to_reach():
     pts = [(10.0, 2.0), (20.0, 1.0), (30.0, 0.5)]
     assert time_to_reach(pts, 1.5) == pytest.approx(15.0)  # linear between validation points
     assert time_to_reach(pts, 2.5) == 10.0 and time_to_reach(pts, 0.4) is None
+
+
+def test_unpaired_delta_is_the_ratio_of_means_with_the_delta_method_se():
+    # arm mean 0.99 (se 0.01), full mean 1.0 (se 0.02): -1%, se 100 * sqrt(0.01^2 + 0.99^2 0.02^2) = 2.23%
+    delta, se = unpaired_delta([0.98, 1.00], [0.98, 1.02])
+    assert delta == pytest.approx(-1.0) and se == pytest.approx(100 * math.sqrt(0.01 ** 2 + 0.99 ** 2 * 0.02 ** 2))
+    # run 10's footage split: paired the seeds disagree by 11 points; unpaired the means are 0.6% apart
+    delta, se = unpaired_delta([0.5661, 0.6003], [0.5904, 0.5623, 0.6071, 0.5869])
+    assert delta == pytest.approx(100 * (0.5832 / 0.586675 - 1), abs=1e-3) and 2.5 < se < 3.5
+    assert math.isnan(unpaired_delta([1.0], [1.0, 1.1])[1])  # one arm seed: no se
 
 
 def test_wall_clock_charges_stage_one_and_two_at_their_own_times():
