@@ -15,20 +15,27 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 requires_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (runs on the H200 device, not in CPU CI)")
+# Triton on CPU tensors needs the interpreter, which is on only where this file set it (no GPU) or the caller did
+INTERPRETER_ON = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one")
     config.addinivalue_line("markers", "slow: longer CPU tests")
+    config.addinivalue_line("markers", "interpreter: runs Triton kernels on CPU tensors under TRITON_INTERPRET=1; "
+                                       "skipped where the interpreter is off (a GPU machine: the gpu-marked twins)")
 
 
 def pytest_collection_modifyitems(config, items):
-    if HAS_CUDA:
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (runs on the H200 device, not in CPU CI)")
+    gpu = pytest.mark.skip(reason="needs a CUDA GPU (runs on the H200 device, not in CPU CI)")
+    interp = pytest.mark.skip(reason="runs Triton on CPU tensors under the interpreter, which is off here "
+                                     "(TRITON_INTERPRET != 1, as on a GPU machine); "
+                                     "tests/ops/test_sparse_attention_gpu.py runs the kernels on the GPU")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(gpu)
+        if "interpreter" in item.keywords and not INTERPRETER_ON:
+            item.add_marker(interp)
 
 
 @pytest.fixture(scope="session")

@@ -109,6 +109,7 @@ PARAMS = [pytest.param(c, mode, id=f"{case_id(c)}-{mode}")
           for c in CASES for mode in (("split",) if c[4] == 0 else ("split", "fused"))]
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("case,mode", PARAMS)
 def test_triton_matches_naive(case, mode, monkeypatch):
     Hkv, Sq, Sk, G, BS, dt, fracs = case
@@ -131,6 +132,7 @@ def test_triton_matches_naive(case, mode, monkeypatch):
     assert bool((ours[2][~seen_kv] == 0).all()) and bool((ours[3][~seen_kv] == 0).all())
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("BS", [64, 128])
 def test_block_atomic_backward_matches_split(BS):
     """Block lists through the dq kernel's dk/dv atomics (atomic_kv=True) equal the inverse map."""
@@ -264,6 +266,7 @@ def test_estimate_topk_naive_matches_brute_force(Sq, Sk, G, BS, proxy, exact, bu
         assert bool((idx[0, h, :, c:] == -1).all())
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("Sq,Sk,BS", [pytest.param(72, 150, 0, id="tok"), pytest.param(100, 200, 64, id="blk64")])
 def test_estimate_topk_triton_matches_naive(Sq, Sk, BS):
     q, k = _ints((1, 2, Sq, 16), 3), _ints((1, 2, Sk, 16), 4)

@@ -122,6 +122,7 @@ def test_padding_never_read():
     assert torch.equal(sparse_attention(q, k, v, a_idx, cnt, G, 64), sparse_attention(q, k, v, b_idx, cnt, G, 64))
 
 
+@pytest.mark.interpreter
 def test_block_atomic_bwd_matches_inverse_map():
     B, H, Hkv, S, D, G, BS = 1, 4, 2, 200, 64, 32, 64
     torch.manual_seed(3)
@@ -159,6 +160,7 @@ def test_fused_bwd_matches_naive(case, monkeypatch):
     assert ours[1][:, 0].abs().max() == 0  # empty list: dq never touched by an atomic
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dq", [pytest.param(1, id="atomics"), pytest.param(2, id="tma-falls-back-on-cpu")])
 def test_fused_equals_split_with_big_key_tiles(dq):
     """Fused with 128-row key tiles (half the atomics per FLOP) == split, GQA, padded D."""
@@ -176,6 +178,7 @@ def test_fused_equals_split_with_big_key_tiles(dq):
         assert rel_rmse(b, a) < 1e-5
 
 
+@pytest.mark.interpreter
 def test_paired_blocks_per_step():
     """BN = 2 x block size: one inner step covers two listed 64-blocks (odd counts, partial last block)."""
     B, H, Hkv, S, D, G, BS = 1, 2, 1, 300, 64, 64, 64
@@ -219,6 +222,7 @@ def deterministic():
     torch.use_deterministic_algorithms(before, warn_only=warn)
 
 
+@pytest.mark.interpreter
 def test_deterministic_mode_takes_the_atomic_free_backward(deterministic, monkeypatch):
     """torch.use_deterministic_algorithms(True) (Megatron's --deterministic-mode): block lists take the split
     backward (no atomics) even where fused is faster; token lists, an explicit fused and atomic dK/dV, which have
@@ -270,6 +274,7 @@ def test_torch_compile_traces_op():
     assert rel_rmse(compiled, eager) < 1e-6
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("BS", [0, 64])
 def test_eager_entry_matches_the_library_op_bitwise(BS):
     """Eager calls take _SparseAttention (no torch.library dispatch on the host); its output and gradients are
@@ -298,6 +303,7 @@ def test_eager_entry_matches_the_library_op_bitwise(BS):
     assert eager[0].stride() == lib[0].stride() == base[0].permute(1, 2, 0, 3).stride()
 
 
+@pytest.mark.interpreter
 def test_backend_env(monkeypatch):
     B, H, S, D, G = 1, 2, 64, 64, 16
     q, k, v = (torch.randn(B, H, S, D) for _ in range(3))
@@ -442,6 +448,7 @@ def test_backend_choice_logged_once(monkeypatch, caplog):
     assert "naive backend (asked for by DSV_SPARSE_ATTN_BACKEND)" in lines[2]
 
 
+@pytest.mark.interpreter
 def test_check_values_false_skips_the_host_sync(monkeypatch):
     """Callers with lists from our own estimator skip the value check (it syncs the host)."""
     from megatron_dsv.ops.sparse_attention import op as op_mod
