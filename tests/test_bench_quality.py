@@ -10,9 +10,9 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import frontier_launch  # noqa: E402
-from benchmarks.bench_quality import (FRONTIER, _sparse_share_at, arm_of, build_parser, cut_records,  # noqa: E402
-                                      equal_step, is_library_default, mean_se, profile_period, time_to_reach,
-                                      unpaired_delta, wall_clock)
+from benchmarks.bench_quality import FRONTIER, arm_of, build_parser, profile_period  # noqa: E402
+from benchmarks.quality_report import (_sparse_share_at, cut_records, equal_step, is_library_default,  # noqa: E402
+                                       mean_se, time_to_reach, unpaired_delta, wall_clock)
 from benchmarks.frontier_launch import died_of_oom, launch, running_workers, wait_for_slot  # noqa: E402
 
 

@@ -33,7 +33,7 @@ def run_sparse_attention(backend: str, q, k, v, kv_indices, kv_counts, group_siz
     if backend == "naive":
         return sparse_attention_naive(q, k, v, kv_indices, kv_counts, group_size, block_size, softmax_scale)
     if backend == "auto":
-        backend = auto_backend(q, kv_indices, group_size, block_size, k_len=k.shape[2])
+        backend = auto_backend(q)
     return sparse_attention(q, k, v, kv_indices, kv_counts, group_size, block_size, softmax_scale,
                             check_values=False, backend=backend)
 

@@ -48,7 +48,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_dsv.attention import _ops
 from megatron_dsv.attention.dispatcher import SpeedupTable, density_budgets, head_budgets, plan_layer
-from megatron_dsv.attention.neighbourhood import local_item_counts, local_item_lists
+from megatron_dsv.attention.neighbourhood import local_item_lists, local_items_with_counts
 from megatron_dsv.attention.predictor import LowRankPredictor, all_reduce_many
 from megatron_dsv.attention.profiler import profile_stats, recall_density
 from megatron_dsv.attention.schedule import is_profile_step, profile_thinning, sampled_queries, trains_predictor
@@ -456,14 +456,14 @@ class DSVCoreAttention(MegatronModule):
             raise ValueError(f"DSVConfig.stage1_local_radius (--dsv-stage1-local-radius) {cfg.stage1_local_radius} "
                              f"needs the token grid (T, H, W) of this sequence of {S} tokens on "
                              f"DSVCoreAttention.token_grid (the video DiT sets it on every forward); got {grid}")
-        args = (grid, cfg.query_group_shape, cfg.stage1_local_radius, cfg.block_size, device)
         try:
-            counts, mean_items = local_item_counts(*args)
+            lists, counts, mean_items = local_items_with_counts(grid, cfg.query_group_shape, cfg.stage1_local_radius,
+                                                                cfg.block_size, device)
         except ValueError as err:  # the neighbourhood's own check, with the flags that set it
             raise ValueError(f"DSVConfig.stage1_local_radius (--dsv-stage1-local-radius) needs a token grid the query "
                              f"cube tiles (query_group_shape, --dsv-query-group-shape {cfg.query_group_shape}; "
                              f"or 0 0 0, a dense stage 1): {err}") from err
-        return local_item_lists(*args), counts, min(float(S), mean_items * max(1, cfg.block_size))
+        return lists, counts, min(float(S), mean_items * max(1, cfg.block_size))
 
     def _local_items(self, S: int, device) -> Optional[torch.Tensor]:
         """The local part of local + predicted lists (``[NG, F]`` items, -1 padded), or None when off."""

@@ -22,7 +22,7 @@ from typing import Sequence, Tuple
 import torch
 
 __all__ = ["Triple", "window_block_lists", "kept_fraction", "radius_for_fraction", "local_item_lists",
-           "local_item_counts"]
+           "local_items_with_counts"]
 
 Triple = Tuple[int, int, int]
 
@@ -175,8 +175,10 @@ def _local_counts_on(ncubes: Triple, cube: Triple, radius: Triple, block_size: i
     return counts.to(device=device, dtype=torch.int32), counts.double().mean().item()
 
 
-def local_item_counts(token_grid: Sequence[int], cube: Sequence[int], radius: Sequence[int], block_size: int,
-                      device=None) -> Tuple[torch.Tensor, float]:
-    """``(counts, mean)``: the valid items of each row of :func:`local_item_lists` (int32 ``[nG]`` on ``device``)
-    and their mean over the query groups (a host float, in items). Cached like the lists: read-only."""
-    return _local_counts_on(*_cache_key(token_grid, cube, radius, block_size, device))
+def local_items_with_counts(token_grid: Sequence[int], cube: Sequence[int], radius: Sequence[int], block_size: int,
+                            device=None) -> Tuple[torch.Tensor, torch.Tensor, float]:
+    """``(lists, counts, mean)``: :func:`local_item_lists`, the valid items of each of its rows (int32 ``[nG]`` on
+    ``device``) and their mean over the query groups (a host float, in items); the arguments checked once. Cached
+    like the lists: read-only."""
+    key = _cache_key(token_grid, cube, radius, block_size, device)
+    return (_local_items_on(*key), *_local_counts_on(*key))

@@ -206,9 +206,10 @@ def test_flex_refuses_other_key_length(monkeypatch):
     with pytest.raises(ValueError, match="DSV_SPARSE_ATTN_BACKEND=flex needs k's length"):
         sparse_attention(q, k, v, idx, cnt, 128, 128)
     # "auto" on CUDA never sends a call to flex, of either key length
+    monkeypatch.delenv("DSV_SPARSE_ATTN_BACKEND")
     fake_q = SimpleNamespace(is_cuda=True, shape=(1, 2, 256, 64))
-    assert op_mod.auto_backend(fake_q, idx, 128, 128, k_len=256) == "triton"
-    assert op_mod.auto_backend(fake_q, idx, 128, 128, k_len=384) == "triton"
+    assert op_mod.choose_backend(fake_q, idx, 128, 128, k_len=256) == "triton"
+    assert op_mod.choose_backend(fake_q, idx, 128, 128, k_len=384) == "triton"
 
 
 # ---------------------------------------------------------------- top-k estimation

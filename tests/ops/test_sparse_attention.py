@@ -415,7 +415,7 @@ def test_auto_never_picks_flex(monkeypatch):
     for S, kmax in ((16384, 26), (65536, 10), (8192, 7)):  # the cells where flex's kernels won
         q = SimpleNamespace(is_cuda=True, shape=(1, 8, S, 64), requires_grad=True)
         idx = torch.empty(1, 8, math.ceil(S / 128), kmax, dtype=torch.int32)
-        assert auto_backend(q, idx, 128, 128) == "triton"
+        assert auto_backend(q) == "triton"
         assert choose_backend(q, idx, 128, 128) == "triton"
         assert choose_backend(q, idx, 128, 128, requested="flex") == "flex"
     monkeypatch.setenv("DSV_SPARSE_ATTN_BACKEND", "flex")
@@ -433,11 +433,10 @@ def test_backend_choice_logged_once(monkeypatch, caplog):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cpu_q = torch.empty(1, 1, 64, 64)
     cuda_q = SimpleNamespace(is_cuda=True, shape=(1, 1, 64, 64))
-    idx = torch.zeros(1, 1, 1, 1, dtype=torch.int32)
     with caplog.at_level(logging.INFO, logger=op_mod.__name__):
         for _ in range(3):
-            assert op_mod.auto_backend(cpu_q, idx, 64, 64) == "naive"
-            assert op_mod.auto_backend(cuda_q, idx, 64, 64) == "triton"
+            assert op_mod.auto_backend(cpu_q) == "naive"
+            assert op_mod.auto_backend(cuda_q) == "triton"
         monkeypatch.setenv("DSV_SPARSE_ATTN_BACKEND", "naive")
         op_mod.requested_backend()
         op_mod.requested_backend()

@@ -54,11 +54,9 @@ def requested_backend(requested: Optional[str] = None) -> str:
     return name
 
 
-def auto_backend(q: torch.Tensor, kv_indices: torch.Tensor, group_size: int, block_size: int,
-                 k_len: Optional[int] = None) -> str:
-    """The "auto" rule: Triton on CUDA (never flex: see above), the reference on CPU (Triton there
-    only under its interpreter, i.e. in tests). The lists, sizes and ``k_len`` (the key length) do
-    not enter it; they stay in the signature so that a measured rule can use them."""
+def auto_backend(q: torch.Tensor) -> str:
+    """The "auto" rule, from q's device alone: Triton on CUDA (never flex: see above), the reference
+    on CPU (Triton there only under its interpreter, i.e. in tests)."""
     if q.is_cuda:
         _log_once("triton", "auto: tensors on CUDA; FlexAttention only on request, its per-call host cost made "
                             "training steps slower (benchmarks/NOTES_sparse_attention.md, 2026-12-03)")
@@ -76,7 +74,7 @@ def choose_backend(q: torch.Tensor, kv_indices: torch.Tensor, group_size: int, b
     ``k_len``: the key length (None: q's length)."""
     name = requested_backend(requested)
     if name == "auto":
-        return auto_backend(q, kv_indices, group_size, block_size, k_len)
+        return auto_backend(q)
     source = "backend" if requested not in (None, "auto") else "DSV_SPARSE_ATTN_BACKEND"
     if name == "flex" and k_len is not None and k_len != q.shape[2]:
         raise ValueError(f"{source}=flex needs k's length to equal q's; got k length Sk={k_len}, "

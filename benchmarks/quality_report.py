@@ -1,0 +1,308 @@
+"""The quality frontier's report: what the trained curves and the timing say, per arm (``bench_quality --report``).
+
+Per arm, at the last validation step its runs and full attention's runs of the same seeds all reached: the loss, its
+difference to full attention (paired over seeds, and unpaired: the ratio of the means), the kept fraction, the share
+of stage-2 layer-steps that ran sparse, recall; on the step times measured alone (``timing.json``), the wall-clock of
+each validation point and the time to reach full attention's final loss at each timed length; and the plots (loss
+vs step, vs wall-clock, the frontier of loss against kept fraction).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+from typing import Dict, List, Optional
+
+from benchmarks.video_runs import parse_arm, tokens_of
+from megatron_dsv.config import DSVConfig
+
+def is_library_default(arm: dict) -> bool:
+    """True when a DSV arm's lists are the library's defaults as committed (DSVConfig) on its token grid."""
+    if arm.get("attn") != "dsv":
+        return False
+    d = DSVConfig()
+    grid = (arm["frames"], arm["res"] // 8, arm["res"] // 8)
+    local = DSVConfig(local_radius=arm.get("local_radius")).local_radius_for(grid)
+    return (arm.get("gran") == d.granularity and arm.get("rule") == d.budget_rule
+            and (d.budget_rule != "recall" or arm.get("recall") == d.recall_target)
+            and arm.get("thr", d.sparsity_threshold) == d.sparsity_threshold and local == d.local_radius_for(grid)
+            and (arm.get("cap") or None) == d.max_density and arm.get("lmode", "shared") == d.local_mode
+            and tuple(arm.get("stage1_local_radius", (0, 0, 0))) == d.stage1_local_radius)
+
+
+def load_records(args) -> Dict[str, Dict[int, dict]]:
+    records: Dict[str, Dict[int, dict]] = {}
+    for path in sorted(glob.glob(os.path.join(args.save_dir, "curves", "*.json"))):
+        rec = json.load(open(path))
+        rec["curve"] = [(int(s), float(v)) for s, v in rec["curve"]]
+        rec["sparse_counts"] = {int(k): tuple(v) for k, v in rec.get("sparse_counts", {}).items()}
+        if not rec["curve"]:
+            print(f"report: {path} has no validation yet: left out", flush=True)
+            continue
+        records.setdefault(rec["name"], {})[int(rec["seed"])] = rec
+    if getattr(args, "at_step", None) is not None:
+        records = cut_records(records, args.at_step)
+    if "full" not in records:
+        raise ValueError(f"no curves of arm 'full' under {args.save_dir}/curves: run --launch first")
+    return records
+
+
+def cut_records(records: Dict[str, Dict[int, dict]], step: int) -> Dict[str, Dict[int, dict]]:
+    """Every run's curve and sparse counts up to ``step``, which every run must have validated at."""
+    out: Dict[str, Dict[int, dict]] = {}
+    for name, runs in records.items():
+        for seed, rec in runs.items():
+            if step not in dict(rec["curve"]):
+                raise ValueError(f"--at-step {step}: run {name} seed {seed} has no validation there (its steps: "
+                                 f"{[s for s, _ in rec['curve']]}); pick a step every run validated at")
+            cut = dict(rec, curve=[(s, v) for s, v in rec["curve"] if s <= step],
+                       sparse_counts={s: c for s, c in rec["sparse_counts"].items() if s <= step})
+            out.setdefault(name, {})[seed] = cut
+    return out
+
+
+def equal_step(records: Dict[str, Dict[int, dict]]) -> int:
+    """The last validation step every run (every arm, every seed) reached."""
+    sets = [{s for s, _ in rec["curve"]} for runs in records.values() for rec in runs.values()]
+    common = set.intersection(*sets) if sets else set()
+    if not common:
+        raise ValueError("the runs share no validation step; raise `minutes` or lower --val-every")
+    return max(common)
+
+
+def paired_step(runs: Dict[int, dict], full: Dict[int, dict]) -> int:
+    """The last validation step an arm's runs and full attention's runs of the same seeds all reached: each
+    arm is set against full attention at its own equal step (an arm stopped early by its minutes is compared
+    where it stopped, never against a longer full run)."""
+    seeds = [s for s in runs if s in full]
+    if not seeds:
+        raise ValueError(f"no seed in common with full attention (arm seeds {sorted(runs)}, full {sorted(full)})")
+    return equal_step({"arm": {s: runs[s] for s in seeds}, "full": {s: full[s] for s in seeds}})
+
+
+def mean_se(xs: List[float]):
+    n = len(xs)
+    mean = sum(xs) / n
+    if n < 2:
+        return mean, float("nan")
+    var = sum((x - mean) ** 2 for x in xs) / (n - 1)
+    return mean, math.sqrt(var / n)
+
+
+def unpaired_delta(arm: List[float], full: List[float]):
+    """``(100 (mean(arm) / mean(full) - 1), its se)``: the arm's mean loss against full attention's over every
+    seed each has, not seed by seed; the se by the delta method from the two means' standard errors (nan with fewer
+    than 2 values on a side). The paired difference removes what a seed does to both runs, which holds while their
+    trajectories stay together; an arm that moves its trajectory early (e.g. a windowed stage 1) decorrelates them,
+    and then this is the honest comparison."""
+    (ma, sa), (mf, sf) = mean_se(arm), mean_se(full)
+    return 100.0 * (ma / mf - 1.0), 100.0 * math.sqrt(sa ** 2 / mf ** 2 + ma ** 2 * sf ** 2 / mf ** 4)
+
+
+def wall_clock(curve, arm: dict, timing: Optional[dict], counts: Optional[Dict[int, tuple]] = None,
+               sparse_share: Optional[float] = None) -> Optional[List[tuple]]:
+    """(seconds of training, val loss) per validation point, from the arm's measured step times alone.
+
+    A stage-1 step costs the arm's stage-1 time (every layer dense); a stage-2 step costs that plus the share of
+    its layers that ran sparse times the saving of one sparse layer, ``(stage-2 time - stage-1 time) /
+    stage2_sparse_share``: the stage-2 time is timed on the trained decisions, with ``stage2_sparse_share`` of
+    the layers sparse (1 where the timing did not record it; 0: nothing is known of a sparse layer's cost, and
+    the step is charged dense). The share comes, per interval between validations, from the
+    run's cumulative ``counts`` ``{step: (sparse layer-steps, stage-2 layer-steps)}``; without them, from
+    ``sparse_share`` (the run's share over its whole stage 2: optimistic, since layers turn sparse during
+    stage 2, so the early steps are denser than the average). Neither given: every stage-2 step is charged as
+    all-sparse (optimistic; what runs 3-5 reported before 2026-12-02 evening)."""
+    if not timing:
+        return None
+    ms1, ms2 = timing["stage1"], timing["stage2"]
+    timed_share = timing.get("stage2_sparse_share", 1.0)
+    per_layer = (ms2 - ms1) / timed_share if timed_share > 0 else 0.0  # one sparse layer's share of the saving
+    stage1 = arm["stage1"] if arm["attn"] == "dsv" else 0
+    out, seconds, prev = [], 0.0, 0
+    prev_counts = (0, 0)
+    for s, v in curve:
+        dense_steps = max(0, min(s, stage1) - min(prev, stage1))
+        stage2_steps = max(0, s - max(prev, stage1))
+        if counts is not None and s in counts:
+            d_sparse, d_layers = counts[s][0] - prev_counts[0], counts[s][1] - prev_counts[1]
+            share = d_sparse / d_layers if d_layers > 0 else 0.0
+            prev_counts = tuple(counts[s])
+        else:
+            share = 1.0 if sparse_share is None else sparse_share
+        seconds += (dense_steps * ms1 + stage2_steps * (ms1 + share * per_layer)) / 1e3
+        out.append((seconds, v))
+        prev = s
+    return out
+
+
+def time_to_reach(points: List[tuple], target: float) -> Optional[float]:
+    """First time (linear between validation points) at which the loss is <= target; None if never."""
+    prev = None
+    for t, v in points:
+        if v <= target:
+            if prev is None or prev[1] == v:
+                return t
+            (t0, v0) = prev
+            return t0 + (t - t0) * (v0 - target) / (v0 - v)
+        prev = (t, v)
+    return None
+
+
+def report(args, names: List[str]) -> List[dict]:
+    records = load_records(args)
+    timing_path = os.path.join(args.save_dir, "timing.json")
+    timing = json.load(open(timing_path)) if os.path.exists(timing_path) else {}
+    S = tokens_of(parse_arm(args.arm))
+    full_seeds = records["full"]
+    full_step = equal_step({"full": full_seeds})  # full attention's final loss: the time-to-loss target
+    full_mean = sum(dict(rec["curve"])[full_step] for rec in full_seeds.values()) / len(full_seeds)
+    rows = []
+    for name in names:
+        runs = records.get(name)
+        if not runs:
+            continue
+        arm = runs[min(runs)]["arm"]
+        step = paired_step(runs, full_seeds)
+        runs = {seed: rec for seed, rec in runs.items() if seed in full_seeds}
+        full_at = {seed: dict(full_seeds[seed]["curve"])[step] for seed in runs}
+        at = {seed: dict(rec["curve"])[step] for seed, rec in runs.items()}
+        paired = [100.0 * (at[s] / full_at[s] - 1.0) for s in at if s in full_at]
+        delta, delta_se = mean_se(paired) if paired else (float("nan"), float("nan"))
+        loss, loss_se = mean_se(list(at.values()))
+        # full attention over every seed that reached this step, whether or not the arm has it
+        full_all = [dict(rec["curve"])[step] for rec in full_seeds.values() if step in dict(rec["curve"])]
+        unpaired, unpaired_se = unpaired_delta(list(at.values()), full_all)
+        summaries = [rec.get("summary", {}) for rec in runs.values()]
+        t_arm = (timing.get(name) or {}).get(str(S))
+        mean_curve = _mean_curve([rec["curve"] for rec in runs.values()], full_step if name == "full" else 10**12)
+        counts = _mean_counts(runs.values(), [st for st, _ in mean_curve])
+        share = _mean([s.get("sparse_layer_fraction") for s in summaries])
+        charge = dict(counts=counts, sparse_share=share if arm["attn"] == "dsv" else None)
+        wc = wall_clock(mean_curve, arm, t_arm, **charge)
+        # per timed length: the first time the mean curve reaches the target (full attention by the same rule)
+        wc_by_S = {length: wall_clock(mean_curve, arm, t, **charge) if t else None
+                   for length, t in (timing.get(name) or {}).items()}
+        reach_by_S = {length: time_to_reach(w, full_mean) if w else None for length, w in wc_by_S.items()}
+        row = dict(bench="quality_frontier", kind="arm", name=name, data=arm["data"], S=S, steps=step,
+                   seeds=sorted(at), attn=arm["attn"], budget_rule=arm.get("rule"), recall_target=arm.get("recall"),
+                   local_radius=arm.get("local"), local_mode=arm.get("lmode") if arm["attn"] == "dsv" else None,
+                   granularity=arm.get("gran"), stage1=arm.get("stage1"),
+                   window_frac=arm.get("window_frac") if arm["attn"] == "window" else None,
+                   library_default=is_library_default(arm),
+                   val_loss=loss, val_loss_se=loss_se, val_loss_per_seed=at, val_loss_full=sum(full_at.values()) /
+                   len(full_at), full_loss_target=full_mean, full_loss_target_step=full_step,
+                   delta_vs_full_pct=delta, delta_vs_full_se_pct=delta_se,
+                   delta_vs_full_unpaired_pct=unpaired, delta_vs_full_unpaired_se_pct=unpaired_se,
+                   full_seeds_unpaired=len(full_all),
+                   kept_fraction=_mean([r.get("kept_fraction") for r in runs.values()]),
+                   sparse_layer_fraction=_sparse_share_at(runs.values(), step, summaries),
+                   recall=_mean([s.get("recall") for s in summaries]),
+                   sparsity_mean=_mean([s.get("sparsity_mean") for s in summaries]),
+                   budget_density=_mean([s.get("budget_density") for s in summaries]),
+                   ms_step_alone=(t_arm or {}).get("stage2"), ms_step_alone_stage1=(t_arm or {}).get("stage1"),
+                   ms_step_alone_by_S={k: v for k, v in (timing.get(name) or {}).items()},
+                   time_to_full_loss_s=reach_by_S.get(str(S)), curve=mean_curve, wall_clock=wc, wall_clock_by_S=wc_by_S,
+                   time_to_full_loss_s_by_S=reach_by_S,
+                   stage2_charging=("per_interval" if counts else "uniform_share") if arm["attn"] == "dsv" else None,
+                   # --at-step: curves cut there; kept_fraction, recall, sparsity and budget density are the runs'
+                   # ends (their summaries), the sparse share is counted up to the cut
+                   cut_at_step=getattr(args, "at_step", None))
+        rows.append(row)
+    full_by_S = next((r["time_to_full_loss_s_by_S"] for r in rows if r["name"] == "full"), {})
+    for row in rows:
+        # the same loss curve (trained at the arm's length) on the step times measured at each timed length
+        # with the same budgets: what the run would take there if its curve held
+        row["time_to_full_loss_ratio_by_S"] = {
+            length: (t / full_by_S[length] if t is not None and full_by_S.get(length) else None)
+            for length, t in row["time_to_full_loss_s_by_S"].items()}
+        row["time_to_full_loss_ratio"] = row["time_to_full_loss_ratio_by_S"].get(str(S))
+    return rows
+
+
+def _mean_curve(curves, upto: int):
+    steps = sorted(set.intersection(*({s for s, _ in c} for c in curves)))
+    return [(s, sum(dict(c)[s] for c in curves) / len(curves)) for s in steps if s <= upto]
+
+
+def _mean_counts(runs, steps) -> Optional[Dict[int, tuple]]:
+    """Per validation step, the seeds' mean cumulative (sparse layer-steps, stage-2 layer-steps); None unless
+    every run recorded them at every step (runs before 2026-12-02 evening did not)."""
+    if not all(all(st in rec.get("sparse_counts", {}) for st in steps) for rec in runs):
+        return None
+    runs = list(runs)
+    return {st: tuple(sum(rec["sparse_counts"][st][i] for rec in runs) / len(runs) for i in (0, 1)) for st in steps}
+
+
+def _sparse_share_at(runs, step: int, summaries) -> Optional[float]:
+    """Share of stage-2 layer-steps that ran sparse up to ``step``, mean over seeds: from the runs' cumulative
+    counts where every run recorded them there, else their summaries (the whole run)."""
+    runs = list(runs)
+    if runs and all(step in rec.get("sparse_counts", {}) for rec in runs):
+        shares = [rec["sparse_counts"][step][0] / rec["sparse_counts"][step][1] for rec in runs
+                  if rec["sparse_counts"][step][1] > 0]
+        if shares:  # no stage-2 layer-step yet (full attention, the window, an early cut): the summaries say
+            return _mean(shares)
+    return _mean([s.get("sparse_layer_fraction") for s in summaries])
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None and x == x]
+    return sum(xs) / len(xs) if xs else None
+
+
+def plot(rows: List[dict], prefix: str, title: str) -> List[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    # a third panel: the same curves charged at the longest timed length (the speed target's length), when longer
+    longest = max((int(k) for row in rows for k, w in (row.get("wall_clock_by_S") or {}).items() if w), default=0)
+    longest = longest if longest > rows[0]["S"] else 0
+    fig, axes = plt.subplots(1, 3 if longest else 2, figsize=(18 if longest else 12, 4.5))
+    for row in rows:
+        label = f"{row['name']} ({row['delta_vs_full_pct']:+.2f}% at step {row['steps']})"
+        axes[0].plot(*zip(*row["curve"]), marker="o", ms=3, label=label)
+        if row["wall_clock"]:
+            axes[1].plot(*zip(*row["wall_clock"]), marker="o", ms=3, label=label)
+        if longest and (row.get("wall_clock_by_S") or {}).get(str(longest)):
+            ratio = (row.get("time_to_full_loss_ratio_by_S") or {}).get(str(longest))
+            axes[2].plot(*zip(*row["wall_clock_by_S"][str(longest)]), marker="o", ms=3,
+                         label=f"{row['name']} (full's loss in {ratio:.2f}x its time)" if ratio else row["name"])
+    axes[0].set_xlabel("training step")
+    axes[1].set_xlabel(f"training time alone on the GPU at {rows[0]['S']} tokens (s, measured step times)")
+    if longest:
+        axes[2].set_xlabel(f"the same steps timed at {longest} tokens (s, measured step times)")
+    for ax in axes:
+        ax.set_ylabel("validation loss (EMA weights, held-out clips)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        ax.set_yscale("log")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(prefix + "_curves.png", dpi=120)
+    plt.close(fig)
+    written.append(prefix + "_curves.png")
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for row in rows:
+        if row["kept_fraction"] is None:
+            continue
+        se = row["delta_vs_full_se_pct"]
+        short = row["steps"] < row["full_loss_target_step"]  # compared earlier than full attention's end: hollow
+        ax.errorbar(row["kept_fraction"], row["delta_vs_full_pct"], yerr=None if se != se else se, fmt="o", capsize=3,
+                    mfc="none" if short else None)
+        ax.annotate(f"{row['name']} @{row['steps']}", (row["kept_fraction"], row["delta_vs_full_pct"]), fontsize=7,
+                    textcoords="offset points", xytext=(4, 4))
+    ax.axhline(0.0, color="k", lw=0.8)
+    ax.set_xlabel("kept fraction of keys at the end (1 = full attention)")
+    ax.set_ylabel("validation loss vs full attention (%, mean +- se over seeds)")
+    ax.set_title(title.replace("; ", "\n"), fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(prefix + "_frontier.png", dpi=120)
+    plt.close(fig)
+    written.append(prefix + "_frontier.png")
+    return written
