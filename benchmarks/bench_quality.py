@@ -51,7 +51,8 @@ from megatron_dsv.config import DSVConfig  # noqa: E402
 # DSV's path, predictors and profiler running): it must come out at 0 within the error.
 _D = DSVConfig()
 _DEFAULT_LISTS = (f"attn=dsv,rule={_D.budget_rule},recall={_D.recall_target:g},local=auto,"
-                  f"thr={_D.sparsity_threshold:g},cap={_D.max_density or 0:g}")
+                  f"thr={_D.sparsity_threshold:g},cap={_D.max_density or 0:g},"
+                  f"s1local={'.'.join(map(str, _D.stage1_local_radius)) if _D.stage1_local_radius else 'auto'}")
 FRONTIER: Dict[str, str] = {
     "full": "attn=full",
     "control": "attn=dsv,stage1=1000000000",

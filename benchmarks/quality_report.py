@@ -29,7 +29,8 @@ def is_library_default(arm: dict) -> bool:
             and (d.budget_rule != "recall" or arm.get("recall") == d.recall_target)
             and arm.get("thr", d.sparsity_threshold) == d.sparsity_threshold and local == d.local_radius_for(grid)
             and (arm.get("cap") or None) == d.max_density and arm.get("lmode", "shared") == d.local_mode
-            and tuple(arm.get("stage1_local_radius", (0, 0, 0))) == d.stage1_local_radius)
+            and DSVConfig(stage1_local_radius=arm.get("stage1_local_radius", (0, 0, 0))).stage1_radius_for(grid)
+            == d.stage1_radius_for(grid))
 
 
 def load_records(args) -> Dict[str, Dict[int, dict]]:

@@ -16,7 +16,8 @@ predicted lists, the always-on radius in cubes as ``rt.rh.rw``, ``0.0.0`` = off,
 default: ``DSVConfig.local_radius``), ``lmode`` (how those lists size each cube's list: ``shared`` or
 ``window``, ``DSVConfig.local_mode``), ``thr`` (the dispatcher's ``DSVConfig.sparsity_threshold``), ``cap``
 (``DSVConfig.max_density``, the cap on every head's kept fraction; 0 = none), ``s1local`` (what stage 1 attends:
-``0.0.0`` every key, ``rt.rh.rw`` the 3D window of that radius in cubes: ``DSVConfig.stage1_local_radius``),
+``0.0.0`` every key, ``rt.rh.rw`` the 3D window of that radius in cubes, ``auto`` the library's default:
+``DSVConfig.stage1_local_radius``),
 ``steps`` and ``minutes`` (the run
 stops at whichever comes first, so a run fits the device time; with ``--align-stops`` a run stopped by its minutes is saved
 where it stopped and reports its last validation step), ``stage1`` (DSV's stage-1 steps; default
@@ -77,10 +78,7 @@ def parse_arm(text: str) -> dict:
     if arm["lmode"] not in LOCAL_MODES:
         raise ValueError(f"arm lmode must be one of {LOCAL_MODES}, got {arm['lmode']!r}")
     arm["local_radius"] = local_radius(arm["local"])
-    arm["stage1_local_radius"] = local_radius(arm["s1local"])
-    if arm["stage1_local_radius"] is None:
-        raise ValueError(f"arm s1local must be three ints >= 0 joined by dots (rt.rh.rw; 0.0.0 = a dense stage 1), "
-                         f"got {arm['s1local']!r}")
+    arm["stage1_local_radius"] = local_radius(arm["s1local"], "s1local")
     if arm["res"] % 8:
         raise ValueError(f"arm res must be a multiple of 8 (4x downsampler, 2x2 patches), got {arm['res']}")
     if arm["qk_lr"] != 1.0 and not arm["qk_norm"]:
@@ -98,7 +96,8 @@ def parse_arm(text: str) -> dict:
             variants += [f"cap{arm['cap']:g}"] if arm["cap"] else []
             variants += [f"local{arm['local']}"] if arm["local_radius"] is None or any(arm["local_radius"]) else []
             variants += [f"lmode{arm['lmode']}"] if arm["lmode"] != ARM_DEFAULTS["lmode"] else []
-            variants += [f"s1local{arm['s1local']}"] if any(arm["stage1_local_radius"]) else []
+            variants += ([f"s1local{arm['s1local']}"] if arm["stage1_local_radius"] is None
+                         or any(arm["stage1_local_radius"]) else [])
             variants += ["staysdense"] if arm["stage1"] >= arm["steps"] else []
         if arm["attn"] == "window":
             variants += [f"frac{arm['window_frac']:g}"]
@@ -106,14 +105,14 @@ def parse_arm(text: str) -> dict:
     return arm
 
 
-def local_radius(text: str):
-    """``"0.1.1"`` -> ``(0, 1, 1)``, ``"auto"`` -> None (the ``local`` arm key: DSVConfig.local_radius in cubes;
-    None is the library's automatic choice)."""
+def local_radius(text: str, key: str = "local"):
+    """``"0.1.1"`` -> ``(0, 1, 1)``, ``"auto"`` -> None (the ``local`` and ``s1local`` arm keys:
+    DSVConfig.local_radius / stage1_local_radius in cubes; None is the library's automatic choice)."""
     if str(text) == "auto":
         return None
     parts = str(text).split(".")
     if len(parts) != 3 or not all(p.isdigit() for p in parts):
-        raise ValueError(f"arm local must be three ints >= 0 joined by dots (rt.rh.rw), got {text!r}")
+        raise ValueError(f"arm {key} must be three ints >= 0 joined by dots (rt.rh.rw) or auto, got {text!r}")
     return tuple(int(p) for p in parts)
 
 

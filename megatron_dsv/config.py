@@ -28,6 +28,8 @@ LOCAL_MODES = ("shared", "window")
 SUPPORTED_GROUP_SIZES = (16, 32, 64, 128)
 # the neighbourhood (rt, rh, rw) in query cubes that local_radius=None (auto) gives where it applies
 DEFAULT_LOCAL_RADIUS = (1, 1, 1)
+# the 3D window (rt, rh, rw) in query cubes that stage1_local_radius=None (auto) gives stage 1 where it applies
+DEFAULT_STAGE1_LOCAL_RADIUS = (2, 2, 1)
 SUPPORTED_KV_BLOCKS = (64, 128)
 
 
@@ -92,23 +94,30 @@ class DSVConfig:
     """Loss rule threshold on the mean predictor loss over layers."""
     stage_switch_steps: Optional[int] = _knob(None, "Step rule: switch after this many steps (None: never by steps).")
     """Step rule: the step at which stage 2 starts (None disables the rule)."""
-    stage1_local_radius: Tuple[int, int, int] = _knob(
-        (0, 0, 0), "What stage 1 attends: 0 0 0 = every key (dense, the paper); rt rh rw = only the keys of the "
-        "query cubes within that many cubes of each query cube (a 3D window), through the sparse kernel. The "
-        "predictors learn from the sampled queries' exact scores either way. Needs the token grid (the video DiT).")
+    stage1_local_radius: Optional[Tuple[int, int, int]] = _knob(
+        None, "What stage 1 attends: rt rh rw = only the keys of the query cubes within that many cubes of each query "
+        "cube (a 3D window), through the sparse kernel; 0 0 0 = every key (dense, the paper's stage 1). None (auto): "
+        "2 2 1 where the model gives a token grid the query cube tiles (the video DiT), lists are key blocks and the "
+        "window keeps at most 1 - sparsity_threshold of the keys; dense elsewhere (text, short videos). The "
+        "predictors learn from the sampled queries' exact scores either way.")
     """A 3D window in stage 1 instead of dense attention (``(0, 0, 0)``: dense, the paper's schedule).
 
     The predictors never learn from the attention the model runs: they fit the exact scores of the sampled queries
     (:meth:`LowRankPredictor.collect`), and the profiler measures the exact sparsity on them, so stage 1 needs
-    dense attention only if the model's own training does. On the H200 quality frontier the 3D window led full
-    attention from the first validation on (benchmarks/NOTES_quality.md runs 6, 8, 9: ViZDoom -2.4% at step 500,
-    footage -10%), and local + predicted lists after a dense stage 1 did not keep that lead (run 8,
-    ``windowpred35_s400``). A windowed stage 1 also costs the window's step, not more than dense attention's.
-    The neighbourhood is the local + predicted lists' (:func:`megatron_dsv.attention.neighbourhood.local_item_lists`,
-    edge cubes keep fewer keys). Context parallelism refuses it (its lists carry one length per head, not per cube).
-    Measured (run 10, 16K tokens, 3000 steps, (2, 2, 1) before the default's stage 2): ViZDoom -1.40 +- 0.69% against
-    full attention and -1.20 +- 0.54% against the dense stage 1 (4 seeds); footage undecided with 2 seeds. Off until
-    footage decides it."""
+    dense attention only if the model's own training does. The neighbourhood is the local + predicted lists'
+    (:func:`megatron_dsv.attention.neighbourhood.local_item_lists`, edge cubes keep fewer keys); under context
+    parallelism each rank attends its query cubes' slice of it.
+
+    Default None resolves per sequence (:meth:`stage1_radius_for`) to :data:`DEFAULT_STAGE1_LOCAL_RADIUS`, a radius
+    in cubes, so the window keeps a shrinking share of a longer sequence's keys (with 4x4x8 cubes on 256x256 video:
+    29 / 18 / 10 / 5% at 16K / 32K / 64K / 128K tokens, ``neighbourhood.kept_fraction``); where it would keep more
+    than ``1 - sparsity_threshold`` (as dense as a stage-2 layer may be and still run sparse) stage 1 stays dense.
+    Measured on the H200 quality frontier (benchmarks/NOTES_quality.md runs 10-11: 4 layers of hidden 512, (2, 2, 1)
+    for 400 steps, then the capped lists; validation loss against full attention at equal steps, mean +- se over
+    seeds): ViZDoom 16K -1.40 +- 0.69% (4 seeds; the same schedule with a dense stage 1: -0.20 +- 0.34%), footage
+    16K -5.24 +- 4.42% (4 seeds: -4.1, +6.8, -13.0, -10.6%; unpaired -5.43 +- 3.38%), ViZDoom trained at 32K
+    -3.80 +- 0.66% at step 1750 (2 seeds), reaching full attention's loss in 0.47x its time at 32K. Unmeasured in
+    quality beyond 32K."""
 
     # ---- dispatcher ---------------------------------------------------------
     budget_rule: str = _knob(
@@ -252,6 +261,27 @@ class DSVConfig:
         """True when local + predicted lists are asked for explicitly (``local_radius`` set, not all zero)."""
         return self.local_radius is not None and any(self.local_radius)
 
+    def _tiles(self, token_grid: Optional[Sequence[int]]) -> bool:
+        """True when ``token_grid`` is a known (T, H, W) grid that whole query cubes tile."""
+        return (token_grid is not None and len(token_grid) == 3
+                and not any(int(g) % c for g, c in zip(token_grid, self.query_group_shape)))
+
+    def stage1_radius_for(self, token_grid: Optional[Sequence[int]]) -> Optional[Tuple[int, int, int]]:
+        """The window stage 1 attends on a sequence of ``token_grid`` (None: dense attention).
+
+        An explicit ``stage1_local_radius`` holds as given ((0, 0, 0): dense; a radius without a grid is refused
+        where the lists are built). The default None gives :data:`DEFAULT_STAGE1_LOCAL_RADIUS` when the grid is
+        known and tiled by ``query_group_shape``, lists are key blocks, and the window keeps at most
+        ``1 - sparsity_threshold`` of the keys."""
+        if self.stage1_local_radius is not None:
+            return self.stage1_local_radius if any(self.stage1_local_radius) else None
+        if self.block_size == 0 or not self._tiles(token_grid):
+            return None
+        from megatron_dsv.attention.neighbourhood import kept_fraction  # torch-only module, imported on use
+
+        kept = kept_fraction(token_grid, self.query_group_shape, DEFAULT_STAGE1_LOCAL_RADIUS)
+        return DEFAULT_STAGE1_LOCAL_RADIUS if kept <= 1.0 - self.sparsity_threshold + 1e-9 else None
+
     def local_radius_for(self, token_grid: Optional[Sequence[int]],
                          topk_backend: Optional[str] = None) -> Optional[Tuple[int, int, int]]:
         """The neighbourhood radius in effect on a sequence of ``token_grid`` (None: no local part).
@@ -263,9 +293,7 @@ class DSVConfig:
         if self.local_radius is not None:
             return self.local_radius if any(self.local_radius) else None
         backend = self.topk_backend if topk_backend is None else topk_backend
-        if token_grid is None or self.block_size == 0 or backend == "cuda":
-            return None
-        if len(token_grid) != 3 or any(int(g) % c for g, c in zip(token_grid, self.query_group_shape)):
+        if self.block_size == 0 or backend == "cuda" or not self._tiles(token_grid):
             return None
         return DEFAULT_LOCAL_RADIUS
 
@@ -324,9 +352,10 @@ class DSVConfig:
         need(not (self.uses_local and self.topk_backend == "cuda"), "topk_backend",
              "'auto', 'triton' or 'naive' with local_radius (the CUDA estimator takes no local part)")
         need(self.kv_block_size in SUPPORTED_KV_BLOCKS, "kv_block_size", f"one of {list(SUPPORTED_KV_BLOCKS)}")
-        need(isinstance(self.stage1_local_radius, tuple) and len(self.stage1_local_radius) == 3
+        need(self.stage1_local_radius is None or isinstance(self.stage1_local_radius, tuple)
+             and len(self.stage1_local_radius) == 3
              and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in self.stage1_local_radius),
-             "stage1_local_radius", "three ints >= 0 (rt, rh, rw), in cubes (0 0 0: a dense stage 1)")
+             "stage1_local_radius", "None (auto) or three ints >= 0 (rt, rh, rw), in cubes (0 0 0: a dense stage 1)")
 
     def to_dict(self) -> dict:
         """Plain dict (for logs and checkpoints)."""

@@ -80,14 +80,16 @@ def test_wall_clock_charges_stage_two_by_the_share_of_layers_that_ran_sparse():
     assert wc[0][0] == pytest.approx(2.0)
 
 
-def test_two_arm_names_for_one_run_are_refused():
-    """default_s400 is cap25_s400 while the library caps lists at 25%: one run path, two workers."""
+def test_two_arm_names_for_one_run_are_refused(monkeypatch):
+    """Two names for one design (as default_s400 was cap25_s400 while the default stage 1 was dense): one run
+    path, two workers."""
     from benchmarks.bench_quality import check_distinct_runs
 
     args = build_parser().parse_args(["--arm", "data=vizdoom,frames=16,res=256,steps=1500", "--save-dir", "x"])
-    check_distinct_runs(["full", "cap25_s400", "window"], args)
-    with pytest.raises(SystemExit, match="'default_s400' and 'cap25_s400' are the same run"):
-        check_distinct_runs(["full", "default_s400", "cap25_s400"], args)
+    check_distinct_runs(["full", "cap25_s400", "default_s400", "s1win_cap25_s400", "window"], args)
+    monkeypatch.setitem(FRONTIER, "cap25_again", FRONTIER["cap25_s400"])
+    with pytest.raises(SystemExit, match="'cap25_s400' and 'cap25_again' are the same run"):
+        check_distinct_runs(["full", "cap25_s400", "cap25_again"], args)
 
 
 def test_frontier_arms_parse_with_their_settings():
@@ -104,8 +106,13 @@ def test_frontier_arms_parse_with_their_settings():
     wp = arm_of("windowpred35_s400", args.arm, args)
     assert wp["lmode"] == "window" and wp["local_radius"] == (2, 2, 1) and wp["cap"] == 0.35 and wp["stage1"] == 400
     assert not is_library_default(wp)
-    s1 = arm_of("s1win_cap25_s400", args.arm, args)  # the default's stage 2 after a windowed stage 1: not the default
+    # the default since run 11 where the window applies (16K tokens: 29% of the keys); on 256 tokens the (2, 2, 1)
+    # window is every key, so the default's stage 1 is dense there and an explicit window is not the default
+    s1 = arm_of("s1win_cap25_s400", args.arm, args)
     assert s1["stage1_local_radius"] == (2, 2, 1) and s1["cap"] == 0.25 and not is_library_default(s1)
+    s1_16k = arm_of("s1win_cap25_s400", "data=vizdoom,frames=16,res=256,steps=1500", args)
+    assert is_library_default(s1_16k) and is_library_default(arm_of("default", "data=vizdoom,frames=16,res=256", args))
+    assert not is_library_default(arm_of("cap25_s400", "data=vizdoom,frames=16,res=256,steps=1500", args))
     assert arm_of("s1win_windowpred35_s400", args.arm, args)["lmode"] == "window"
     study = "data=synthetic,frames=4,res=64,steps=1500,stage1=700"
     own, base = arm_of("default_s400", study, args), arm_of("default", study, args)
@@ -120,9 +127,10 @@ def test_library_default_marks_the_arms_whose_lists_are_the_defaults():
     args = build_parser().parse_args(["--arm", "data=vizdoom,frames=16,res=256", "--save-dir", "x"])
     marked = {name for name in FRONTIER if is_library_default(arm_of(name, args.arm, args))}
     # local111 keeps the old threshold (0.8); default_s400 has the default lists with an earlier stage switch
-    # the library caps every list at 25% of the keys (DSVConfig.max_density): cap25_s400 (run 6) is the default with
-    # an earlier stage switch; the uncapped designs of runs 2-5 (uncapped_s400, local111_thr07, ...) are not
-    assert marked == {"default", "default_s400", "cap25_s400"}
+    # the library caps every list at 25% of the keys (DSVConfig.max_density) and, on this grid, attends the (2, 2, 1)
+    # window in stage 1 (DSVConfig.stage1_local_radius auto): s1win_cap25_s400 (runs 10-11) is the default with an
+    # earlier stage switch; cap25_s400 (run 6, dense stage 1) and the uncapped designs of runs 2-5 are not
+    assert marked == {"default", "default_s400", "s1win_cap25_s400"}
 
 
 def test_profile_period_is_the_schedules_at_the_runs_step():

@@ -129,13 +129,16 @@ def test_align_stops_save_where_they_stop_report_the_last_validation_and_resume_
 
 def test_s1local_key_reaches_the_config_and_the_label():
     """s1local (DSVConfig.stage1_local_radius): 0.0.0 (a dense stage 1) by default and absent from the label (runs
-    saved before the key keep their paths); a radius is named in it; 'auto' and malformed radii are refused."""
+    saved before the key keep their paths); a radius, or 'auto' (the library's default), is named in it; malformed
+    radii are refused."""
     base = parse_arm("data=synthetic,frames=4,res=64")
     assert base["stage1_local_radius"] == (0, 0, 0) and "s1local" not in base["label"]
     arm = parse_arm("data=synthetic,frames=4,res=64,s1local=2.2.1")
     assert arm["stage1_local_radius"] == (2, 2, 1) and arm["label"] == "synthetic-dsv-s1local2.2.1-S256"
-    for bad in ("auto", "1.1"):
-        with pytest.raises(ValueError, match="arm (s1local|local) must be three ints"):
+    auto = parse_arm("data=synthetic,frames=4,res=64,s1local=auto")
+    assert auto["stage1_local_radius"] is None and auto["label"] == "synthetic-dsv-s1localauto-S256"
+    for bad in ("1.1", "a.b.c"):
+        with pytest.raises(ValueError, match="arm s1local must be three ints"):
             parse_arm(f"s1local={bad}")
 
 

@@ -74,6 +74,19 @@ def _group_mean(tensors, group):
     return tuple(None if t is None else (next(summed) / n).to(t.dtype) for t in tensors)
 
 
+_STAGE1_LOGGED: set = set()
+
+
+def _log_stage1_once(radius, cube, grid, kept: float) -> None:
+    """One line per (radius, grid) and job, on rank 0: the window stage 1 attends and the share of keys it keeps."""
+    if (radius, grid) in _STAGE1_LOGGED:
+        return
+    _STAGE1_LOGGED.add((radius, grid))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f" [dsv] stage 1 attends a {tuple(radius)} window of {tuple(cube)} query cubes on token grid "
+              f"{tuple(grid)}: {kept:.0%} of the keys (--dsv-stage1-local-radius; 0 0 0: dense)", flush=True)
+
+
 class DSVCoreAttention(MegatronModule):
     """Core attention with DSV dynamic sparsity (non-causal, for DiTs)."""
 
@@ -125,15 +138,6 @@ class DSVCoreAttention(MegatronModule):
             if self.dsv_config.cp_mode == "none":
                 raise ValueError(f"DSV attention with context_parallel_size={self.cp_size} needs DSVConfig.cp_mode "
                                  "(--dsv-cp-mode) in ('head', 'seq', 'hybrid'); got 'none'")
-            if self.dsv_config.local_mode == "window":
-                raise ValueError("DSVConfig.local_mode (--dsv-local-mode) 'window' gives every query cube its own "
-                                 "list length, which the context-parallel paths do not carry yet; use "
-                                 f"local_mode='shared' with context_parallel_size={self.cp_size}")
-            if any(self.dsv_config.stage1_local_radius):
-                raise ValueError("DSVConfig.stage1_local_radius (--dsv-stage1-local-radius) "
-                                 f"{self.dsv_config.stage1_local_radius} gives every query cube its own list length, "
-                                 "which the context-parallel paths do not carry yet; use 0 0 0 (a dense stage 1) with "
-                                 f"context_parallel_size={self.cp_size}")
             from megatron_dsv.parallel.cp_attention import CPContext
 
             self.cp_ctx = CPContext.get(self.cp_group, self.num_heads, tp)
@@ -367,16 +371,25 @@ class DSVCoreAttention(MegatronModule):
                     lists = self._estimate(None, None, None, budgets, projected)
         self.last_sparse = sparse
         self.last_k.copy_(tokens)
-        if sparse:  # this shard's query groups
-            ng = s // cfg.group_size
-            lists = (lists[0][:, :, rank * ng:(rank + 1) * ng].contiguous(), lists[1])
-        plan = self._plan_cp(S, sparse, tokens)
+        ng = s // cfg.group_size
+        mine = slice(rank * ng, (rank + 1) * ng)  # this shard's query groups
+        run = None  # the lists this shard attends through (None: dense attention)
+        if sparse:  # per-cube lengths (local_mode 'window') are sliced with their lists
+            idx, counts = lists
+            run = (idx[:, :, mine].contiguous(), counts[:, :, mine].contiguous() if counts.dim() == 3 else counts)
+        elif (window := self._stage1_window(S, q.device)) is not None:  # the whole sequence's window, sliced
+            idx, counts, keys = window
+            self.last_k.fill_(keys)
+            tokens = torch.full_like(tokens, keys)
+            B, H = q.shape[:2]
+            run = (idx[mine].expand(B, H, ng, -1), counts[mine].expand(B, H, ng))
+        plan = self._plan_cp(S, run is not None, tokens)
 
         def sparse_fn(qq, kk, vv, idx, counts):
             return _ops.run_sparse_attention(self.kernel_backend, qq, kk, self._v_for_kernel(vv), idx, counts,
                                              cfg.group_size, cfg.block_size, self.softmax_scale)
 
-        return cp_attention(q, k, v, self.cp_ctx, plan, lists=lists if sparse else None, group_size=cfg.group_size,
+        return cp_attention(q, k, v, self.cp_ctx, plan, lists=run, group_size=cfg.group_size,
                             block_size=cfg.block_size, softmax_scale=self.softmax_scale, sparse_fn=sparse_fn)
 
     def _check_cp_shard(self, s: int, sampling: bool = False, thin: int = 1) -> None:
@@ -444,26 +457,31 @@ class DSVCoreAttention(MegatronModule):
         return self._decisions[key]
 
     def _stage1_window(self, S: int, device):
-        """``(lists [NG, F], counts [NG], mean keys)`` of stage 1's window (``DSVConfig.stage1_local_radius``) when
-        this forward attends as stage 1 does and the window is on (else None: dense attention); a layer the
-        dispatcher keeps dense in stage 2, ``force_dense`` and a head dim the kernels lack stay dense."""
+        """``(lists [NG, F], counts [NG], mean keys)`` of stage 1's window (``DSVConfig.stage1_radius_for`` this
+        sequence's grid) when this forward attends as stage 1 does and the window applies (else None: dense
+        attention); a layer the dispatcher keeps dense in stage 2, ``force_dense`` and a head dim the kernels lack
+        stay dense."""
         cfg = self.dsv_config
-        if (not any(cfg.stage1_local_radius) or self.force_dense or not self.kernel_ok
-                or not (self.stage_host == 1 or self.force_stage1)):
+        if self.force_dense or not self.kernel_ok or not (self.stage_host == 1 or self.force_stage1):
             return None
-        grid = self.token_grid
-        if grid is None or math.prod(grid) != S:
-            raise ValueError(f"DSVConfig.stage1_local_radius (--dsv-stage1-local-radius) {cfg.stage1_local_radius} "
-                             f"needs the token grid (T, H, W) of this sequence of {S} tokens on "
-                             f"DSVCoreAttention.token_grid (the video DiT sets it on every forward); got {grid}")
+        grid = self.token_grid if self.token_grid is not None and math.prod(self.token_grid) == S else None
+        radius = cfg.stage1_radius_for(grid)
+        if radius is None:
+            return None
+        if grid is None:  # an explicit radius (auto needs the grid)
+            raise ValueError(f"DSVConfig.stage1_local_radius (--dsv-stage1-local-radius) {radius} needs the token "
+                             f"grid (T, H, W) of this sequence of {S} tokens on DSVCoreAttention.token_grid (the "
+                             f"video DiT sets it on every forward); got {self.token_grid}")
         try:
-            lists, counts, mean_items = local_items_with_counts(grid, cfg.query_group_shape, cfg.stage1_local_radius,
-                                                                cfg.block_size, device)
+            lists, counts, mean_items = local_items_with_counts(grid, cfg.query_group_shape, radius, cfg.block_size,
+                                                                device)
         except ValueError as err:  # the neighbourhood's own check, with the flags that set it
             raise ValueError(f"DSVConfig.stage1_local_radius (--dsv-stage1-local-radius) needs a token grid the query "
                              f"cube tiles (query_group_shape, --dsv-query-group-shape {cfg.query_group_shape}; "
                              f"or 0 0 0, a dense stage 1): {err}") from err
-        return lists, counts, min(float(S), mean_items * max(1, cfg.block_size))
+        keys = min(float(S), mean_items * max(1, cfg.block_size))
+        _log_stage1_once(radius, cfg.query_group_shape, grid, keys / S)
+        return lists, counts, keys
 
     def _local_items(self, S: int, device) -> Optional[torch.Tensor]:
         """The local part of local + predicted lists (``[NG, F]`` items, -1 padded), or None when off."""

@@ -25,6 +25,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_dsv.ops.sparse_attention.checks import group_counts
+
 __all__ = [
     "seq_to_head",
     "head_to_seq",
@@ -238,20 +240,27 @@ def gather_seq(x: torch.Tensor, group) -> torch.Tensor:
 # ----------------------------------------------------------------------------- selective KV gather
 
 
+def valid_entries(kv_counts: torch.Tensor, num_groups: int, kmax: int) -> torch.Tensor:
+    """bool ``[B, H, NG, Kmax]``: entry j of query group g of (b, h) is on its list (``j <`` its count).
+
+    ``kv_counts``: int ``[B, H]`` (one list length per head) or ``[B, H, NG]`` (one per query group: the
+    windowed stage 1, ``local_mode`` 'window')."""
+    return torch.arange(kmax, device=kv_counts.device) < group_counts(kv_counts, num_groups).unsqueeze(-1)
+
+
 def _distinct_items(kv_indices: torch.Tensor, kv_counts: torch.Tensor, num_items: int) -> torch.Tensor:
     """Which global items each (b, h) references (pure, no communication).
 
     Args:
-        kv_indices: int ``[B, Hkv, NG, Kmax]`` global item ids, valid for ``j < kv_counts[b, h]``.
-        kv_counts: int ``[B, Hkv]``.
+        kv_indices: int ``[B, Hkv, NG, Kmax]`` global item ids, valid where :func:`valid_entries` says.
+        kv_counts: int ``[B, Hkv]`` or ``[B, Hkv, NG]``.
         num_items: ``P * items_per_rank``; valid ids must lie in ``[0, num_items)``.
 
     Returns:
         bool ``[B, Hkv, num_items]``: ``present[b, h, i]`` iff some group of (b, h) lists item i.
     """
     b, hkv, ng, kmax = kv_indices.shape
-    valid = torch.arange(kmax, device=kv_indices.device) < kv_counts.unsqueeze(-1)  # [B, Hkv, Kmax]
-    valid = valid.unsqueeze(2).expand(b, hkv, ng, kmax)
+    valid = valid_entries(kv_counts, ng, kmax)
     ids = kv_indices.long()
     if bool(((ids < 0) | (ids >= num_items)).logical_and(valid).any()):
         raise ValueError(f"kv_indices must lie in [0, {num_items}) wherever j < kv_counts[b, h]")
@@ -305,8 +314,9 @@ class KVGatherPlan:
         Args:
             kv_indices: int32 ``[B, Hkv, NG, Kmax]`` GLOBAL item ids (tokens in ``[0, P * s_local)``
                 or key blocks of ``block_size`` tokens), ascending within each group, valid for
-                ``j < kv_counts[b, h]``; padding is ignored whatever its value.
-            kv_counts: int32 ``[B, Hkv]``, in ``[0, Kmax]``.
+                ``j < kv_counts[b, h]`` (or ``kv_counts[b, h, g]``); padding is ignored whatever its value.
+            kv_counts: int32 ``[B, Hkv]`` (one list length per head) or ``[B, Hkv, NG]`` (one per query
+                group), in ``[0, Kmax]``.
             group: the CP process group of ``P`` ranks (``None``: one rank).
             s_local: tokens per rank; a multiple of ``block_size`` when ``block_size > 0``.
             block_size: 0 for token items, else tokens per key block.
@@ -314,10 +324,11 @@ class KVGatherPlan:
         if kv_indices.dim() != 4 or kv_indices.dtype not in (torch.int32, torch.int64):
             got = f"{kv_indices.dtype} {tuple(kv_indices.shape)}"
             raise ValueError(f"kv_indices must be int32 [B, Hkv, NG, Kmax], got {got}")
-        b, hkv, _, kmax = kv_indices.shape
-        if tuple(kv_counts.shape) != (b, hkv) or kv_counts.is_floating_point():
+        b, hkv, ng, kmax = kv_indices.shape
+        if tuple(kv_counts.shape) not in ((b, hkv), (b, hkv, ng)) or kv_counts.is_floating_point():
             got = f"{kv_counts.dtype} {tuple(kv_counts.shape)}"
-            raise ValueError(f"kv_counts must be int32 [B, Hkv] = {(b, hkv)}, got {got}")
+            raise ValueError(f"kv_counts must be int32 [B, Hkv] = {(b, hkv)} or [B, Hkv, NG] = {(b, hkv, ng)}, "
+                             f"got {got}")
         if bool(((kv_counts < 0) | (kv_counts > kmax)).any()):
             raise ValueError(f"kv_counts must lie in [0, Kmax = {kmax}]")
         if block_size < 0 or s_local <= 0 or (block_size > 0 and s_local % block_size):
@@ -332,10 +343,10 @@ class KVGatherPlan:
         present = _distinct_items(kv_indices, kv_counts.to(device), world * n_loc)  # [B, Hkv, P*n_loc]
         position = present.long().cumsum(-1) - 1  # buffer item position of each present item
         u = max(int(present.sum(-1).max()) if present.numel() else 0, 1)
-        valid = torch.arange(kmax, device=device) < kv_counts.to(device).unsqueeze(-1)
-        safe = torch.where(valid.unsqueeze(2), kv_indices.long(), torch.zeros_like(kv_indices, dtype=torch.long))
+        valid = valid_entries(kv_counts.to(device), ng, kmax)
+        safe = torch.where(valid, kv_indices.long(), torch.zeros_like(kv_indices, dtype=torch.long))
         local = position.gather(2, safe.flatten(2)).view_as(safe)
-        local = torch.where(valid.unsqueeze(2), local, torch.zeros_like(local)).to(torch.int32)
+        local = torch.where(valid, local, torch.zeros_like(local)).to(torch.int32)
 
         # Enumerate present items owner-major, so each owner's requests are one contiguous run.
         by_owner = present.view(b * hkv, world, n_loc).transpose(0, 1)  # [P, B*Hkv, n_loc]

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from megatron_dsv.ops.dense import dense_attention
 from megatron_dsv.parallel.collectives import (KVGatherPlan, _order_on, gather_seq, head_to_seq, selective_kv_gather,
-                                               seq_to_head)
+                                               seq_to_head, valid_entries)
 from megatron_dsv.parallel.groups import CPLayout, DSVCPGroups
 from megatron_dsv.parallel.placement import head_order_and_counts
 from megatron_dsv.parallel.planner import CommModel, LayerPlan, measure_bandwidth
@@ -93,7 +93,8 @@ class CPContext:
 def to_virtual_order(lists: torch.Tensor, counts: torch.Tensor, layout: CPLayout, shard_items: int) -> torch.Tensor:
     """Global item ids -> the SCP group's order of super-shards, for ``hcp_inner=False`` layouts.
 
-    ``lists`` int32 ``[B, H, NG, Kmax]`` (ids ascending in ``[:counts]``), ``counts`` int32 ``[B, H]``;
+    ``lists`` int32 ``[B, H, NG, Kmax]`` (ids ascending in ``[:counts]``), ``counts`` int32 ``[B, H]`` or
+    ``[B, H, NG]`` (one length per query group);
     ``shard_items``: items (tokens, or key blocks) per CP shard. CP shard ``c = j * scp + a`` is the
     ``j``-th piece of SCP rank ``a``'s super-shard, so item ``t`` of shard ``c`` goes to
     ``a * hcp * shard_items + j * shard_items + t % shard_items``. Valid entries are re-sorted
@@ -105,7 +106,7 @@ def to_virtual_order(lists: torch.Tensor, counts: torch.Tensor, layout: CPLayout
     ids = lists.long()
     shard, offset = ids // shard_items, ids % shard_items
     virt = (shard % scp) * (hcp * shard_items) + (shard // scp) * shard_items + offset
-    valid = torch.arange(lists.shape[-1], device=lists.device) < counts[:, :, None, None].long()
+    valid = valid_entries(counts, lists.shape[2], lists.shape[-1])
     big = torch.iinfo(torch.int64).max
     virt = torch.sort(torch.where(valid, virt, big), dim=-1).values
     return torch.where(valid, virt, 0).to(torch.int32)
@@ -120,7 +121,8 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: CPConte
         q: ``[B, H, s, D]``; k, v: ``[B, Hkv, s, D]`` — this CP rank's shard (all local heads).
         ctx: the :class:`CPContext`; plan: the layer's :class:`LayerPlan` (layout and head placement).
         lists: ``None`` for a dense layer, else ``(kv_indices int32 [B, H, s / G, Kmax], kv_counts
-            int32 [B, H])``: the shard's query groups' lists in global key / key-block ids.
+            int32 [B, H] or [B, H, s / G])``: the shard's query groups' lists in global key / key-block ids,
+            with one length per head or one per query group (a windowed stage 1, ``local_mode`` 'window').
         sparse_fn: ``fn(q, k, v, kv_indices, kv_counts) -> out`` (the layer's sparse kernel, which
             accepts a key length different from the query length).
     Returns ``[B, H, s, D]``.
@@ -143,11 +145,13 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: CPConte
         idx, counts = lists
         if layout.hcp > 1:
             idx = seq_to_head(idx, hcp_group, head_counts, order)
-            # this rank's heads, in placement order: a slice of the placement-ordered counts (no host list
-            # turned into a device index on every call)
-            start = sum(len(p) for p in plan.heads[:hcp_rank])
-            counts = counts.index_select(1, _order_on(torch.as_tensor(order), counts.device))
-            counts = counts[:, start:start + len(mine)].contiguous()
+            if counts.dim() == 3:  # one length per query group: the groups travel with their lists
+                counts = seq_to_head(counts.unsqueeze(-1), hcp_group, head_counts, order).squeeze(-1)
+            else:  # this rank's heads, in placement order: a slice of the placement-ordered counts (no host
+                # list turned into a device index on every call)
+                start = sum(len(p) for p in plan.heads[:hcp_rank])
+                counts = counts.index_select(1, _order_on(torch.as_tensor(order), counts.device))
+                counts = counts[:, start:start + len(mine)].contiguous()
         if layout.scp > 1:
             unit = max(block_size, 1)
             idx = to_virtual_order(idx, counts, layout, s // unit)

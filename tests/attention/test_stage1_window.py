@@ -1,9 +1,10 @@
 """A windowed stage 1 (DSVConfig.stage1_local_radius): in stage 1 every query attends only the keys of its query
 cube's 3D neighbourhood (checked against a mask built from token coordinates, forward and backward), the
 predictors learn the same statistics as under a dense stage 1, stage 2 and the dispatcher's dense layers are
-untouched, ``force_stage1`` (the timing harness) attends as stage 1 does, and bad input gets a clear error."""
+untouched, ``force_stage1`` (the timing harness) attends as stage 1 does, the default (None) picks (2, 2, 1) where
+it applies and a dense stage 1 elsewhere, and bad input gets a clear error. Under context parallelism:
+tests/parallel/test_cp_attention.py."""
 
-import types
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ def window_mask(grid, cube, radius) -> torch.Tensor:
     return ((cid[:, None, :] - cid[None, :, :]).abs() <= torch.tensor(radius)).all(-1)
 
 
-def qkv(seed=0, H=2, D=64):
+def qkv(seed=0, H=2, D=64, S=S):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(1, H, S, D, generator=g) for _ in range(3)]
 
@@ -44,7 +45,7 @@ def reference(q, k, v, mask, scale):
     s = torch.einsum("sbhd,tbhd->bhst", q, k) * scale
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
-    out = torch.einsum("bhst,tbhd->sbhd", s.softmax(-1), v).reshape(S, 1, -1)
+    out = torch.einsum("bhst,tbhd->sbhd", s.softmax(-1), v).reshape(q.shape[0], 1, -1)
     out.backward(torch.linspace(-1, 1, out.numel(), dtype=torch.float64, device=out.device).view_as(out))
     return out.detach(), q.grad, k.grad, v.grad
 
@@ -141,7 +142,7 @@ def test_needs_the_token_grid(make_layer):
 
 @pytest.mark.parametrize("bad", [(1, 1), (1, -1, 0), (1.0, 1, 1), (True, 0, 0)])
 def test_config_refuses_bad_radius(bad):
-    with pytest.raises(ValueError, match="DSVConfig.stage1_local_radius must be three ints >= 0"):
+    with pytest.raises(ValueError, match=r"DSVConfig.stage1_local_radius must be None \(auto\) or three ints >= 0"):
         DSVConfig(stage1_local_radius=bad)
 
 
@@ -151,27 +152,54 @@ def test_flag():
     parser = add_dsv_args(argparse.ArgumentParser())
     args = parser.parse_args(["--use-dsv-attention", "--dsv-stage1-local-radius", "2", "2", "1"])
     assert dsv_config_from_args(args).stage1_local_radius == (2, 2, 1)
-    assert dsv_config_from_args(parser.parse_args(["--use-dsv-attention"])).stage1_local_radius == (0, 0, 0)
+    assert dsv_config_from_args(parser.parse_args(["--use-dsv-attention"])).stage1_local_radius is None
+    args = parser.parse_args(["--use-dsv-attention", "--dsv-stage1-local-radius", "auto"])
+    assert dsv_config_from_args(args).stage1_local_radius is None
+    args = parser.parse_args(["--use-dsv-attention", "--dsv-stage1-local-radius", "0", "0", "0"])
+    assert dsv_config_from_args(args).stage1_radius_for((16, 32, 32)) is None
     assert DSVConfig(stage1_local_radius=[1, 0, 1]).stage1_local_radius == (1, 0, 1)
 
 
-def test_context_parallel_refuses_it(make_layer, megatron_cpu):
-    class TwoRanks:
-        def size(self):
-            return 2
+def test_auto_radius_where_it_applies():
+    """The default (None): (2, 2, 1) where the grid is known, tiled by the cube, lists are key blocks and the window
+    keeps at most 1 - sparsity_threshold of the keys; dense elsewhere; an explicit radius holds as given."""
+    from megatron_dsv.attention.neighbourhood import kept_fraction
+    from megatron_dsv.config import DEFAULT_STAGE1_LOCAL_RADIUS
 
-    pgs = types.SimpleNamespace(**{name: getattr(megatron_cpu, name) for name in vars(megatron_cpu)})
-    pgs.cp = TwoRanks()
-    from megatron.core.transformer.enums import AttnMaskType
+    d = DSVConfig()
+    assert d.stage1_local_radius is None and DEFAULT_STAGE1_LOCAL_RADIUS == (2, 2, 1)
+    cube = d.query_group_shape  # 4x4x8
+    for grid in ((16, 32, 32), (32, 32, 32), (64, 32, 32)):  # 16K, 32K, 64K tokens of 256x256 video
+        assert kept_fraction(grid, cube, (2, 2, 1)) <= 1 - d.sparsity_threshold
+        assert d.stage1_radius_for(grid) == (2, 2, 1)
+    assert kept_fraction((8, 32, 32), cube, (2, 2, 1)) > 1 - d.sparsity_threshold
+    assert d.stage1_radius_for((8, 32, 32)) is None  # 8K: the window would keep 33% of the keys
+    assert DSVConfig(sparsity_threshold=0.6).stage1_radius_for((8, 32, 32)) == (2, 2, 1)
+    assert d.stage1_radius_for(None) is None  # text: no grid
+    assert d.stage1_radius_for((16, 30, 32)) is None  # partial cubes (Wan's grids)
+    assert DSVConfig(granularity="token").stage1_radius_for((16, 32, 32)) is None
+    assert DSVConfig(stage1_local_radius=(0, 0, 0)).stage1_radius_for((16, 32, 32)) is None
+    assert DSVConfig(stage1_local_radius=(0, 1, 0)).stage1_radius_for(None) == (0, 1, 0)
 
-    from megatron_dsv.attention.core_attention import DSVCoreAttention
 
-    from .conftest import dsv_config, tf_config
-
-    cfg = dsv_config(query_group_shape=CUBE, granularity="block", kv_block_size=64, cp_mode="head",
-                     stage1_local_radius=(1, 1, 1))
-    with pytest.raises(ValueError, match="stage1_local_radius.*0 0 0.*context_parallel_size=2"):
-        DSVCoreAttention(tf_config(), 1, AttnMaskType.no_mask, "self", pg_collection=pgs, dsv_config=cfg)
+@pytest.mark.parametrize("threshold,windowed", [(0.3, True), (0.4, False)])
+def test_default_layer_attends_the_auto_window(make_layer, threshold, windowed):
+    """A layer on the default radius: on a 4x24x16 grid of 2x4x8 cubes the (2, 2, 1) window keeps 2/3 of the keys,
+    so it runs where 1 - sparsity_threshold >= 2/3 and stage 1 is dense otherwise; without a grid it is dense
+    (no error: the default asks for no grid)."""
+    grid, s = (4, 24, 16), 4 * 24 * 16
+    layer = make_layer(query_group_shape=CUBE, granularity="block", kv_block_size=64, sparsity_threshold=threshold)
+    assert layer.dsv_config.stage1_local_radius is None
+    q, k, v = qkv(seed=5, S=s)
+    dense = reference(q, k, v, None, layer.softmax_scale)
+    layer.token_grid = None
+    assert torch.allclose(run(layer, q, k, v)[0].double(), dense[0], atol=1e-5)
+    layer.token_grid = grid
+    want = reference(q, k, v, window_mask(grid, CUBE, (2, 2, 1)), layer.softmax_scale) if windowed else dense
+    for a, b in zip(run(layer, q, k, v), want):
+        assert torch.allclose(a.double(), b, atol=1e-5), (a.double() - b).abs().max()
+    kept = window_mask(grid, CUBE, (2, 2, 1)).sum(1).double().mean().item() if windowed else s
+    assert layer.last_k.tolist() == pytest.approx([kept] * 2)
 
 
 @pytest.mark.gpu

@@ -3,9 +3,9 @@
 Two levels, each in one spawned world per size (``spawn.run_world``):
 
 * :func:`cp_attention` for every layout (hcp x scp, both placements) and head placement (even,
-  LPT on uneven budgets), token lists (G=16) and block lists (G=64, 64-key blocks), dense, and
-  GQA: outputs and dq, dk, dv of each rank's shard equal the slices of one process's naive sparse
-  attention with the same global lists.
+  LPT on uneven budgets), token lists (G=16) and block lists (G=64, 64-key blocks), one list length
+  per head or per query group, dense, and GQA: outputs and dq, dk, dv of each rank's shard equal the
+  slices of one process's naive sparse attention with the same global lists.
 * ``DSVCoreAttention`` with a CP group (``cp_mode`` 'hybrid' and 'seq') against the same layer
   without CP: a stage-1 step (dense, predictor collects, profiler measures) gives the same outputs
   and gradients and, after ``dsv_on_step_end``, the same profiled state and predictor weights; a
@@ -46,12 +46,19 @@ def _check_cp_attention(rank, world):
 
     ctx = CPContext.get(dist.group.WORLD, H)
     S, scale = 512, 1.0 / math.sqrt(D)
-    cases = [(16, 0, [24, 96, 200, 512], H), (64, 64, [1, 2, 5, 8], H), (16, 0, [40, 40, 300, 100], 2)]
-    for case, (G, block, budgets, hkv) in enumerate(cases):
+    # (G, key block, budgets, KV heads, one list length per query group instead of per head)
+    cases = [(16, 0, [24, 96, 200, 512], H, False), (64, 64, [1, 2, 5, 8], H, False),
+             (16, 0, [40, 40, 300, 100], 2, False), (64, 64, [3, 2, 5, 8], 2, True)]
+    for case, (G, block, budgets, hkv, per_group) in enumerate(cases):
         q = _randn(10 + case, 1, H, S, D)
         k, v = _randn(20 + case, 1, hkv, S, D), _randn(30 + case, 1, hkv, S, D)
         do = _randn(40 + case, 1, H, S, D)
         lists = estimate_topk_naive(_randn(50, 1, H, S, 8), _randn(51, 1, H, S, 8), torch.tensor(budgets), G, block)
+        if per_group:  # each group keeps a prefix of its list, 1 to all of it (a prefix of an ascending list)
+            frac = torch.rand(1, H, S // G, generator=torch.Generator().manual_seed(52))
+            counts = (1 + (frac * lists[1][:, :, None]).long()).clamp(max=lists[1][:, :, None]).to(torch.int32)
+            assert len(counts.unique()) > 1
+            lists = (lists[0], counts)
         ng = S // world // G
 
         def naive(qq, kk, vv, idx, counts, G=G, block=block):
@@ -70,7 +77,9 @@ def _check_cp_attention(rank, world):
             for plan in every_plan(world, H, density):
                 layout, placement = plan.layout, plan.placement
                 mine = [_shard(t, rank, world).clone().requires_grad_() for t in (q, k, v)]
-                local = (lists[0][:, :, rank * ng:(rank + 1) * ng].contiguous(), lists[1]) if sparse else None
+                mine_groups = slice(rank * ng, (rank + 1) * ng)
+                local = (lists[0][:, :, mine_groups].contiguous(),
+                         lists[1][:, :, mine_groups].contiguous() if per_group else lists[1]) if sparse else None
                 out = cp_attention(*mine, ctx, plan, lists=local, group_size=G, block_size=block,
                                    softmax_scale=scale, sparse_fn=naive)
                 out.backward(_shard(do, rank, world))
@@ -109,16 +118,21 @@ def _check_core_attention(rank, world):
         bad(*[_shard(t, rank, world, dim=0).clone() for t in (q, k, v)], None)
     # "hybrid" profiles one in 4 of the sampled queries (cap 16 of 64), "seq" all of them (cap 0); the third
     # pass adds local + predicted lists (the neighbourhood of each 1x4x4 cube on the 2x16x16 token grid,
-    # indexed by global query group, then sliced per rank as one process's lists)
-    for mode, cap, local in (("hybrid", 16, (0, 0, 0)), ("seq", 0, (0, 0, 0)), ("hybrid", 16, (0, 1, 1))):
-        cfg = dsv_config(cp_mode=mode, sparsity_threshold=0.3, profile_max_queries=cap, local_radius=local)
+    # indexed by global query group, then sliced per rank as one process's lists); the fourth sizes them per cube
+    # (local_mode 'window': one list length per query group through the KV gather); the fifth attends a 3D window
+    # in stage 1 (stage1_local_radius: per-cube lengths, placed by the planner like sparse lists)
+    passes = (("hybrid", 16, (0, 0, 0), {}), ("seq", 0, (0, 0, 0), {}), ("hybrid", 16, (0, 1, 1), {}),
+              ("seq", 0, (0, 1, 1), dict(local_mode="window")),
+              ("hybrid", 16, (0, 0, 0), dict(stage1_local_radius=(0, 1, 1))))
+    for mode, cap, local, extra in passes:
+        cfg = dsv_config(cp_mode=mode, sparsity_threshold=0.3, profile_max_queries=cap, local_radius=local, **extra)
         tf = tf_config(hidden=H * D, heads=H)
         layers = {name: DSVCoreAttention(tf, 1, AttnMaskType.no_mask, "self", dsv_config=cfg,
                                          pg_collection=SimpleNamespace(tp=None, cp=group))
                   for name, group in (("one", None), ("cp", dist.group.WORLD))}
         for layer in layers.values():
             layer.token_grid = (2, 16, 16)
-        mode = f"{mode}{'-local' if any(local) else ''}"
+        mode = f"{mode}{'-local' if any(local) else ''}{''.join(f'-{k}' for k in extra)}"
 
         def step(what):
             outs = {}
@@ -133,7 +147,10 @@ def _check_core_attention(rank, world):
             for n, a, b in zip("qkv", inc, in1):
                 _close(f"{mode} {what} d{n} rank {rank}", a.grad, _shard(b.grad, rank, world, dim=0))
 
-        step("stage 1")  # dense; predictor collects, profiler measures (profile_interval=1)
+        step("stage 1")  # dense (or the window); predictor collects, profiler measures (profile_interval=1)
+        if "stage1_local_radius" in extra:  # the (1, 3, 3)-cube window: 100 of 512 keys on average
+            assert float(layers["cp"].last_k.max()) == float(layers["one"].last_k.max()) == 100.0
+            assert layers["cp"].cp_plan is not None, "the windowed stage 1 is planned like a sparse layer"
         for layer in layers.values():
             dsv_on_step_end(layer, 1)
         one, cp = layers["one"], layers["cp"]
@@ -145,7 +162,7 @@ def _check_core_attention(rank, world):
             force_state(layer, stage=2, sparsity=[0.5, 0.7, 0.85, 0.95], density=[0.5, 0.3, 0.15, 0.05])
         step("stage 2 + profile")
         assert cp.last_sparse and one.last_sparse, "the stage-2 step must run sparse"
-        if any(local):  # every head keeps at least the neighbourhood (9 cubes of 16 tokens inside the grid)
+        if any(local) and not extra:  # every head keeps at least the neighbourhood (9 cubes of 16 tokens inside)
             assert cp._local_tokens(S) == 144 and float(cp.last_k.min()) >= 144 and float(cp.last_k.max()) < S
         assert cp.cp_plan is not None and int(cp.cp_plan_state[0, 0]) == cp.cp_plan.layout.hcp
         for layer in layers.values():
