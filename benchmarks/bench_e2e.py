@@ -9,7 +9,8 @@ frames * (res / 8)^2), the same synthetic inputs, batch 1, AdamW on fp32 main we
   (``--budget-source``: ``spread`` = sparsities spread evenly over ``--sparsity-min .. --sparsity-max``
   around ``--sparsity-mean``, labelled as such; the study's checkpoints are not real-profile sources
   yet, since no trained model here runs sparse);
-* ``dsv_stage1``: DSV in stage 1 (dense attention + predictor statistics every step + profiles);
+* ``dsv_stage1``: DSV in stage 1 (the library's: the (2, 2, 1) window where ``stage1_local_radius`` auto applies,
+  else dense attention; + predictor statistics every step + profiles);
 * ``window``: the fixed 3D local window (``models/window_attention.py``) at the stage-2 kept fraction.
 
 DSV arms use key-block lists unless ``--granularity token`` (rows carry ``granularity``).

@@ -476,8 +476,9 @@ def load_model_for_inference(ckpt_dir: str, device="cpu", dtype: Optional[torch.
 
 def dsv_config_from_dict(values: dict) -> DSVConfig:
     """The DSVConfig a checkpoint was saved with. A checkpoint from before ``max_density`` existed (2026-12-02)
-    trained with uncapped lists: it gets None, not today's default cap."""
-    return DSVConfig(**{"max_density": None, **values})
+    trained with uncapped lists: it gets None, not today's default cap; one from before ``stage1_local_radius``
+    (2026-12-03) trained a dense stage 1: it gets (0, 0, 0), not today's auto window."""
+    return DSVConfig(**{"max_density": None, "stage1_local_radius": (0, 0, 0), **values})
 
 
 def config_from_dict(cls, values: dict):

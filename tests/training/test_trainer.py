@@ -52,7 +52,7 @@ def test_log_line_format(tmp_path, capsys):
     assert re.search(r"grad norm: [\d.]+ \| dsv: off \|$", dense, re.M) and "dsv layers" not in dense
 
 
-def test_dsv_config_of_a_checkpoint_from_before_the_cap_stays_uncapped():
+def test_dsv_config_of_a_checkpoint_from_before_a_default_keeps_what_it_trained():
     from megatron_dsv.config import DSVConfig
     from megatron_dsv.training.checkpointing import dsv_config_from_dict
 
@@ -61,6 +61,13 @@ def test_dsv_config_of_a_checkpoint_from_before_the_cap_stays_uncapped():
     del saved["max_density"]  # a checkpoint written before the field existed trained uncapped
     old = dsv_config_from_dict(saved)
     assert old.max_density is None and old.sparsity_threshold == 0.6
+    import json  # the auto stage-1 window: saved as None (JSON null) and loaded as auto; before the field, dense
+    saved = json.loads(json.dumps(DSVConfig().to_dict()))
+    assert saved["stage1_local_radius"] is None and dsv_config_from_dict(saved).stage1_local_radius is None
+    saved = json.loads(json.dumps(DSVConfig(stage1_local_radius=(1, 2, 1)).to_dict()))
+    assert dsv_config_from_dict(saved).stage1_local_radius == (1, 2, 1)
+    del saved["stage1_local_radius"]
+    assert dsv_config_from_dict(saved).stage1_local_radius == (0, 0, 0)
 
 
 def test_load_model_for_inference_matches_the_trained_weights(tmp_path):
