@@ -225,13 +225,12 @@ def deterministic():
 @pytest.mark.interpreter
 def test_deterministic_mode_takes_the_atomic_free_backward(deterministic, monkeypatch):
     """torch.use_deterministic_algorithms(True) (Megatron's --deterministic-mode): block lists take the split
-    backward (no atomics) even where fused is faster; token lists, an explicit fused and atomic dK/dV, which have
-    no deterministic kernel, raise naming the setting (warn with warn_only); the split gradients are bitwise
-    the same on a second run."""
+    backward (no atomics) even where fused is faster, token lists the token inverse map; an explicit fused and
+    atomic dK/dV, which have no deterministic kernel, raise naming the setting (warn with warn_only); the split
+    gradients are bitwise the same on a second run."""
     monkeypatch.delenv("DSV_SPARSE_BWD", raising=False)
     assert launch.bwd_mode(64, 128, 128) == "split" and launch.bwd_mode(32, 64, 128) == "split"
-    with pytest.raises(RuntimeError, match="--dsv-granularity token"):
-        launch.bwd_mode(32, 0, 128)
+    assert launch.bwd_mode(32, 0, 128) == "split"
     monkeypatch.setenv("DSV_SPARSE_BWD", "fused")
     with pytest.raises(RuntimeError, match="DSV_SPARSE_BWD=fused"):
         launch.bwd_mode(64, 128, 128)
@@ -253,8 +252,52 @@ def test_deterministic_mode_takes_the_atomic_free_backward(deterministic, monkey
         sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, BS, 0.125, atomic_kv=True)
     with pytest.raises(RuntimeError, match="mode='fused'"):
         sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, BS, 0.125, mode="fused")
-    with pytest.raises(RuntimeError, match="atomic_kv=True"):  # token lists asked for the split kernels by name
-        sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, 0, 0.125, mode="split")
+    with pytest.raises(RuntimeError, match="atomic_kv=True"):  # token lists asked for the atomics by name
+        sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, 0, 0.125, atomic_kv=True)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("B,H,Hkv,S,D,G,per_group", [(1, 4, 2, 200, 64, 32, False), (2, 2, 1, 63, 96, 16, True),
+                                                     (1, 2, 2, 130, 64, 64, False)])
+def test_deterministic_token_backward_matches_naive(deterministic, monkeypatch, B, H, Hkv, S, D, G, per_group):
+    """Token lists under deterministic algorithms: the dq kernel without atomics and the token inverse map's
+    dk/dv kernel give the naive twin's gradients (GQA, head dim 96, a partial last key tile and query group,
+    per-group list lengths, an empty head and a full one) and the same bits on a second run; without
+    deterministic algorithms the atomic kernels give the same values."""
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(B, h, S, D, generator=gen) for h in (H, Hkv, Hkv))
+    idx, cnt = make_lists(B, H, S, G, 0, 0.3, seed=2, empty_head=0, full_head=1)
+    if per_group:  # a prefix of every group's list: 0 to all of its entries
+        NG = idx.shape[2]
+        cnt = (torch.rand(B, H, NG, generator=gen) * (cnt[..., None] + 1)).long().clamp(max=cnt[..., None])
+        cnt = cnt.to(torch.int32)
+    do = torch.randn(B, H, S, D, generator=gen)
+    calls, token_kv = [], launch._sparse_bwd_token_kv
+    monkeypatch.setattr(launch, "_sparse_bwd_token_kv", lambda *a, **kw: calls.append(1) or token_kv(*a, **kw))
+    (o, dq, dk, dv), (o_n, dq_n, dk_n, dv_n) = fwd_bwd_both(q, k, v, idx, cnt, G, 0, do)
+    assert calls == [1], "the deterministic token backward must run the token inverse map's kernel"
+    for got, want in ((o, o_n), (dq, dq_n), (dk, dk_n), (dv, dv_n)):
+        assert rel_rmse(got, want) < 1e-5
+    assert all(torch.equal(a, b) for a, b in zip((o, dq, dk, dv), fwd_bwd_both(q, k, v, idx, cnt, G, 0, do)[0]))
+    torch.use_deterministic_algorithms(False)  # the atomic kernels: the same values, up to summation order
+    atomic = fwd_bwd_both(q, k, v, idx, cnt, G, 0, do)[0]
+    assert all(rel_rmse(a, b) < 1e-5 for a, b in zip(atomic, (o, dq, dk, dv)))
+
+
+def test_token_inverse_map_exact():
+    """Key tile -> (group, bit mask of its listed keys in the tile), groups ascending, per (batch, head); padding
+    and entries past a group's count are never read."""
+    from megatron_dsv.ops.sparse_attention.launch import build_token_inverse_map
+
+    # 1 batch, 2 heads, 2 groups; keys 0..69 in tiles of 32 (the last one partial: 64..69)
+    idx = torch.tensor([[[[0, 5, 33, 69], [31, 32, 40, -1]], [[64, -1, -1, -1], [1, 2, 3, 99]]]], dtype=torch.int32)
+    cnt = torch.tensor([[[4, 3], [1, 3]]], dtype=torch.int32)
+    ptr, grp, bits = build_token_inverse_map(idx, cnt, TK=70, BN=32)
+    got = [[(int(grp[e]), int(bits[e])) for e in range(int(ptr[i]), int(ptr[i + 1]))] for i in range(6)]
+    assert got == [[(0, 1 | 1 << 5), (1, 1 << 31)], [(0, 1 << 1), (1, 1 | 1 << 8)], [(0, 1 << 5)],
+                   [(1, 1 << 1 | 1 << 2 | 1 << 3)], [], [(0, 1)]]
+    with pytest.raises(ValueError, match="BN must be in"):
+        build_token_inverse_map(idx, cnt, TK=70, BN=64)
 
 
 def test_inverse_map_exact():

@@ -21,7 +21,7 @@ import torch
 import triton
 
 from .checks import group_counts
-from .triton_bwd import bwd_delta_kernel, bwd_kv_kernel, bwd_q_kernel
+from .triton_bwd import bwd_delta_kernel, bwd_kv_kernel, bwd_kv_token_kernel, bwd_q_kernel
 from .triton_fwd import LOG2E, sparse_attn_fwd_kernel
 
 Config = Dict[str, int]
@@ -42,7 +42,7 @@ FUSED_FASTER: Dict[Tuple[int, int], Config] = {
 
 
 def pick_config(kind: str, D: int, G: int, BS: int) -> Config:
-    """Tile sizes and launch shape for one pass: kind in {fwd, bwd_q, bwd_kv, bwd_fused}."""
+    """Tile sizes and launch shape for one pass: kind in {fwd, bwd_q, bwd_kv, bwd_kv_token, bwd_fused}."""
     if (kind, D, G, BS) in CONFIG_OVERRIDES:
         return dict(CONFIG_OVERRIDES[(kind, D, G, BS)])
     big = D > 128  # 256 needs half-size tiles to fit registers and shared memory
@@ -67,6 +67,9 @@ def pick_config(kind: str, D: int, G: int, BS: int) -> Config:
     elif kind == "bwd_kv":
         cfg = dict(BM=min(G, 32 if big else 64), BN=64, num_warps=4 if not big else 8,
                    num_stages=1 if big else 2)
+    elif kind == "bwd_kv_token":  # BN is fixed: the inverse map's key masks are BN bits (not tuned yet)
+        cfg = dict(BM=min(G, 32 if big else 64), BN=TOKEN_TILE, num_warps=4 if not big else 8,
+                   num_stages=1 if big else 2)
     elif kind == "bwd_fused":  # the dk/dv kernel's tiles; DQ: 1 = pointer atomics, 2 = TMA reduce-add
         if D == 128 and (G, BS) in FUSED_FASTER:
             return dict(FUSED_FASTER[(G, BS)])
@@ -81,27 +84,29 @@ def pick_config(kind: str, D: int, G: int, BS: int) -> Config:
 
 
 BWD_MODES = ("auto", "split", "fused")
+# keys per tile of the token lists' atomic-free dk/dv kernel: a group's keys in a tile are one int64 mask of
+# TOKEN_TILE bits, and 32 keeps every mask below 2^32, so the map's int64 prefix sums cannot overflow
+TOKEN_TILE = 32
 
 
 def bwd_mode(G: int, BS: int, D: int) -> str:
     """The one place the block-level backward is chosen: ``DSV_SPARSE_BWD`` in
     {auto, split, fused}. split: dq kernel + inverse-map dk/dv kernel (7 matmuls, no atomics: the same
     bits on every run); fused: one inverse-map kernel adding dq with fp32 atomics (5 matmuls).
-    Token lists always take the dq kernel with dk/dv atomics.
+    Token lists take the dq kernel with dk/dv atomics.
 
     Deterministic algorithms (``torch.use_deterministic_algorithms(True)``, Megatron's
     ``--deterministic-mode``): block lists take split (its cost: none at the default G=128 / 128-key
     blocks, where auto takes split anyway; 1.22x the backward where fused measured faster, G=64 / 128 and
-    G=32 / 64 at D=128); token lists and an explicit ``fused`` have no deterministic kernel and raise (warn,
-    with ``warn_only=True``), as torch's own ops do."""
+    G=32 / 64 at D=128); token lists take the dq kernel without atomics and ``bwd_kv_token_kernel`` for
+    dk/dv (its cost is not measured yet: every group pays a whole 32-key tile for each tile it lists a key
+    of); an explicit ``fused`` has no deterministic kernel and raises (warns, with ``warn_only=True``), as
+    torch's own ops do."""
     name = os.environ.get("DSV_SPARSE_BWD", "auto").strip().lower() or "auto"
     if name not in BWD_MODES:
         raise ValueError(f"DSV_SPARSE_BWD must be one of {BWD_MODES}; got {name!r}")
     deterministic = torch.are_deterministic_algorithms_enabled()
-    if BS == 0:
-        if deterministic:
-            _nondeterministic("token lists (DSVConfig.granularity 'token', --dsv-granularity token) scatter dK/dV "
-                              "with fp32 atomics; block lists (the default) have an atomic-free backward")
+    if BS == 0:  # the dq kernel, then dk/dv by atomics or (deterministic) by the token inverse map
         return "split"
     if deterministic:
         if name == "fused":  # asked for by name: raises, or (warn_only) runs as asked
@@ -199,10 +204,57 @@ def build_inverse_map(kv_indices: torch.Tensor, kv_counts: torch.Tensor, nkb: in
     return inv_ptr, inv_grp
 
 
+def build_token_inverse_map(kv_indices: torch.Tensor, kv_counts: torch.Tensor, TK: int, BN: int = TOKEN_TILE):
+    """CSR map key tile -> (query group, mask of its listed keys in the tile), per (batch, head), groups ascending.
+
+    Token lists: kv_indices int32 [B, H, NG, Kmax] key ids in [0, TK), kv_counts int32 [B, H] or [B, H, NG];
+    tiles of BN (<= 32) consecutive keys, nkt = ceil(TK / BN) of them.
+
+    inv_ptr [B*H*nkt + 1] int32; inv_grp int32 and inv_bits int64 [B*H*NG*Kmax] (tail unused): entry e is a
+    group listing keys of its tile, bit j of inv_bits[e] set when it lists key ``tile * BN + j``. One sort of
+    the flat entries and integer prefix sums (a group's keys in a tile are distinct bits, so their sum is
+    their union), gathers and searches: no atomics and no host sync, the same map on every run.
+    """
+    if not 16 <= BN <= TOKEN_TILE:
+        raise ValueError(f"token inverse map: BN must be in [16, {TOKEN_TILE}] (one int64 mask per entry), got {BN}")
+    B, H, NG, KM = kv_indices.shape
+    dev = kv_indices.device
+    nkt = triton.cdiv(TK, BN)
+    n_keys = B * H * nkt * NG  # one sort key per (batch*head, tile, group); padding sorts after all of them
+    ids = kv_indices.long()
+    valid = torch.arange(KM, device=dev) < group_counts(kv_counts, NG)[..., None]
+    bh = torch.arange(B * H, device=dev).view(B, H, 1, 1)
+    grp = torch.arange(NG, device=dev).view(1, 1, NG, 1)
+    key = ((bh * nkt + ids // BN) * NG + grp).masked_fill_(~valid, n_keys).reshape(-1)
+    bits = torch.bitwise_left_shift(torch.ones_like(ids), ids % BN).masked_fill_(~valid, 0).reshape(-1)
+    key_sorted, order = torch.sort(key)
+    del key
+    bits = bits[order]
+    E = key_sorted.numel()
+    first = torch.ones(E, dtype=torch.bool, device=dev)
+    first[1:] = key_sorted[1:] != key_sorted[:-1]
+    seg = torch.cumsum(first, 0)  # 1 + the entry of every sorted item, nondecreasing
+    del first
+    # entry e spans sorted items [lo, hi): its mask is the sum of their bits, from one prefix sum (< E * 2^32)
+    entry = torch.arange(1, E + 1, device=dev)
+    lo, hi = torch.searchsorted(seg, entry), torch.searchsorted(seg, entry, right=True)
+    used = lo < E  # the tail past the last entry is unused
+    lo, hi = lo.clamp_(max=E - 1), (hi - 1).clamp_(min=0)
+    total = torch.cumsum(bits, 0)
+    inv_bits = torch.where(used, total[hi] - total[lo] + bits[lo], 0)
+    inv_key = torch.where(used, key_sorted[lo], n_keys)
+    del key_sorted, bits, total, seg, lo, hi, used
+    inv_grp = inv_key.remainder(NG).to(torch.int32)
+    bounds = torch.arange(B * H * nkt + 1, device=dev, dtype=torch.int64) * NG
+    inv_ptr = torch.searchsorted(inv_key, bounds).to(torch.int32)
+    return inv_ptr, inv_grp, inv_bits
+
+
 def sparse_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scale: float,
                atomic_kv: Optional[bool] = None, cfg_q: Optional[Config] = None,
                cfg_kv: Optional[Config] = None, mode: Optional[str] = None):
-    """dq, dk, dv. Token lists (or atomic_kv=True) scatter dk/dv with fp32 atomics;
+    """dq, dk, dv. Token lists (or atomic_kv=True) scatter dk/dv with fp32 atomics, except under
+    deterministic algorithms, where token lists take the token inverse map (``bwd_kv_token_kernel``);
     block lists take the atomic-free inverse-map kernel, after the dq kernel
     (mode split) or adding dq itself with atomics (mode fused; cfg_kv then
     overrides the fused config). mode None: ``bwd_mode``. q, o, do [B, H, T, D]; k, v [B, Hkv, TK, D].
@@ -211,7 +263,8 @@ def sparse_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scal
     B, H, T, D = q.shape
     TK = k.shape[2]
     explicit = atomic_kv is not None or mode is not None  # asked for by the caller: bwd_mode checked neither
-    atomic_kv = (BS == 0) if atomic_kv is None else atomic_kv
+    if atomic_kv is None:
+        atomic_kv = BS == 0 and not torch.are_deterministic_algorithms_enabled()
     mode = mode or bwd_mode(G, BS, D)
     if explicit and torch.are_deterministic_algorithms_enabled() and (atomic_kv or (mode == "fused" and BS)):
         _nondeterministic("atomic_kv=True scatters dK/dV with fp32 atomics" if atomic_kv else
@@ -227,6 +280,8 @@ def sparse_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scal
                                          atomic_kv, cfg_q)
     if atomic_kv:
         return dq, dk32.to(k.dtype), dv32.to(v.dtype)
+    if BS == 0:
+        return (dq, *_sparse_bwd_token_kv(do, q, k, v, lse, delta, kv_indices, kv_counts, G, scale, cfg_kv))
     nkb = math.ceil(TK / BS)
     inv_ptr, inv_grp = build_inverse_map(kv_indices, kv_counts, nkb)
     cfg_kv = cfg_kv or pick_config("bwd_kv", D, G, BS)
@@ -237,6 +292,22 @@ def sparse_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scal
         BM=cfg_kv["BM"], BN=cfg_kv["BN"], DQ=0, H=H, HR=H // hkv, K=D, BD=_bd(D), G=G, BS=BS,
         **_launch_opts(cfg_kv))
     return dq, dk, dv
+
+
+def _sparse_bwd_token_kv(do, q, k, v, lse, delta, kv_indices, kv_counts, G: int, scale: float,
+                         cfg: Optional[Config] = None):
+    """Token lists' dk, dv without atomics (after the dq kernel, which wrote delta)."""
+    B, H, T, D = q.shape
+    TK, hkv = k.shape[2], k.shape[1]
+    cfg = cfg or pick_config("bwd_kv_token", D, G, 0)
+    inv_ptr, inv_grp, inv_bits = build_token_inverse_map(kv_indices, kv_counts, TK, cfg["BN"])
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    nkt = triton.cdiv(TK, cfg["BN"])
+    bwd_kv_token_kernel[(nkt, B * hkv)](
+        q, k, v, do, lse, delta, dk, dv, inv_ptr, inv_grp, inv_bits, T, TK, nkt, scale * LOG2E, scale,
+        H=H, HR=H // hkv, K=D, BD=_bd(D), G=G, BM=cfg["BM"], BN=cfg["BN"], **_launch_opts(cfg))
+    return dk, dv
 
 
 def sparse_bwd_q(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scale: float, atomic_kv: bool,
