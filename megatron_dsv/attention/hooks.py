@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,7 @@ from megatron_dsv.attention.schedule import should_switch
 from megatron_dsv.attention.state import StepScalars
 
 __all__ = ["dsv_layers", "dsv_on_step_end", "dsv_prefetch_step_end", "dsv_metrics", "dsv_stage",
-           "dsv_eval_forward"]
+           "dsv_eval_forward", "dsv_set_token_grid"]
 
 
 def dsv_layers(model) -> List[DSVCoreAttention]:
@@ -54,6 +54,26 @@ def dsv_layers(model) -> List[DSVCoreAttention]:
                 seen.add(id(m))
                 layers.append(m)
     return layers
+
+
+def dsv_set_token_grid(model, token_grid: Optional[Sequence[int]]) -> None:
+    """Give every DSV layer of ``model`` the (T, H, W) token grid of the sequences its next forwards attend.
+
+    The grid is what the 3D neighbourhoods are laid on: the local part of local + predicted lists
+    (``DSVConfig.local_radius``) and the windowed stage 1 (``DSVConfig.stage1_local_radius``); with their
+    defaults (auto) both apply only where a grid is given. The sequence must be the grid's tokens in 3D-cube-major
+    order (:func:`megatron_dsv.attention.grouping.to_cube_order` with ``DSVConfig.query_group_shape``), as DSV's
+    query groups are. The grid holds until the next call; a layer whose sequence length is not ``T * H * W``
+    ignores it (auto) or refuses it (an explicit radius). None: no grid (text). The video DiT and Wan call it
+    on every forward; call it before the forward in a model of your own."""
+    if token_grid is not None:
+        grid = tuple(token_grid)
+        if len(grid) != 3 or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in grid):
+            raise ValueError(f"dsv_set_token_grid: token_grid must be three positive ints (T, H, W) or None, "
+                             f"got {token_grid!r}")
+        token_grid = grid
+    for layer in dsv_layers(model):
+        layer.token_grid = token_grid
 
 
 @contextlib.contextmanager

@@ -29,6 +29,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_dsv.attention.grouping import from_cube_order, to_cube_order
+from megatron_dsv.attention.hooks import dsv_set_token_grid
 from megatron_dsv.models.dit_config import PRESETS, VideoDiTConfig, _check_dtype, count_parameters
 from megatron_dsv.models.dit_layer import get_video_dit_layer_spec, modulate
 from megatron_dsv.models.rope3d import rope_3d_table
@@ -123,8 +124,7 @@ class VideoDiT(MegatronModule):
             text_mask: optional ``[B, L]`` bool, True = real token (padding is False).
         """
         token_grid = self._check_inputs(latents, timesteps, labels, text, text_mask)
-        for core in self._dsv_cores():  # local + predicted lists lay their neighbourhoods on this grid
-            core.token_grid = tuple(token_grid)
+        dsv_set_token_grid(self._dsv_cores(), token_grid)  # the neighbourhoods of local lists and the stage-1 window
         dc = self.dit_config
         tokens = to_cube_order(patchify(latents, dc.patch), token_grid, self.cube, dim=1)
         x = self.patch_embed(tokens.to(self.patch_embed.weight.dtype)).transpose(0, 1).contiguous()

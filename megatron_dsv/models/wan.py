@@ -29,6 +29,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_dsv.attention.grouping import cube_order_coords, from_cube_order, to_cube_order
+from megatron_dsv.attention.hooks import dsv_set_token_grid
 from megatron_dsv.models.dit_config import _check_dtype
 from megatron_dsv.models.rope3d import rope_3d_freqs
 from megatron_dsv.models.video_dit import VideoDiT, _cp_group, init_device, patchify, timestep_features, unwrap_model
@@ -117,8 +118,7 @@ class WanTransformer(MegatronModule):
                 padding too (diffusers passes no mask): leave None to reproduce it.
         """
         grid = self._check_inputs(latents, timesteps, labels, text, text_mask)
-        for core in self._dsv_cores():
-            core.token_grid = tuple(grid)
+        dsv_set_token_grid(self._dsv_cores(), grid)  # the neighbourhoods of local lists and the stage-1 window
         wc, dtype = self.wan_config, self.patch_embed.weight.dtype
         tokens = to_cube_order(patchify(latents, wc.patch_size), grid, self.cube, dim=1)
         x = self.patch_embed(tokens.to(dtype)).transpose(0, 1).contiguous()  # [S, B, h]

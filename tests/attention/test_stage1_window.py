@@ -202,6 +202,27 @@ def test_default_layer_attends_the_auto_window(make_layer, threshold, windowed):
     assert layer.last_k.tolist() == pytest.approx([kept] * 2)
 
 
+def test_set_token_grid_reaches_every_layer(make_layer):
+    """dsv_set_token_grid (a video model's forward, e.g. in Megatron-LM): every DSV layer of the model gets the
+    grid, the default window then applies; None clears it (dense again); a bad grid is refused by name."""
+    from megatron_dsv.attention import dsv_set_token_grid
+
+    grid, s = (4, 24, 16), 4 * 24 * 16
+    model = torch.nn.ModuleList([make_layer(query_group_shape=CUBE, granularity="block", kv_block_size=64,
+                                            sparsity_threshold=0.3, layer_number=n) for n in (1, 2)])
+    dsv_set_token_grid(model, [4, 24, 16])
+    assert [m.token_grid for m in model] == [grid, grid]
+    q, k, v = qkv(seed=6, S=s)
+    want = reference(q, k, v, window_mask(grid, CUBE, (2, 2, 1)), model[1].softmax_scale)[0]
+    assert torch.allclose(run(model[1], q, k, v)[0].double(), want, atol=1e-5)
+    dsv_set_token_grid(model, None)
+    assert [m.token_grid for m in model] == [None, None]
+    assert float(run(model[0], q, k, v)[0].isfinite().all()) and model[0].last_k.tolist() == [s, s]
+    for bad in ((4, 24), (4, 0, 16), (4.0, 24, 16)):
+        with pytest.raises(ValueError, match="dsv_set_token_grid: token_grid must be three positive ints"):
+            dsv_set_token_grid(model, bad)
+
+
 @pytest.mark.gpu
 def test_stage1_window_on_the_gpu_kernel(make_layer):
     layer = make_layer(query_group_shape=CUBE, granularity="block", kv_block_size=128, stage1_local_radius=(1, 0, 1),
