@@ -19,6 +19,8 @@ permutation-equivariant). Context parallelism shards the cube-ordered sequence a
 
 from __future__ import annotations
 
+import dataclasses
+
 from functools import lru_cache
 from typing import Optional, Sequence
 
@@ -163,7 +165,9 @@ def build_wan(cfg: WanConfig, dsv_config=None, use_te: Optional[bool] = None, pg
     Args:
         cfg: the model shape (:meth:`WanConfig.from_preset`, :meth:`WanConfig.from_diffusers`).
         dsv_config: a DSVConfig for DSV self-attention (its ``query_group_shape`` becomes the token cube);
-            None = dense attention and the cube ``cfg.cube``.
+            None = dense attention and the cube ``cfg.cube``. Wan was pretrained with full attention and a
+            fine-tune restarts at stage 1, so the default (auto) ``stage1_local_radius`` is dense here: the
+            windowed stage 1 was measured training from scratch only. An explicit radius holds.
         use_te: force transformer-engine (True) or local (False) layers; None = TE when installed.
         pg_collection: process groups (default: megatron.core.parallel_state's).
         transformer_overrides: TransformerConfig fields (``tensor_model_parallel_size``, recomputation, ...).
@@ -178,6 +182,8 @@ def build_wan(cfg: WanConfig, dsv_config=None, use_te: Optional[bool] = None, pg
         if not isinstance(dsv_config, DSVConfig):
             raise ValueError(f"dsv_config must be a DSVConfig or None, got {type(dsv_config).__name__}")
         cube = dsv_config.query_group_shape
+        if dsv_config.stage1_local_radius is None:
+            dsv_config = dataclasses.replace(dsv_config, stage1_local_radius=(0, 0, 0))
     config = _transformer_config(cfg, dtype, transformer_overrides)
     spec = get_wan_layer_spec(use_dsv=dsv_config is not None, use_te=use_te, dsv_config=dsv_config,
                               cross_attn_norm=cfg.cross_attn_norm)

@@ -131,10 +131,19 @@ def test_dsv_stage1_matches_diffusers(megatron_cpu, wan_folder, predictor_input)
     model, _, _ = _converted(wan_folder, dsv_config=dsv)
     core = model.decoder.layers[0].self_attention.core_attention
     assert type(core).__name__ == "DSVCoreAttention" and core.stage_host == 1 and model.cube == (1, 4, 4)
+    assert core.dsv_config.stage1_local_radius == (0, 0, 0)  # pretrained dense: auto's window stays off
     assert type(model.decoder.layers[0].cross_attention.core_attention).__name__ == "TextCrossCoreAttention"
     model.train()  # a training forward: the predictors sample queries, attention stays dense
     out = model(x, t, text=text)
     assert _rel(ref, out.detach()) < REL_TOL, _rel(ref, out.detach())
+
+
+def test_explicit_stage1_window_holds_for_wan(megatron_cpu, wan_folder):
+    """Only the default (auto) stage-1 window is off for the pretrained Wan; one asked for by radius is kept."""
+    dsv = DSVConfig(query_group_shape=(1, 4, 4), kernel_backend="naive", topk_backend="naive", k_min=16,
+                    stage1_local_radius=(0, 1, 1))
+    model, _, _ = _converted(wan_folder, dsv_config=dsv)
+    assert model.decoder.layers[0].self_attention.core_attention.dsv_config.stage1_local_radius == (0, 1, 1)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
