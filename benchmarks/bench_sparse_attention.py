@@ -120,6 +120,17 @@ def ours_ms(q, k, v, idx, cnt, G, BS, timer=bench_ms):
     return fwd_bwd_ms(lambda: sparse_attention(q, k, v, idx, cnt, G, BS), q, k, v, timer)
 
 
+def ours_deterministic_bwd_ms(q, k, v, idx, cnt, G, BS, timer=bench_ms):
+    """Our backward under ``torch.use_deterministic_algorithms(True)`` (token lists: the token inverse map's dk/dv
+    kernel; block lists: the split backward), what a ``--deterministic-mode`` run pays."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        return ours_ms(q, k, v, idx, cnt, G, BS, timer)[1]
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
 def flex_ms(q, k, v, idx, cnt, G, BS, timer=bench_ms):
     bm = build_block_mask(idx, cnt, q.shape[2], G, BS)
     return fwd_bwd_ms(lambda: sparse_attention_flex(q, k, v, idx, cnt, G, BS, block_mask=bm), q, k, v, timer)
@@ -146,8 +157,9 @@ def add_speedups(row):
     return row
 
 
-def one_row(S, sparsity, BS, G, dense, with_flex, dim=D, heads=H, timer=bench_ms):
-    """Our op and (where it lowers) flex on the same random lists; ``timer=run_once`` only compiles."""
+def one_row(S, sparsity, BS, G, dense, with_flex, dim=D, heads=H, timer=bench_ms, deterministic=False):
+    """Our op and (where it lowers) flex on the same random lists; ``timer=run_once`` only compiles;
+    ``deterministic``: also our backward under deterministic algorithms (``ms_bwd_deterministic``)."""
     q, k, v = inputs(S, dim=dim, heads=heads)
     idx, cnt, kept = make_lists(S, G, BS, sparsity, heads=heads)
     backend = choose_backend(q, idx, G, BS)
@@ -156,6 +168,10 @@ def one_row(S, sparsity, BS, G, dense, with_flex, dim=D, heads=H, timer=bench_ms
                granularity="token" if BS == 0 else "block", keys_per_group=kept, backend=backend,
                bwd_mode=launch.bwd_mode(G, BS, dim) if backend == "triton" else None,
                ms_fwd=fwd, ms_bwd=bwd, **dense)
+    if deterministic:
+        row["ms_bwd_deterministic"] = ours_deterministic_bwd_ms(q, k, v, idx, cnt, G, BS, timer)
+        if timer is not run_once:
+            row["deterministic_bwd_cost"] = row["ms_bwd_deterministic"] / bwd
     skip = flex_skip_reason(G, BS) if with_flex else "--no-flex"
     if skip:
         row["flex_skipped"] = skip
@@ -433,7 +449,8 @@ def run_points(points, bench, args, meta, t_start, timer=bench_ms, on_row=None, 
                 dense_cache[(S, dim, heads)] = {} if warm else dense_baseline(S, dim, heads)
             try:
                 row = one_row(S, p["sparsity"], p["block_size"], p["G"], dense_cache[(S, dim, heads)],
-                              not args.no_flex, dim=dim, heads=heads, timer=timer)
+                              not args.no_flex, dim=dim, heads=heads, timer=timer,
+                              deterministic=getattr(args, "deterministic_bwd", False))
             except Exception as e:  # out of memory, out of shared memory, ...: record and go on
                 row = dict(keys, error=_error(e, 240))
             torch.cuda.empty_cache()
@@ -580,12 +597,17 @@ def main(argv=None):
     ap.add_argument("--dry-run", action="store_true", help="with --sweep: print the grid and the time estimate")
     ap.add_argument("--plot-only", default=None, metavar="JSON", help="redraw a sweep JSON's heatmap PNG beside it")
     ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--deterministic-bwd", action="store_true",
+                    help="also time our backward under torch.use_deterministic_algorithms(True): ms_bwd_deterministic "
+                         "and deterministic_bwd_cost (its ratio to the default backward)")
     args = ap.parse_args(argv)
     if args.plot_only:
         data = json.loads(Path(args.plot_only).read_text())
         print(f"wrote {plot_sweep(data['rows'], Path(args.plot_only).with_suffix('.png'), data.get('meta'))}")
         return
     bench_env()
+    if args.deterministic_bwd:  # cuBLAS's deterministic workspace, should anything in the timed ops reach it
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     meta = collect_meta()
     if args.groups_sweep:
         groups_sweep(args, meta)

@@ -284,6 +284,23 @@ def test_deterministic_token_backward_matches_naive(deterministic, monkeypatch, 
     assert all(rel_rmse(a, b) < 1e-5 for a, b in zip(atomic, (o, dq, dk, dv)))
 
 
+@pytest.mark.interpreter
+def test_bench_times_the_deterministic_backward(monkeypatch):
+    """bench_sparse_attention --deterministic-bwd: our backward runs under deterministic algorithms (token lists:
+    the token inverse map) and the global setting is restored after."""
+    from benchmarks.bench_sparse_attention import ours_deterministic_bwd_ms, run_once
+
+    calls, token_kv = [], launch._sparse_bwd_token_kv
+    monkeypatch.setattr(launch, "_sparse_bwd_token_kv", lambda *a, **kw: calls.append(1) or token_kv(*a, **kw))
+    B, H, S, D, G = 1, 2, 96, 64, 32
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(B, H, S, D, generator=gen).requires_grad_() for _ in range(3))
+    idx, cnt = make_lists(B, H, S, G, 0, 0.3)
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert ours_deterministic_bwd_ms(q, k, v, idx, cnt, G, 0, timer=run_once) == 0.0
+    assert calls and not torch.are_deterministic_algorithms_enabled()
+
+
 def test_token_inverse_map_exact():
     """Key tile -> (group, bit mask of its listed keys in the tile), groups ascending, per (batch, head); padding
     and entries past a group's count are never read."""
