@@ -3,7 +3,8 @@
 One spawned world per test (``spawn.run_world``), each running several checks:
 
 * ``DSVCoreAttention`` under CP against the same layer without CP, batch 2 and GQA (4 query heads,
-  2 key/value heads), token lists (G=16) and block lists (G=64, 64-key blocks), over several steps
+  2 key/value heads), token lists (G=16) and block lists (G=64, 64-key blocks; also with the default windowed
+  stage 1 and local + predicted lists on a token grid), over several steps
   (stage 1 with the profiler and the predictor, the stage switch, stage 2 sparse): outputs, dq, dk,
   dv every step; after every step end the profiled sparsity, budget density, recall, predictor
   weights and Adam state, stage and ``cp_plan_state`` are identical on every CP rank and equal to one
@@ -109,17 +110,22 @@ def _check_state(layers, what):
     assert cp.stage_host == one.stage_host and cp.profiled_host == one.profiled_host
 
 
-def _run_steps(rank, world, cfg, S, B, steps, tag):
-    """``steps`` training steps of a CP layer beside one process, then a no_grad eval forward."""
-    from megatron_dsv.attention import dsv_on_step_end
+def _run_steps(rank, world, cfg, S, B, steps, tag, grid=None):
+    """``steps`` training steps of a CP layer beside one process, then a no_grad eval forward (``grid``: the
+    token grid given to both, for the neighbourhoods of local lists and of a windowed stage 1)."""
+    from megatron_dsv.attention import dsv_on_step_end, dsv_set_token_grid
     from tests.attention.conftest import tf_config
 
     torch.manual_seed(0)
     layers = _layers(cfg, tf_config(hidden=H * D, heads=H, kv_heads=HKV), dist.group.WORLD)
+    dsv_set_token_grid(list(layers.values()), grid)
     ran_sparse = False
     for step in range(1, steps + 1):
         sparse_one, sparse_cp = _step(layers, rank, world, 100 * step, S, B, f"{tag} step {step}")
         assert sparse_one == sparse_cp, f"{tag} step {step}: one process sparse={sparse_one}, CP sparse={sparse_cp}"
+        if grid is not None and layers["cp"].stage_host == 1 and cfg.stage1_radius_for(grid) is not None:
+            keys = [float(layers[n].last_k.max()) for n in ("one", "cp")]  # stage 1 attended the window
+            assert keys[0] == keys[1] < S, f"{tag} step {step}: stage-1 keys {keys} of {S}"
         ran_sparse |= sparse_cp
         for layer in layers.values():
             dsv_on_step_end(layer, step)
@@ -191,6 +197,13 @@ def _check_world2(rank, world):
                                        kv_block_size=64, k_min=1, budget_rule="sparsity",
                                        **{**common, "sparsity_threshold": 0.0}),
                S=512, B=2, steps=4, tag="block G64 seq B=2 GQA")
+    # the same with the default stage-1 window on a 1x8x64 grid (a row of eight 1x8x8 cubes: the (2, 2, 1) window keeps
+    # 22 of 64 cube pairs) and local + predicted lists in stage 2, under the hybrid planner
+    layers = _run_steps(rank, world, dsv_config(cp_mode="hybrid", granularity="block", query_group_shape=(1, 8, 8),
+                                                kv_block_size=64, k_min=1, budget_rule="sparsity", local_radius=None,
+                                                **{**common, "sparsity_threshold": 0.0}),
+                        S=512, B=2, steps=4, tag="block G64 hybrid B=2 GQA stage-1 window", grid=(1, 8, 64))
+    assert layers["cp"].dsv_config.stage1_radius_for((1, 8, 64)) == (2, 2, 1)
 
 
 def _check_world4_layouts(rank, world):
