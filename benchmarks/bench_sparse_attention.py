@@ -168,10 +168,13 @@ def one_row(S, sparsity, BS, G, dense, with_flex, dim=D, heads=H, timer=bench_ms
                granularity="token" if BS == 0 else "block", keys_per_group=kept, backend=backend,
                bwd_mode=launch.bwd_mode(G, BS, dim) if backend == "triton" else None,
                ms_fwd=fwd, ms_bwd=bwd, **dense)
-    if deterministic:
-        row["ms_bwd_deterministic"] = ours_deterministic_bwd_ms(q, k, v, idx, cnt, G, BS, timer)
-        if timer is not run_once:
-            row["deterministic_bwd_cost"] = row["ms_bwd_deterministic"] / bwd
+    if deterministic:  # its own failure (e.g. DSV_SPARSE_BWD=fused, which has no deterministic kernel) is recorded
+        try:
+            row["ms_bwd_deterministic"] = ours_deterministic_bwd_ms(q, k, v, idx, cnt, G, BS, timer)
+            if timer is not run_once:
+                row["deterministic_bwd_cost"] = row["ms_bwd_deterministic"] / bwd
+        except Exception as e:
+            row["deterministic_error"] = _error(e)
     skip = flex_skip_reason(G, BS) if with_flex else "--no-flex"
     if skip:
         row["flex_skipped"] = skip

@@ -273,15 +273,18 @@ class DSVConfig:
 
         An explicit ``stage1_local_radius`` holds as given ((0, 0, 0): dense; a radius without a grid is refused
         where the lists are built). The default None gives :data:`DEFAULT_STAGE1_LOCAL_RADIUS` when the grid is
-        known and tiled by ``query_group_shape``, lists are key blocks, and the window keeps at most
-        ``1 - sparsity_threshold`` of the keys."""
+        known and tiled by ``query_group_shape``, lists are key blocks, and the window's block lists keep at
+        most ``1 - sparsity_threshold`` of the keys."""
         if self.stage1_local_radius is not None:
             return self.stage1_local_radius if any(self.stage1_local_radius) else None
         if self.block_size == 0 or not self._tiles(token_grid):
             return None
-        from megatron_dsv.attention.neighbourhood import kept_fraction  # torch-only module, imported on use
+        from megatron_dsv.attention.neighbourhood import local_items_with_counts  # torch-only, imported on use
 
-        kept = kept_fraction(token_grid, self.query_group_shape, DEFAULT_STAGE1_LOCAL_RADIUS)
+        # the keys the window's block lists hold (a cube smaller than a key block keeps whole blocks)
+        mean_items = local_items_with_counts(token_grid, self.query_group_shape, DEFAULT_STAGE1_LOCAL_RADIUS,
+                                             self.block_size, "cpu")[2]
+        kept = mean_items * self.block_size / math.prod(token_grid)
         return DEFAULT_STAGE1_LOCAL_RADIUS if kept <= 1.0 - self.sparsity_threshold + 1e-9 else None
 
     def local_radius_for(self, token_grid: Optional[Sequence[int]],

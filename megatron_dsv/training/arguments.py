@@ -23,13 +23,15 @@ DEFAULT_STAGE_SWITCH_STEPS = 150
 # A 512-token demo video is far less sparse (0.4-0.6 measured) than the 16K+ token videos DSV
 # targets (0.8-0.98), and 128-token blocks are a quarter of it. So the embedded default lowers the
 # dispatcher's threshold and uses 2x4x4 query cubes with 64-token KV blocks, to show stage 2 running
-# sparse, and turns the always-on neighbourhood off (its 3x3x3 cubes would be most of such a video).
+# sparse, and turns the always-on neighbourhood and the stage-1 window off (their cubes would be most of such a
+# video; on longer videos the window was measured with 4x4x8 cubes only).
 # With the library's 25% cap on the lists (DSVConfig.max_density) the capped budgets already pass the
 # threshold; the lowered threshold is what decides with --dsv-max-density none.
 # Pass --dsv-sparsity-threshold 0.7 --dsv-query-group-shape 4 4 8 --dsv-kv-block-size 128
-# --dsv-local-radius auto for the library defaults (auto: 1 1 1 on a grid the cube tiles).
+# --dsv-local-radius auto --dsv-stage1-local-radius auto for the library defaults (auto: 1 1 1 on a grid the cube
+# tiles; 2 2 1 in stage 1 where that window keeps at most 1 - threshold of the keys).
 DEMO_DSV_DEFAULTS = dict(dsv_sparsity_threshold=0.4, dsv_query_group_shape=(2, 4, 4), dsv_kv_block_size=64,
-                         dsv_local_radius=(0, 0, 0))
+                         dsv_local_radius=(0, 0, 0), dsv_stage1_local_radius=(0, 0, 0))
 
 
 # Averages the weights over the last ~1/(1 - decay) = 1000 optimizer steps: a fifth to a third of runs of a

@@ -360,6 +360,13 @@ def check_dsv_state(state: dict, model, directory: str, load_dsv_state: bool = T
         raise CheckpointError(f"checkpoint {directory} has no DSV state (trained without --use-dsv-attention): "
                               "pass --no-load-dsv-state to start DSV (stage 1, fresh predictors) from its weights, "
                               "or leave --use-dsv-attention out")
+    if saved_dsv and "stage1_local_radius" not in state["dsv_config"] and is_rank0():
+        from megatron_dsv.attention import dsv_layers
+
+        if any(layer.dsv_config.stage1_local_radius is None for layer in dsv_layers(model)):
+            print(f" > checkpoint {directory} was saved before --dsv-stage1-local-radius existed (its stage 1 was "
+                  "dense); this run's default (auto) attends a 3D window in stage 1 where it applies: pass "
+                  "--dsv-stage1-local-radius 0 0 0 to keep a dense stage 1", flush=True)
     return []
 
 

@@ -180,6 +180,10 @@ def test_auto_radius_where_it_applies():
     assert DSVConfig(granularity="token").stage1_radius_for((16, 32, 32)) is None
     assert DSVConfig(stage1_local_radius=(0, 0, 0)).stage1_radius_for((16, 32, 32)) is None
     assert DSVConfig(stage1_local_radius=(0, 1, 0)).stage1_radius_for(None) == (0, 1, 0)
+    # the keys the block lists hold decide, not the cubes': 1x8x8 cubes in 128-key blocks on a 4x48x48 grid, the
+    # window's cubes are 26% of the keys but its blocks 32%
+    small = DSVConfig(query_group_shape=(1, 8, 8), kv_block_size=128)
+    assert kept_fraction((4, 48, 48), (1, 8, 8), (2, 2, 1)) <= 0.3 and small.stage1_radius_for((4, 48, 48)) is None
 
 
 @pytest.mark.parametrize("threshold,windowed", [(0.3, True), (0.4, False)])
@@ -221,6 +225,21 @@ def test_set_token_grid_reaches_every_layer(make_layer):
     for bad in ((4, 24), (4, 0, 16), (4.0, 24, 16)):
         with pytest.raises(ValueError, match="dsv_set_token_grid: token_grid must be three positive ints"):
             dsv_set_token_grid(model, bad)
+
+
+def test_resume_of_a_checkpoint_from_before_the_window_says_so(make_layer, capsys):
+    """A run with the default (auto) window resuming a checkpoint saved before stage1_local_radius existed (a
+    dense stage 1) is told how to keep it dense; a checkpoint that has the field, or an explicit radius, is not."""
+    from megatron_dsv.training.checkpointing import check_dsv_state
+
+    saved = DSVConfig().to_dict()
+    del saved["stage1_local_radius"]
+    auto = torch.nn.ModuleList([make_layer()])
+    assert check_dsv_state({"dsv_config": saved}, auto, "ckpt") == []
+    assert "--dsv-stage1-local-radius 0 0 0 to keep a dense stage 1" in capsys.readouterr().out
+    check_dsv_state({"dsv_config": DSVConfig().to_dict()}, auto, "ckpt")
+    check_dsv_state({"dsv_config": saved}, torch.nn.ModuleList([make_layer(stage1_local_radius=(0, 0, 0))]), "ckpt")
+    assert "stage1-local-radius" not in capsys.readouterr().out
 
 
 @pytest.mark.gpu

@@ -227,23 +227,29 @@ def build_token_inverse_map(kv_indices: torch.Tensor, kv_counts: torch.Tensor, T
     grp = torch.arange(NG, device=dev).view(1, 1, NG, 1)
     key = ((bh * nkt + ids // BN) * NG + grp).masked_fill_(~valid, n_keys).reshape(-1)
     bits = torch.bitwise_left_shift(torch.ones_like(ids), ids % BN).masked_fill_(~valid, 0).reshape(-1)
+    del ids, valid
     key_sorted, order = torch.sort(key)
     del key
     bits = bits[order]
+    del order
     E = key_sorted.numel()
-    first = torch.ones(E, dtype=torch.bool, device=dev)
-    first[1:] = key_sorted[1:] != key_sorted[:-1]
-    seg = torch.cumsum(first, 0)  # 1 + the entry of every sorted item, nondecreasing
-    del first
-    # entry e spans sorted items [lo, hi): its mask is the sum of their bits, from one prefix sum (< E * 2^32)
-    entry = torch.arange(1, E + 1, device=dev)
-    lo, hi = torch.searchsorted(seg, entry), torch.searchsorted(seg, entry, right=True)
-    used = lo < E  # the tail past the last entry is unused
-    lo, hi = lo.clamp_(max=E - 1), (hi - 1).clamp_(min=0)
+    # entry e (1-based) spans the sorted items up to its last one, ends[e - 1]: its mask is the running sum of the
+    # bits there minus the running sum at the previous entry's end (every mask < 2^32: no overflow in E items)
+    seg = torch.ones(E, dtype=torch.int32, device=dev)
+    seg[1:] = (key_sorted[1:] != key_sorted[:-1]).to(torch.int32)
+    seg = torch.cumsum(seg, 0, dtype=torch.int32)  # the entry of every sorted item, nondecreasing
+    entries = torch.arange(1, E + 1, device=dev, dtype=torch.int32)
+    ends = torch.searchsorted(seg, entries, right=True).sub_(1)  # the last item of each entry (E - 1 past the end)
+    used = entries <= seg[-1:]  # the tail past the last entry is unused
+    del seg, entries
     total = torch.cumsum(bits, 0)
-    inv_bits = torch.where(used, total[hi] - total[lo] + bits[lo], 0)
-    inv_key = torch.where(used, key_sorted[lo], n_keys)
-    del key_sorted, bits, total, seg, lo, hi, used
+    del bits
+    inv_bits = total[ends]
+    inv_bits[1:] -= inv_bits[:-1].clone()
+    inv_bits.masked_fill_(~used, 0)
+    del total
+    inv_key = torch.where(used, key_sorted[ends], n_keys)
+    del key_sorted, ends, used
     inv_grp = inv_key.remainder(NG).to(torch.int32)
     bounds = torch.arange(B * H * nkt + 1, device=dev, dtype=torch.int64) * NG
     inv_ptr = torch.searchsorted(inv_key, bounds).to(torch.int32)
@@ -270,7 +276,7 @@ def sparse_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scal
         _nondeterministic("atomic_kv=True scatters dK/dV with fp32 atomics" if atomic_kv else
                           "mode='fused' adds dQ with fp32 atomics")
     do, v = do.contiguous(), v.contiguous()
-    if mode == "fused" and not atomic_kv:
+    if mode == "fused" and not atomic_kv and BS:  # token lists have no fused kernel: their split path below
         if cfg_kv is not None and cfg_kv["BN"] > BS:
             raise ValueError(f"fused backward: key tile BN={cfg_kv['BN']} must not exceed block_size={BS}")
         return _sparse_bwd_fused(do, q, k, v, o, lse, kv_indices, kv_counts, G, BS, scale, cfg_kv)
