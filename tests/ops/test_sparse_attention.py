@@ -254,6 +254,10 @@ def test_deterministic_mode_takes_the_atomic_free_backward(deterministic, monkey
         sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, BS, 0.125, mode="fused")
     with pytest.raises(RuntimeError, match="atomic_kv=True"):  # token lists asked for the atomics by name
         sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, 0, 0.125, atomic_kv=True)
+    o, lse = sparse_fwd(q, k, v, idx, cnt, G, 0, 0.125)  # the same lists read as key tokens 0..3
+    det = sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, 0, 0.125)
+    fused = sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, 0, 0.125, mode="fused")  # token lists: no fused kernel
+    assert all(torch.equal(a, b) for a, b in zip(det, fused))
 
 
 @pytest.mark.interpreter
