@@ -461,10 +461,17 @@ class DSVCoreAttention(MegatronModule):
         sequence's grid) when this forward attends as stage 1 does and the window applies (else None: dense
         attention); a layer the dispatcher keeps dense in stage 2, ``force_dense`` and a head dim the kernels lack
         stay dense."""
-        cfg = self.dsv_config
         if self.force_dense or not self.kernel_ok or not (self.stage_host == 1 or self.force_stage1):
             return None
         grid = self.token_grid if self.token_grid is not None and math.prod(self.token_grid) == S else None
+        key = ("stage1_window", S, grid, str(device))  # every stage-1 forward asks: built once per grid
+        if key not in self._decisions:
+            self._decisions[key] = self._build_stage1_window(S, grid, device)
+        return self._decisions[key]
+
+    def _build_stage1_window(self, S: int, grid, device):
+        """:meth:`_stage1_window` for a sequence of ``S`` tokens on ``grid`` (None: not known)."""
+        cfg = self.dsv_config
         radius = cfg.stage1_radius_for(grid)
         if radius is None:
             return None

@@ -21,7 +21,7 @@ import torch
 import triton
 
 from .checks import group_counts
-from .triton_bwd import bwd_delta_kernel, bwd_kv_kernel, bwd_kv_token_kernel, bwd_q_kernel
+from .triton_bwd import bwd_delta_kernel, bwd_kv_kernel, bwd_q_kernel
 from .triton_fwd import LOG2E, sparse_attn_fwd_kernel
 
 Config = Dict[str, int]
@@ -98,7 +98,7 @@ def bwd_mode(G: int, BS: int, D: int) -> str:
     Deterministic algorithms (``torch.use_deterministic_algorithms(True)``, Megatron's
     ``--deterministic-mode``): block lists take split (its cost: none at the default G=128 / 128-key
     blocks, where auto takes split anyway; 1.22x the backward where fused measured faster, G=64 / 128 and
-    G=32 / 64 at D=128); token lists take the dq kernel without atomics and ``bwd_kv_token_kernel`` for
+    G=32 / 64 at D=128); token lists take the dq kernel without atomics and ``bwd_kv_kernel`` over key tiles for
     dk/dv (its cost is not measured yet: every group pays a whole 32-key tile for each tile it lists a key
     of); an explicit ``fused`` has no deterministic kernel and raises (warns, with ``warn_only=True``), as
     torch's own ops do."""
@@ -260,7 +260,7 @@ def sparse_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scal
                atomic_kv: Optional[bool] = None, cfg_q: Optional[Config] = None,
                cfg_kv: Optional[Config] = None, mode: Optional[str] = None):
     """dq, dk, dv. Token lists (or atomic_kv=True) scatter dk/dv with fp32 atomics, except under
-    deterministic algorithms, where token lists take the token inverse map (``bwd_kv_token_kernel``);
+    deterministic algorithms, where token lists take the token inverse map (``bwd_kv_kernel`` with BS = 0);
     block lists take the atomic-free inverse-map kernel, after the dq kernel
     (mode split) or adding dq itself with atomics (mode fused; cfg_kv then
     overrides the fused config). mode None: ``bwd_mode``. q, o, do [B, H, T, D]; k, v [B, Hkv, TK, D].
@@ -294,7 +294,7 @@ def sparse_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scal
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     bwd_kv_kernel[(nkb * (BS // cfg_kv["BN"]), B * hkv)](
-        q, k, v, do, lse, delta, dk, dv, dq, inv_ptr, inv_grp, T, TK, nkb, scale * LOG2E, scale,
+        q, k, v, do, lse, delta, dk, dv, dq, inv_ptr, inv_grp, inv_grp, T, TK, nkb, scale * LOG2E, scale,  # no bits
         BM=cfg_kv["BM"], BN=cfg_kv["BN"], DQ=0, H=H, HR=H // hkv, K=D, BD=_bd(D), G=G, BS=BS,
         **_launch_opts(cfg_kv))
     return dq, dk, dv
@@ -310,9 +310,9 @@ def _sparse_bwd_token_kv(do, q, k, v, lse, delta, kv_indices, kv_counts, G: int,
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     nkt = triton.cdiv(TK, cfg["BN"])
-    bwd_kv_token_kernel[(nkt, B * hkv)](
-        q, k, v, do, lse, delta, dk, dv, inv_ptr, inv_grp, inv_bits, T, TK, nkt, scale * LOG2E, scale,
-        H=H, HR=H // hkv, K=D, BD=_bd(D), G=G, BM=cfg["BM"], BN=cfg["BN"], **_launch_opts(cfg))
+    bwd_kv_kernel[(nkt, B * hkv)](  # DQ=0: the dq32 slot (dk here) is never touched
+        q, k, v, do, lse, delta, dk, dv, dk, inv_ptr, inv_grp, inv_bits, T, TK, nkt, scale * LOG2E, scale,
+        H=H, HR=H // hkv, K=D, BD=_bd(D), G=G, BS=0, BM=cfg["BM"], BN=cfg["BN"], DQ=0, **_launch_opts(cfg))
     return dk, dv
 
 
@@ -368,7 +368,7 @@ def _sparse_bwd_fused(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: in
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     bwd_kv_kernel[(nkb * (BS // cfg["BN"]), B * hkv)](
-        q, k, v, do, lse, delta, dk, dv, dq_arg, inv_ptr, inv_grp, T, TK, nkb, scale * LOG2E, scale,
+        q, k, v, do, lse, delta, dk, dv, dq_arg, inv_ptr, inv_grp, inv_grp, T, TK, nkb, scale * LOG2E, scale,
         H=H, HR=H // hkv, K=D, BD=_bd(D), G=G, BS=BS, BM=cfg["BM"], BN=cfg["BN"], DQ=dqm,
         **_launch_opts(cfg))
     return dq32.to(q.dtype), dk, dv

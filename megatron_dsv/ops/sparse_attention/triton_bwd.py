@@ -12,9 +12,9 @@
   (``DQ`` > 0, FA2/FA3's scheme): after ``bwd_delta_kernel``, this kernel alone
   also adds dS k into an fp32 dq buffer with atomics (5 matmuls, no recompute
   of P and dP for dq), and a cast finishes dq.
-- ``bwd_kv_token_kernel``: token-level dk/dv without atomics (the deterministic
-  backward of token lists): one program per tile of 32 consecutive keys and kv
-  head, walking the groups that list any of its keys with a bit mask of which.
+  With BS = 0 (token lists; the deterministic backward) a program takes a tile of
+  BN consecutive keys, and the inverse map gives each listed group a bit mask of
+  which of the tile's keys it lists (``launch.build_token_inverse_map``).
 
 Shape letters as in triton_fwd.py (T query length, TK key length; query-row
 masks use T, key-row masks TK); lse is log2-domain, scores are multiplied
@@ -103,7 +103,7 @@ def bwd_delta_kernel(o, do, delta, T, K: tl.constexpr, BD: tl.constexpr, BM: tl.
 
 @triton.jit
 def bwd_kv_kernel(
-    q, k, v, do, lse, delta, dk, dv, dq32, inv_ptr, inv_grp,
+    q, k, v, do, lse, delta, dk, dv, dq32, inv_ptr, inv_grp, inv_bits,
     T, TK, NKB, qk_scale, sm_scale,
     H: tl.constexpr, HR: tl.constexpr, K: tl.constexpr, BD: tl.constexpr,
     G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr,
@@ -116,14 +116,19 @@ def bwd_kv_kernel(
     DQ = 2: the same through a TMA reduce-add (dq32 is a [B*H, T, K] descriptor).
     With DQ > 0 each program starts its walk at a rotated entry, so programs
     running side by side (neighbouring key tiles) add into different dq rows.
+    BS = 0 (token lists, DQ = 0): NKB counts key tiles of BN tokens, and p is 0
+    on the tile's keys an entry's bit mask (inv_bits) leaves out.
     """
     i_n, i_bhkv = tl.program_id(0), tl.program_id(1)
     HKV: tl.constexpr = H // HR
     i_b, i_hkv = i_bhkv // HKV, i_bhkv % HKV
-    i_kb = i_n // (BS // BN)
     p_kv_base = i_bhkv.to(tl.int64) * TK * K
-
-    o_n = i_kb * BS + (i_n % (BS // BN)) * BN + tl.arange(0, BN)
+    if BS == 0:  # the inverse map is over tiles of BN keys
+        i_kb = i_n
+        o_n = i_n * BN + tl.arange(0, BN)
+    else:
+        i_kb = i_n // (BS // BN)
+        o_n = i_kb * BS + (i_n % (BS // BN)) * BN + tl.arange(0, BN)
     o_d = tl.arange(0, BD)
     m_n = o_n < TK
     m_kv = m_n[:, None] & (o_d[None, :] < K)
@@ -159,6 +164,10 @@ def bwd_kv_kernel(
             # [BN, BM]: transposed scores, so dk/dv accumulate without transposing them
             b_st = tl.dot(b_k, tl.trans(b_q)) * qk_scale
             b_pt = tl.exp2(b_st - b_lse[None, :])
+            if BS == 0:  # [BN]: the tile's keys on this group's list; the others get p = 0 (and so dS = 0)
+                bits = tl.load(inv_bits + i_e // (G // BM))
+                m_key = ((bits >> tl.arange(0, BN).to(tl.int64)) & 1) != 0
+                b_pt = tl.where(m_key[:, None], b_pt, 0.)
             b_dv += tl.dot(b_pt.to(b_do.dtype), b_do)
             b_dpt = tl.dot(b_v, tl.trans(b_do))
             b_dst = (b_pt * (b_dpt - b_delta[None, :])).to(b_q.dtype)
@@ -173,62 +182,3 @@ def bwd_kv_kernel(
     tl.store(dk + p_rows, (b_dk * sm_scale).to(dk.dtype.element_ty), mask=m_kv)
     tl.store(dv + p_rows, b_dv.to(dv.dtype.element_ty), mask=m_kv)
 
-
-@triton.jit
-def bwd_kv_token_kernel(
-    q, k, v, do, lse, delta, dk, dv, inv_ptr, inv_grp, inv_bits,
-    T, TK, NKT, qk_scale, sm_scale,
-    H: tl.constexpr, HR: tl.constexpr, K: tl.constexpr, BD: tl.constexpr,
-    G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-):
-    """Token lists, dk/dv without atomics (the deterministic backward): one program per key tile of BN
-    consecutive tokens and kv head, walking the tile's inverse map (``launch.build_token_inverse_map``: the
-    query groups that list any of its keys, ascending, each with a BN-bit mask of which) of every query head
-    sharing the kv head; p is 0 on the keys a group does not list. dq comes from bwd_q_kernel (no atomics)."""
-    i_n, i_bhkv = tl.program_id(0), tl.program_id(1)
-    HKV: tl.constexpr = H // HR
-    i_b, i_hkv = i_bhkv // HKV, i_bhkv % HKV
-    p_kv_base = i_bhkv.to(tl.int64) * TK * K
-
-    o_n = i_n * BN + tl.arange(0, BN)
-    o_bit = tl.arange(0, BN).to(tl.int64)
-    o_d = tl.arange(0, BD)
-    m_n = o_n < TK
-    m_kv = m_n[:, None] & (o_d[None, :] < K)
-    p_rows = p_kv_base + o_n[:, None] * K + o_d[None, :]
-    # [BN, BD]
-    b_k = tl.load(k + p_rows, mask=m_kv, other=0.)
-    b_v = tl.load(v + p_rows, mask=m_kv, other=0.)
-    b_dk = tl.zeros([BN, BD], tl.float32)
-    b_dv = tl.zeros([BN, BD], tl.float32)
-    for i_hr in range(HR):
-        i_bh = i_b * H + i_hkv * HR + i_hr
-        p_q_base = i_bh.to(tl.int64) * T * K
-        p_inv = inv_ptr + i_bh.to(tl.int64) * NKT + i_n
-        e_lo = tl.load(p_inv)
-        e_hi = tl.load(p_inv + 1)
-        # flat loop over (entry = a query group listing keys of this tile, query tile in the group), in order
-        n_e = (e_hi - e_lo) * (G // BM)
-        for i_j in range(n_e):
-            i_ent = e_lo + i_j // (G // BM)
-            i_g = tl.load(inv_grp + i_ent)
-            # [BN]: the keys of this tile on the group's list
-            m_key = ((tl.load(inv_bits + i_ent) >> o_bit) & 1) != 0
-            o_m = i_g * G + (i_j % (G // BM)) * BM + tl.arange(0, BM)
-            m_m = o_m < T
-            m_q = m_m[:, None] & (o_d[None, :] < K)
-            p_qrows = p_q_base + o_m[:, None] * K + o_d[None, :]
-            # [BM, BD]
-            b_q = tl.load(q + p_qrows, mask=m_q, other=0.)
-            b_do = tl.load(do + p_qrows, mask=m_q, other=0.)
-            b_lse = tl.load(lse + i_bh.to(tl.int64) * T + o_m, mask=m_m, other=float("inf"))
-            b_delta = tl.load(delta + i_bh.to(tl.int64) * T + o_m, mask=m_m, other=0.)
-            # [BN, BM]: transposed scores, unlisted keys at p = 0 (so their dS is 0 too)
-            b_st = tl.dot(b_k, tl.trans(b_q)) * qk_scale
-            b_pt = tl.where(m_key[:, None], tl.exp2(b_st - b_lse[None, :]), 0.)
-            b_dv += tl.dot(b_pt.to(b_do.dtype), b_do)
-            b_dpt = tl.dot(b_v, tl.trans(b_do))
-            b_dst = (b_pt * (b_dpt - b_delta[None, :])).to(b_q.dtype)
-            b_dk += tl.dot(b_dst, b_q)
-    tl.store(dk + p_rows, (b_dk * sm_scale).to(dk.dtype.element_ty), mask=m_kv)
-    tl.store(dv + p_rows, b_dv.to(dv.dtype.element_ty), mask=m_kv)
