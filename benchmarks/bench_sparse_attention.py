@@ -120,15 +120,23 @@ def ours_ms(q, k, v, idx, cnt, G, BS, timer=bench_ms):
     return fwd_bwd_ms(lambda: sparse_attention(q, k, v, idx, cnt, G, BS), q, k, v, timer)
 
 
-def ours_deterministic_bwd_ms(q, k, v, idx, cnt, G, BS, timer=bench_ms):
-    """Our backward under ``torch.use_deterministic_algorithms(True)`` (token lists: the token inverse map's dk/dv
-    kernel; block lists: the split backward), what a ``--deterministic-mode`` run pays."""
+def ours_deterministic_bwd_ms(q, k, v, idx, cnt, G, BS, timer=bench_ms, token_kv=None):
+    """Our backward under ``torch.use_deterministic_algorithms(True)`` (token lists: dk/dv as ``token_kv``, None:
+    the library's ``DSV_TOKEN_KV_BWD`` choice; block lists: the split backward), what a ``--deterministic-mode``
+    run pays."""
     before = torch.are_deterministic_algorithms_enabled()
+    env = os.environ.get("DSV_TOKEN_KV_BWD")
     torch.use_deterministic_algorithms(True)
+    if token_kv is not None:
+        os.environ["DSV_TOKEN_KV_BWD"] = token_kv
     try:
         return ours_ms(q, k, v, idx, cnt, G, BS, timer)[1]
     finally:
         torch.use_deterministic_algorithms(before)
+        if env is None:
+            os.environ.pop("DSV_TOKEN_KV_BWD", None)
+        else:
+            os.environ["DSV_TOKEN_KV_BWD"] = env
 
 
 def flex_ms(q, k, v, idx, cnt, G, BS, timer=bench_ms):
@@ -173,6 +181,10 @@ def one_row(S, sparsity, BS, G, dense, with_flex, dim=D, heads=H, timer=bench_ms
             row["ms_bwd_deterministic"] = ours_deterministic_bwd_ms(q, k, v, idx, cnt, G, BS, timer)
             if timer is not run_once:
                 row["deterministic_bwd_cost"] = row["ms_bwd_deterministic"] / bwd
+            if BS == 0:  # token lists: the other deterministic dk/dv beside the library's choice
+                other = "inverse" if launch.token_kv_mode() == "fixed" else "fixed"
+                row[f"ms_bwd_deterministic_{other}"] = ours_deterministic_bwd_ms(q, k, v, idx, cnt, G, BS, timer,
+                                                                                 token_kv=other)
         except Exception as e:
             row["deterministic_error"] = _error(e)
     skip = flex_skip_reason(G, BS) if with_flex else "--no-flex"

@@ -150,15 +150,17 @@ def test_block_atomic_backward_matches_split(BS):
 @pytest.mark.interpreter
 @pytest.mark.parametrize("Sq,Sk", [(70, 100), (130, 45)])
 def test_token_inverse_map_backward_matches_atomics(Sq, Sk):
-    """Token lists through the token inverse map (atomic_kv=False: the deterministic dk/dv kernel, its key tiles
-    over Sk) equal the dq kernel's dk/dv atomics, GQA, with 2**30 in the padding (never read)."""
+    """Token lists through the token inverse map (the deterministic dk/dv kernel with token_kv="inverse", its key
+    tiles over Sk) and through the fixed-point atomics equal the dq kernel's dk/dv atomics, GQA, with 2**30 in
+    the padding (never read)."""
     q, k, v, do = inputs(1, 2, 1, Sq, Sk, torch.float32, seed=Sq)
     idx, cnt = make_lists(1, 2, Sq, Sk, 16, 0, (0.3, 1.0), seed=Sk, pad_value=2**30)
     o, lse = sparse_fwd(q, k, v, idx, cnt, 16, 0, 0.125)
-    mapped = sparse_bwd(do, q, k, v, o, lse, idx, cnt, 16, 0, 0.125, atomic_kv=False)
     atom = sparse_bwd(do, q, k, v, o, lse, idx, cnt, 16, 0, 0.125, atomic_kv=True)
-    for name, a, b in zip(("dq", "dk", "dv"), mapped, atom):
-        assert rel_rmse(a, b) < 1e-5, (name, rel_rmse(a, b))
+    for token_kv in ("inverse", "fixed"):  # the fixed-point atomics too
+        mapped = sparse_bwd(do, q, k, v, o, lse, idx, cnt, 16, 0, 0.125, atomic_kv=False, token_kv=token_kv)
+        for name, a, b in zip(("dq", "dk", "dv"), mapped, atom):
+            assert rel_rmse(a, b) < 1e-5, (token_kv, name, rel_rmse(a, b))
 
 
 def test_inverse_map_counts_key_blocks_of_sk():

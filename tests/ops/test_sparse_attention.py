@@ -5,6 +5,7 @@ budgets, empty and full lists, both granularities, GQA, head dim 96 (padded).
 """
 
 import math
+import os
 
 import pytest
 import torch
@@ -225,7 +226,7 @@ def deterministic():
 @pytest.mark.interpreter
 def test_deterministic_mode_takes_the_atomic_free_backward(deterministic, monkeypatch):
     """torch.use_deterministic_algorithms(True) (Megatron's --deterministic-mode): block lists take the split
-    backward (no atomics) even where fused is faster, token lists the token inverse map; an explicit fused and
+    backward (no atomics) even where fused is faster, token lists the fixed-point dK/dV; an explicit fused and
     atomic dK/dV, which have no deterministic kernel, raise naming the setting (warn with warn_only); the split
     gradients are bitwise the same on a second run."""
     monkeypatch.delenv("DSV_SPARSE_BWD", raising=False)
@@ -261,13 +262,15 @@ def test_deterministic_mode_takes_the_atomic_free_backward(deterministic, monkey
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("token_kv", ["fixed", "inverse"])
 @pytest.mark.parametrize("B,H,Hkv,S,D,G,per_group", [(1, 4, 2, 200, 64, 32, False), (2, 2, 1, 63, 96, 16, True),
                                                      (1, 2, 2, 130, 64, 64, False)])
-def test_deterministic_token_backward_matches_naive(deterministic, monkeypatch, B, H, Hkv, S, D, G, per_group):
-    """Token lists under deterministic algorithms: the dq kernel without atomics and the token inverse map's
-    dk/dv kernel give the naive twin's gradients (GQA, head dim 96, a partial last key tile and query group,
-    per-group list lengths, an empty head and a full one); without deterministic algorithms the atomic kernels
-    give the same values."""
+def test_deterministic_token_backward_matches_naive(deterministic, monkeypatch, B, H, Hkv, S, D, G, per_group,
+                                                    token_kv):
+    """Token lists under deterministic algorithms: the dq kernel and dk/dv as int64 fixed-point atomics (fixed,
+    the default) or the token inverse map's kernel (inverse, DSV_TOKEN_KV_BWD) give the naive twin's gradients
+    (GQA, head dim 96, a partial last key tile and query group, per-group list lengths, an empty head and a full
+    one); without deterministic algorithms the fp32 atomic kernels give the same values."""
     gen = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(B, h, S, D, generator=gen) for h in (H, Hkv, Hkv))
     idx, cnt = make_lists(B, H, S, G, 0, 0.3, seed=2, empty_head=0, full_head=1)
@@ -276,10 +279,14 @@ def test_deterministic_token_backward_matches_naive(deterministic, monkeypatch, 
         cnt = (torch.rand(B, H, NG, generator=gen) * (cnt[..., None] + 1)).long().clamp(max=cnt[..., None])
         cnt = cnt.to(torch.int32)
     do = torch.randn(B, H, S, D, generator=gen)
-    calls, token_kv = [], launch._sparse_bwd_token_kv
-    monkeypatch.setattr(launch, "_sparse_bwd_token_kv", lambda *a, **kw: calls.append(1) or token_kv(*a, **kw))
+    if token_kv == "inverse":
+        monkeypatch.setenv("DSV_TOKEN_KV_BWD", "inverse")
+    calls, inverse_kv, scales = [], launch._sparse_bwd_token_kv, launch.fixed_point_scales
+    monkeypatch.setattr(launch, "_sparse_bwd_token_kv",
+                        lambda *a, **kw: calls.append("inverse") or inverse_kv(*a, **kw))
+    monkeypatch.setattr(launch, "fixed_point_scales", lambda *a, **kw: calls.append("fixed") or scales(*a, **kw))
     (o, dq, dk, dv), (o_n, dq_n, dk_n, dv_n) = fwd_bwd_both(q, k, v, idx, cnt, G, 0, do)
-    assert calls == [1], "the deterministic token backward must run the token inverse map's kernel"
+    assert calls == [token_kv], f"the deterministic token backward must run the {token_kv} dk/dv, ran {calls}"
     for got, want in ((o, o_n), (dq, dq_n), (dk, dk_n), (dv, dv_n)):
         assert rel_rmse(got, want) < 1e-5
     # (the interpreter runs programs one by one, so atomics would repeat too: the GPU test is the determinism check)
@@ -292,18 +299,59 @@ def test_deterministic_token_backward_matches_naive(deterministic, monkeypatch, 
 @pytest.mark.interpreter
 def test_bench_times_the_deterministic_backward(monkeypatch):
     """bench_sparse_attention --deterministic-bwd: our backward runs under deterministic algorithms (token lists:
-    the token inverse map) and the global setting is restored after."""
+    the library's fixed-point dk/dv, and the token inverse map when asked), and the global setting and
+    DSV_TOKEN_KV_BWD are restored after."""
     from benchmarks.bench_sparse_attention import ours_deterministic_bwd_ms, run_once
 
-    calls, token_kv = [], launch._sparse_bwd_token_kv
-    monkeypatch.setattr(launch, "_sparse_bwd_token_kv", lambda *a, **kw: calls.append(1) or token_kv(*a, **kw))
+    monkeypatch.delenv("DSV_TOKEN_KV_BWD", raising=False)
+    calls, inverse_kv, scales = [], launch._sparse_bwd_token_kv, launch.fixed_point_scales
+    monkeypatch.setattr(launch, "_sparse_bwd_token_kv",
+                        lambda *a, **kw: calls.append("inverse") or inverse_kv(*a, **kw))
+    monkeypatch.setattr(launch, "fixed_point_scales", lambda *a, **kw: calls.append("fixed") or scales(*a, **kw))
     B, H, S, D, G = 1, 2, 96, 64, 32
     gen = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(B, H, S, D, generator=gen).requires_grad_() for _ in range(3))
     idx, cnt = make_lists(B, H, S, G, 0, 0.3)
     assert not torch.are_deterministic_algorithms_enabled()
     assert ours_deterministic_bwd_ms(q, k, v, idx, cnt, G, 0, timer=run_once) == 0.0
-    assert calls and not torch.are_deterministic_algorithms_enabled()
+    assert calls == ["fixed"] and not torch.are_deterministic_algorithms_enabled()
+    assert ours_deterministic_bwd_ms(q, k, v, idx, cnt, G, 0, timer=run_once, token_kv="inverse") == 0.0
+    assert calls == ["fixed", "inverse"] and "DSV_TOKEN_KV_BWD" not in os.environ
+
+
+@pytest.mark.interpreter
+def test_fixed_point_token_backward_at_extreme_scales(monkeypatch):
+    """The fixed-point dk/dv keep their precision where the values are far from 1 (q x 300, v x 50, dO x 1e-5:
+    against the naive twin, as close as the fp32 atomics), its sums stay below 2^61 in every case (the scales'
+    bound), an all-zero dO gives exact zeros, and a non-finite key or value gives NaN dK and dV, not numbers;
+    a bad DSV_TOKEN_KV_BWD or token_kv names what is allowed."""
+    B, H, Hkv, S, D, G = 1, 2, 1, 96, 64, 32
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, do = (torch.randn(B, h, S, D, generator=gen) for h in (H, Hkv, Hkv, H))
+    q, v, do = q * 300, v * 50, do * 1e-5
+    idx, cnt = make_lists(B, H, S, G, 0, 0.4, seed=3)
+    o, lse = sparse_fwd(q, k, v, idx, cnt, G, 0, 0.125)
+    fixed = sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, 0, 0.125, atomic_kv=False, token_kv="fixed")
+    atomic = sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, 0, 0.125, atomic_kv=True)
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    sparse_attention_naive(*ref, idx, cnt, G, 0, softmax_scale=0.125).backward(do)
+    for name, f, a, r in zip("qkv", fixed, atomic, (t.grad for t in ref)):
+        assert rel_rmse(f, r) < max(2 * rel_rmse(a, r), 1e-6), (name, rel_rmse(f, r), rel_rmse(a, r))
+    scales, _ = launch.fixed_point_scales(q, k, v, do, 0.125)
+    for i, g in enumerate((ref[1].grad, ref[2].grad)):  # |sum| * 2^e with room to spare below 2^63
+        assert (g.abs().amax((2, 3)) * scales[..., i].double()).max() < 2.0 ** 61
+    zero = sparse_bwd(torch.zeros_like(do), q, k, v, o, lse, idx, cnt, G, 0, 0.125, atomic_kv=False)
+    assert all(torch.equal(t, torch.zeros_like(t)) for t in zero)
+    for i in (1, 2):  # an infinite key or value: NaN, not numbers from an undefined float -> int64 cast
+        bad_in = [k.clone(), v.clone()]
+        bad_in[i - 1][0, 0, 5, 3] = float("inf")
+        bad = sparse_bwd(do, q, *bad_in, o, lse, idx, cnt, G, 0, 0.125, atomic_kv=False, token_kv="fixed")
+        assert torch.isnan(bad[1]).all() and torch.isnan(bad[2]).all()
+    with pytest.raises(ValueError, match="token_kv must be one of"):
+        sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, 0, 0.125, token_kv="atomic")
+    monkeypatch.setenv("DSV_TOKEN_KV_BWD", "sorted")
+    with pytest.raises(ValueError, match="DSV_TOKEN_KV_BWD must be one of"):
+        sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, 0, 0.125, atomic_kv=False)
 
 
 def test_token_inverse_map_exact():

@@ -126,15 +126,18 @@ def test_bf16_fused_bwd(monkeypatch, dq, B, H, Hkv, S, D, G, BS, BN, density):
     check_against_torch(B, H, Hkv, S, D, G, BS, density)
 
 
-@pytest.mark.parametrize("G,BS", [(128, 128), (64, 128), (32, 0)], ids=["G128-blk128", "G64-blk128-fused-cell",
-                                                                    "G32-token"])
-def test_deterministic_mode_gives_the_same_bits(G, BS):
+@pytest.mark.parametrize("G,BS,token_kv", [(128, 128, None), (64, 128, None), (32, 0, "fixed"), (32, 0, "inverse")],
+                         ids=["G128-blk128", "G64-blk128-fused-cell", "G32-token", "G32-token-inverse"])
+def test_deterministic_mode_gives_the_same_bits(monkeypatch, G, BS, token_kv):
     """torch.use_deterministic_algorithms(True): our block-list backward (split, atomic-free; the Triton
     backend, which the dispatcher could otherwise hand to FlexAttention at this size) gives bitwise the same dq,
     dk, dv on two runs, also at a shape where the fused (atomic dq) backward is otherwise chosen; token lists
-    (the token inverse map's dk/dv kernel) too, and within the bf16 bound of the atomic kernels' gradients."""
+    (dk/dv as int64 fixed-point atomics, and through the token inverse map) too, and within the bf16 bound of the
+    fp32 atomic kernels' gradients."""
     from megatron_dsv.ops.sparse_attention import launch
 
+    if token_kv:
+        monkeypatch.setenv("DSV_TOKEN_KV_BWD", token_kv)
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:

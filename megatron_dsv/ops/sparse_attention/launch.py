@@ -98,10 +98,9 @@ def bwd_mode(G: int, BS: int, D: int) -> str:
     Deterministic algorithms (``torch.use_deterministic_algorithms(True)``, Megatron's
     ``--deterministic-mode``): block lists take split (its cost: none at the default G=128 / 128-key
     blocks, where auto takes split anyway; 1.22x the backward where fused measured faster, G=64 / 128 and
-    G=32 / 64 at D=128); token lists take the dq kernel without atomics and ``bwd_kv_kernel`` over key tiles for
-    dk/dv (its cost is not measured yet: every group pays a whole 32-key tile for each tile it lists a key
-    of); an explicit ``fused`` has no deterministic kernel and raises (warns, with ``warn_only=True``), as
-    torch's own ops do."""
+    G=32 / 64 at D=128); token lists take the dq kernel with dk/dv scattered as int64 fixed point
+    (:func:`token_kv_mode`); an explicit ``fused`` has no deterministic kernel and raises (warns, with
+    ``warn_only=True``), as torch's own ops do."""
     name = os.environ.get("DSV_SPARSE_BWD", "auto").strip().lower() or "auto"
     if name not in BWD_MODES:
         raise ValueError(f"DSV_SPARSE_BWD must be one of {BWD_MODES}; got {name!r}")
@@ -256,18 +255,37 @@ def build_token_inverse_map(kv_indices: torch.Tensor, kv_counts: torch.Tensor, T
     return inv_ptr, inv_grp, inv_bits
 
 
+TOKEN_KV_MODES = ("fixed", "inverse")
+
+
+def token_kv_mode() -> str:
+    """Token lists' deterministic dK/dV, ``DSV_TOKEN_KV_BWD`` in {fixed, inverse}: fixed (the default) is the
+    dq kernel's scatter as int64 fixed-point atomics (integer sums do not depend on the order the atomics land
+    in); inverse walks the token inverse map over 32-key tiles, which on an H200 cost 4.0-8.6x the atomic
+    backward with random lists at 90% sparsity (every group pays a whole tile for each tile it lists a key of;
+    ``sparse_attention-sweep-detbwd-token-h200-20261203.json``). The two stay selectable until fixed is timed
+    on a GPU beside it."""
+    name = os.environ.get("DSV_TOKEN_KV_BWD", "fixed").strip().lower() or "fixed"
+    if name not in TOKEN_KV_MODES:
+        raise ValueError(f"DSV_TOKEN_KV_BWD must be one of {TOKEN_KV_MODES}; got {name!r}")
+    return name
+
+
 def sparse_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scale: float,
                atomic_kv: Optional[bool] = None, cfg_q: Optional[Config] = None,
-               cfg_kv: Optional[Config] = None, mode: Optional[str] = None):
+               cfg_kv: Optional[Config] = None, mode: Optional[str] = None, token_kv: Optional[str] = None):
     """dq, dk, dv. Token lists (or atomic_kv=True) scatter dk/dv with fp32 atomics, except under
-    deterministic algorithms, where token lists take the token inverse map (``bwd_kv_kernel`` with BS = 0);
-    block lists take the atomic-free inverse-map kernel, after the dq kernel
-    (mode split) or adding dq itself with atomics (mode fused; cfg_kv then
+    deterministic algorithms (or atomic_kv=False), where token lists take ``token_kv`` (None: :func:`token_kv_mode`):
+    "fixed" (the same scatter as int64 fixed point, :func:`fixed_point_scales`) or "inverse" (the token
+    inverse map, ``bwd_kv_kernel`` with BS = 0); block lists take the atomic-free inverse-map kernel, after the
+    dq kernel (mode split) or adding dq itself with atomics (mode fused; cfg_kv then
     overrides the fused config). mode None: ``bwd_mode``. q, o, do [B, H, T, D]; k, v [B, Hkv, TK, D].
     q and k must be contiguous; do, v and o may have any strides: the kernels read transient
     contiguous copies (o's only until delta is computed). dq, dk, dv are contiguous."""
     B, H, T, D = q.shape
     TK = k.shape[2]
+    if token_kv is not None and token_kv not in TOKEN_KV_MODES:
+        raise ValueError(f"sparse_bwd: token_kv must be one of {TOKEN_KV_MODES} or None, got {token_kv!r}")
     explicit = atomic_kv is not None or mode is not None  # asked for by the caller: bwd_mode checked neither
     if atomic_kv is None:
         atomic_kv = BS == 0 and not torch.are_deterministic_algorithms_enabled()
@@ -281,11 +299,16 @@ def sparse_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scal
             raise ValueError(f"fused backward: key tile BN={cfg_kv['BN']} must not exceed block_size={BS}")
         return _sparse_bwd_fused(do, q, k, v, o, lse, kv_indices, kv_counts, G, BS, scale, cfg_kv)
     hkv = k.shape[1]
+    fixed = BS == 0 and not atomic_kv and (token_kv or token_kv_mode()) == "fixed"
+    fx, inv = fixed_point_scales(q, k, v, do, scale) if fixed else (None, None)
     # o only feeds delta inside the dq kernel: its contiguous copy (if any) dies with that call
     dq, delta, dk32, dv32 = sparse_bwd_q(do, q, k, v, o.contiguous(), lse, kv_indices, kv_counts, G, BS, scale,
-                                         atomic_kv, cfg_q)
+                                         2 if fixed else int(bool(atomic_kv)), cfg_q, fx_scale=fx)
     if atomic_kv:
         return dq, dk32.to(k.dtype), dv32.to(v.dtype)
+    if fixed:  # int64 fixed point back to floats: times 1 / 2^e (NaN where an input was not finite)
+        return (dq, (dk32.to(torch.float32) * inv[:, :, 0, None, None]).to(k.dtype),
+                (dv32.to(torch.float32) * inv[:, :, 1, None, None]).to(v.dtype))
     if BS == 0:
         return (dq, *_sparse_bwd_token_kv(do, q, k, v, lse, delta, kv_indices, kv_counts, G, scale, cfg_kv))
     nkb = math.ceil(TK / BS)
@@ -316,24 +339,61 @@ def _sparse_bwd_token_kv(do, q, k, v, lse, delta, kv_indices, kv_counts, G: int,
     return dk, dv
 
 
-def sparse_bwd_q(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scale: float, atomic_kv: bool,
-                 cfg_q: Optional[Config] = None):
+def fixed_point_scales(q, k, v, do, sm_scale: float):
+    """The token lists' deterministic dK/dV scatter in int64 fixed point: ``(scales, inverse)``, float32
+    ``[B, Hkv, 2]`` each (dk, dv): ``scales`` = 2^e per (batch, kv head), ``inverse`` = 2^-e, NaN where q, k, v
+    or do hold a non-finite value (a NaN term has no integer: both gradients of that kv head come out NaN).
+
+    e is the largest that keeps every sum below 2^61, from bounds of the true sums (P <= 1 and a softmax
+    row sums to 1, so a key's terms over the HR * T query rows of its kv head are bounded by):
+    |dV| <= max|dO| * HR * T and |dK| <= sm_scale * max|q| * 2 max||dO|| max||v|| * HR * T (|dP| and
+    |delta| each at most max||dO|| max||v||, o being an average of v rows), each doubled for the kernel's own
+    rounding; every rounded term adds at most 1/2, and there are far fewer than 2^61 of them. One pass over q,
+    v and do on the device, no host sync. A term rounds at 2^-e, which stays below 1e-6 of the largest possible
+    sum times the number of terms: far below the bf16 result's own rounding."""
+    B, H, T, _ = q.shape
+    hkv = v.shape[1]
+    rows = (H // hkv) * T
+
+    def per_kv(x):  # [B, H] -> [B, Hkv]: the max over the query heads sharing each kv head
+        return x.float().view(B, hkv, H // hkv).amax(-1)
+
+    q_max = per_kv(q.abs().amax((2, 3)))
+    do_max = per_kv(do.abs().amax((2, 3)))
+    do_norm = per_kv(torch.linalg.vector_norm(do, dim=-1).amax(-1))
+    v_norm = torch.linalg.vector_norm(v, dim=-1).amax(-1).float()
+    bound = torch.stack((4.0 * sm_scale * q_max * do_norm * v_norm * rows, 2.0 * do_max * rows), -1)
+    k_max = k.abs().amax((2, 3)).float()
+    finite = (torch.isfinite(bound).all(-1) & torch.isfinite(k_max))[..., None].expand_as(bound)
+    e = (61.0 - torch.log2(bound.clamp(min=1e-30))).floor().clamp(-120, 120)
+    e = torch.where(finite, e, torch.zeros_like(e))
+    return torch.exp2(e).contiguous(), torch.where(finite, torch.exp2(-e), torch.full_like(e, float("nan")))
+
+
+def sparse_bwd_q(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scale: float, atomic_kv: int,
+                 cfg_q: Optional[Config] = None, fx_scale: Optional[torch.Tensor] = None):
     """The split backward's first kernel alone (the tuning sweep also times it alone): ``(dq,
-    delta [B, H, T] fp32, dk32, dv32)``; dk32/dv32 are the fp32 atomic dk/dv with ``atomic_kv``,
-    else placeholders the kernel never touches. ``do`` must be contiguous."""
+    delta [B, H, T] fp32, dk32, dv32)``; dk32/dv32 are the fp32 atomic dk/dv with ``atomic_kv`` 1 (or True),
+    their int64 fixed point with 2 (``fx_scale`` from :func:`fixed_point_scales`), else placeholders the kernel
+    never touches. ``do`` must be contiguous."""
     B, H, T, D = q.shape
     TK = k.shape[2]
     NG = kv_indices.shape[2]
     delta = torch.empty(B, H, T, device=q.device, dtype=torch.float32)  # written by bwd_q_kernel
     cfg_q = cfg_q or pick_config("bwd_q", D, G, BS)
     dq = torch.empty_like(q)
+    atomic_kv = int(atomic_kv)
+    if atomic_kv == 2 and fx_scale is None:
+        raise ValueError("sparse_bwd_q: atomic_kv=2 (fixed point) needs fx_scale from fixed_point_scales")
     if atomic_kv:
-        dk32 = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
-        dv32 = torch.zeros(k.shape, device=k.device, dtype=torch.float32)
+        acc = torch.int64 if atomic_kv == 2 else torch.float32
+        dk32 = torch.zeros(k.shape, device=k.device, dtype=acc)
+        dv32 = torch.zeros(k.shape, device=k.device, dtype=acc)
     else:
         dk32 = dv32 = dq  # unused by the kernel when ATOMIC_KV is off
     bwd_q_kernel[(NG * (G // cfg_q["BM"]), B * H)](
         q, k, v, o, do, lse, delta, dq, dk32, dv32, kv_indices, _kernel_counts(kv_counts, NG),
+        dq if fx_scale is None else fx_scale,
         T, TK, NG, kv_indices.shape[3], scale * LOG2E, scale,
         H=H, HR=H // k.shape[1], K=D, BD=_bd(D), G=G, BS=BS,
         BM=cfg_q["BM"], BN=cfg_q["BN"], EVEN_T=_even_keys(TK, BS), ATOMIC_KV=atomic_kv,

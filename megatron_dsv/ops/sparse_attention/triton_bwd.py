@@ -2,9 +2,13 @@
 
 - ``bwd_q_kernel``: one program per query tile (the forward's grid); computes
   and stores delta = rowsum(o * do) for its rows, then walks the
-  group's list again and accumulates dq in registers. With ATOMIC_KV it also
+  group's list again and accumulates dq in registers. With ATOMIC_KV = 1 it also
   scatters dk/dv into fp32 buffers with atomics: the token-level path, where a
   key's query groups are scattered and an inverse-map kernel would waste work.
+  ATOMIC_KV = 2 scatters them as int64 fixed point instead (each term times a
+  power of two from ``launch.fixed_point_scales``, rounded): integer addition
+  is associative, so the sums are the same bits whatever order the atomics
+  land in (the token lists' deterministic backward).
 - ``bwd_kv_kernel``: block-level dk/dv without atomics: one program per key
   tile and kv head, walking the inverse map (key block -> query groups, CSR)
   of every query head that shares this kv head, so GQA sums in registers.
@@ -31,7 +35,7 @@ from .triton_fwd import _load_kv_tile, _num_steps
 
 @triton.jit
 def bwd_q_kernel(
-    q, k, v, o, do, lse, delta, dq, dk32, dv32, idx, cnt_ptr,
+    q, k, v, o, do, lse, delta, dq, dk32, dv32, idx, cnt_ptr, fx_scale,
     T, TK, NG, KMAX, qk_scale, sm_scale,
     H: tl.constexpr, HR: tl.constexpr, K: tl.constexpr, BD: tl.constexpr,
     G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr,
@@ -62,6 +66,10 @@ def bwd_q_kernel(
     p_idx = idx + (i_bh.to(tl.int64) * NG + i_g) * KMAX
     n_it = _num_steps(cnt, BN, BS)
 
+    if ATOMIC_KV == 2:  # [B * Hkv, 2]: 2^e of dk (softmax scale folded in) and of dv
+        p_fx = fx_scale + (i_b * (H // HR) + i_h // HR) * 2
+        s_k = tl.load(p_fx) * sm_scale
+        s_v = tl.load(p_fx + 1)
     b_dq = tl.zeros([BM, BD], tl.float32)
     for i_it in range(n_it):
         o_n, m_n, m_ld = _load_kv_tile(i_it, cnt, p_idx, TK, K, BD, BN, BS, EVEN_T)
@@ -77,12 +85,18 @@ def bwd_q_kernel(
         b_dp = tl.dot(b_do, tl.trans(b_v))
         b_ds = b_p * (b_dp - b_delta[:, None])
         b_dq += tl.dot(b_ds.to(b_k.dtype), b_k)
-        if ATOMIC_KV:
+        if ATOMIC_KV == 1:
             # [BN, BD]; fp32 scatter-add: several groups and GQA heads hit one key row
             b_dv = tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do)
             b_dk = tl.dot(tl.trans(b_ds.to(b_q.dtype)), b_q)
             tl.atomic_add(dv32 + p_rows, b_dv, mask=m_ld, sem="relaxed")
             tl.atomic_add(dk32 + p_rows, b_dk * sm_scale, mask=m_ld, sem="relaxed")
+        if ATOMIC_KV == 2:
+            # the same terms as fixed-point int64 (x * 2^e rounded): integer sums do not depend on their order
+            b_dv = tl.dot(tl.trans(b_p.to(b_do.dtype)), b_do)
+            b_dk = tl.dot(tl.trans(b_ds.to(b_q.dtype)), b_q)
+            tl.atomic_add(dv32 + p_rows, tl.floor(b_dv * s_v + 0.5).to(tl.int64), mask=m_ld, sem="relaxed")
+            tl.atomic_add(dk32 + p_rows, tl.floor(b_dk * s_k + 0.5).to(tl.int64), mask=m_ld, sem="relaxed")
     tl.store(dq + p_qrows, (b_dq * sm_scale).to(dq.dtype.element_ty), mask=m_q)
 
 
