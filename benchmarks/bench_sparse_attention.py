@@ -67,6 +67,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import bench_ms, collect_meta, dense_fwd_bwd_ms, write_results  # noqa: E402
+from benchmarks.list_shapes import neighbour_overlap, video_lists  # noqa: E402
 from megatron_dsv.ops.sparse_attention import launch  # noqa: E402
 from megatron_dsv.ops.sparse_attention.flex import build_block_mask, sparse_attention_flex  # noqa: E402
 from megatron_dsv.ops.sparse_attention.op import choose_backend, sparse_attention  # noqa: E402
@@ -84,8 +85,17 @@ def bench_env():
     os.environ.setdefault("DSV_SPARSE_ATTN_BACKEND", "triton")  # rows measure our kernels; flex has its own columns
 
 
-def make_lists(S, G, BS, sparsity, seed=0, heads=H):
-    """Random sorted lists, the same budget for every head: K = round((1 - s) * #keys)."""
+LIST_KINDS = ("random", "video")
+
+
+def make_lists(S, G, BS, sparsity, seed=0, heads=H, kind="random"):
+    """Sorted lists, the same budget for every head: K = round((1 - s) * #keys). kind "random": uniform draws
+    (neighbouring groups share little); "video": ``list_shapes.video_lists``, a video DiT's shape (each cube's
+    neighbourhood and keys its neighbours keep too)."""
+    if kind == "video":
+        return video_lists(S, G, BS, sparsity, heads, batch=B, seed=seed, device="cuda")
+    if kind != "random":
+        raise ValueError(f"make_lists: kind must be one of {LIST_KINDS}, got {kind!r}")
     gen = torch.Generator(device="cuda").manual_seed(seed)
     NG = math.ceil(S / G)
     nk = S if BS == 0 else math.ceil(S / BS)
@@ -165,14 +175,18 @@ def add_speedups(row):
     return row
 
 
-def one_row(S, sparsity, BS, G, dense, with_flex, dim=D, heads=H, timer=bench_ms, deterministic=False):
-    """Our op and (where it lowers) flex on the same random lists; ``timer=run_once`` only compiles;
+def one_row(S, sparsity, BS, G, dense, with_flex, dim=D, heads=H, timer=bench_ms, deterministic=False,
+            lists="random"):
+    """Our op and (where it lowers) flex on the same lists (``lists``: ``make_lists``'s kind; the row records
+    it and how much neighbouring groups' lists overlap); ``timer=run_once`` only compiles;
     ``deterministic``: also our backward under deterministic algorithms (``ms_bwd_deterministic``)."""
     q, k, v = inputs(S, dim=dim, heads=heads)
-    idx, cnt, kept = make_lists(S, G, BS, sparsity, heads=heads)
+    idx, cnt, kept = make_lists(S, G, BS, sparsity, heads=heads, kind=lists)
     backend = choose_backend(q, idx, G, BS)
     fwd, bwd = ours_ms(q, k, v, idx, cnt, G, BS, timer)
-    row = dict(S=S, H=heads, D=dim, B=B, G=G, group_size=G, block_size=BS, sparsity=sparsity,
+    n_items = S if BS == 0 else math.ceil(S / BS)
+    row = dict(S=S, H=heads, D=dim, B=B, G=G, group_size=G, block_size=BS, sparsity=sparsity, lists=lists,
+               list_overlap=None if timer is run_once else neighbour_overlap(idx[:, :2], cnt[:, :2], n_items),
                granularity="token" if BS == 0 else "block", keys_per_group=kept, backend=backend,
                bwd_mode=launch.bwd_mode(G, BS, dim) if backend == "triton" else None,
                ms_fwd=fwd, ms_bwd=bwd, **dense)
@@ -465,7 +479,8 @@ def run_points(points, bench, args, meta, t_start, timer=bench_ms, on_row=None, 
             try:
                 row = one_row(S, p["sparsity"], p["block_size"], p["G"], dense_cache[(S, dim, heads)],
                               not args.no_flex, dim=dim, heads=heads, timer=timer,
-                              deterministic=getattr(args, "deterministic_bwd", False))
+                              deterministic=getattr(args, "deterministic_bwd", False),
+                              lists=getattr(args, "lists", "random"))
             except Exception as e:  # out of memory, out of shared memory, ...: record and go on
                 row = dict(keys, error=_error(e, 240))
             torch.cuda.empty_cache()
@@ -612,6 +627,9 @@ def main(argv=None):
     ap.add_argument("--dry-run", action="store_true", help="with --sweep: print the grid and the time estimate")
     ap.add_argument("--plot-only", default=None, metavar="JSON", help="redraw a sweep JSON's heatmap PNG beside it")
     ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--lists", choices=LIST_KINDS, default="random",
+                    help="the sweep's lists: random (uniform draws, the default) or video (a video DiT's shape: "
+                         "benchmarks/list_shapes.py); rows record it and list_overlap")
     ap.add_argument("--deterministic-bwd", action="store_true",
                     help="also time our backward under torch.use_deterministic_algorithms(True): ms_bwd_deterministic "
                          "and deterministic_bwd_cost (its ratio to the default backward)")

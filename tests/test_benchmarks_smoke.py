@@ -337,7 +337,7 @@ def test_bench_sparse_attention_cli_help_and_budget(tmp_path):
 
     out = run("--help")
     for flag in ("--sweep", "--head-dim", "--heads", "--group-size", "--granularity", "--seq-lens", "--sparsities",
-                 "--time-budget-s", "--warm-shards", "Estimated H200 time"):
+                 "--time-budget-s", "--warm-shards", "--lists", "Estimated H200 time"):
         assert flag in out, flag
     out = run("--sweep", "--head-dim", "80,128", "--group-size", "128", "--seq-lens", "16K,64K",
               "--time-budget-s", "0", "--out", str(tmp_path))
@@ -354,6 +354,33 @@ def test_bench_sparse_attention_cli_help_and_budget(tmp_path):
     png.unlink()
     run("--plot-only", str(path))
     assert png.stat().st_size > 0
+
+
+@pytest.mark.parametrize("S,G,BS", [(4096, 32, 0), (5000, 64, 0), (8192, 128, 128), (3000, 32, 64)])
+def test_video_lists_are_valid_and_local(S, G, BS):
+    """``--lists video``: every group keeps K = round(0.1 * items) distinct sorted item ids in range (odd S: a partial
+    last group and block); the same seed gives the same lists; neighbouring groups share several times more of their
+    lists than uniform random lists do (their expected Jaccard d / (2 - d)), and a group's own cube is in its list."""
+    _bench_sparse_attention()
+    from benchmarks.list_shapes import neighbour_overlap, video_lists
+
+    idx, cnt, kept = video_lists(S, G, BS, 0.9, heads=3, batch=2, seed=4)
+    n_items = S if BS == 0 else -(-S // BS)
+    K = max(1, round(0.1 * n_items))
+    assert idx.shape == (2, 3, -(-S // G), K) and idx.dtype == torch.int32 and cnt.tolist() == [[K] * 3] * 2
+    assert kept == K * (BS or 1)
+    assert (idx >= 0).all() and (idx < n_items).all() and (idx[..., 1:] > idx[..., :-1]).all()
+    assert torch.equal(idx, video_lists(S, G, BS, 0.9, heads=3, batch=2, seed=4)[0])
+    assert not torch.equal(idx, video_lists(S, G, BS, 0.9, heads=3, batch=2, seed=5)[0])
+    d = K / n_items
+    assert neighbour_overlap(idx, cnt, n_items) > 3 * d / (2 - d)
+    gen = torch.Generator().manual_seed(0)
+    rand = torch.rand(2, 3, idx.shape[2], n_items, generator=gen).argsort(-1)[..., :K].sort(-1).values
+    assert neighbour_overlap(rand.int(), cnt, n_items) < 1.5 * d / (2 - d)
+    own = torch.arange(idx.shape[2]) * G // (BS or 1)  # each group's first token (or its block)
+    assert (idx == own.view(1, 1, -1, 1)).any(-1).float().mean() > 0.9
+    with pytest.raises(ValueError, match="sparsity"):
+        video_lists(S, G, BS, 1.0, heads=1)
 
 
 def test_meta_tree_names_the_working_tree(tmp_path):
