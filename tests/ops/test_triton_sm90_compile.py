@@ -1,0 +1,67 @@
+"""The dq kernel's dK/dV scatter compiles for the H200 (sm_90) on a machine without a GPU.
+
+The interpreter runs the kernels' arithmetic on CPU but never lowers them; Triton's own compiler (with the
+ptxas its wheel ships) does, for a named target, without a driver. This checks what the fixed-point path
+(``ATOMIC_KV=2``, the token lists' deterministic backward) becomes on the GPU: integer reductions
+(``red ... add.u64``), no float atomics, and a rounding to integer, against the fp32 atomic path
+(``ATOMIC_KV=1``). It runs in a subprocess: this test session has ``TRITON_INTERPRET=1`` set, under which
+``@triton.jit`` functions are the interpreter's.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_COMPILE = r"""
+import inspect, json, sys
+try:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except Exception as e:
+    print(json.dumps({"skip": f"Triton's compiler API is not importable: {type(e).__name__}: {e}"})); sys.exit(0)
+from megatron_dsv.ops.sparse_attention.triton_bwd import bwd_q_kernel
+
+names = list(inspect.signature(bwd_q_kernel.fn).parameters)
+ptr = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "o": "*bf16", "do": "*bf16", "lse": "*fp32", "delta": "*fp32",
+       "dq": "*bf16", "idx": "*i32", "cnt_ptr": "*i32", "fx_scale": "*fp32", "T": "i32", "TK": "i32", "NG": "i32",
+       "KMAX": "i32", "qk_scale": "fp32", "sm_scale": "fp32"}
+out = {}
+for mode in (1, 2):
+    acc = "*i64" if mode == 2 else "*fp32"
+    sig = {n: ptr.get(n, acc if n in ("dk32", "dv32") else "constexpr") for n in names}
+    const = dict(H=4, HR=2, K=128, BD=128, G=32, BM=32, BN=64, BS=0, EVEN_T=False, ATOMIC_KV=mode)
+    src = ASTSource(fn=bwd_q_kernel, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()})
+    try:
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2))
+    except Exception as e:
+        if "ptxas" in str(e).lower() and "not found" in str(e).lower():
+            print(json.dumps({"skip": f"no ptxas in this Triton build: {e}"})); sys.exit(0)
+        raise
+    lines = [l for l in kernel.asm["ptx"].splitlines() if "red.global" in l or "atom.global" in l]
+    out[mode] = dict(u64=sum(".add.u64" in l or ".add.s64" in l for l in lines),
+                     f32=sum(".add.f32" in l for l in lines),
+                     rounding=sum("cvt.rmi" in l for l in kernel.asm["ptx"].splitlines()),
+                     cubin=len(kernel.asm["cubin"]))
+print(json.dumps(out))
+"""
+
+
+def test_fixed_point_scatter_compiles_for_sm90(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""), TRITON_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "skip" in result:
+        pytest.skip(result["skip"])
+    fp32, fixed = result["1"], result["2"]
+    assert fp32["cubin"] > 0 and fixed["cubin"] > 0
+    assert fp32["f32"] > 0 and fp32["u64"] == 0, fp32  # the fp32 atomics: float reductions only
+    assert fixed["u64"] > 0 and fixed["f32"] == 0, fixed  # fixed point: integer reductions, no float atomics
+    assert fixed["rounding"] > 0, fixed  # floor(x * 2^e + 1/2) lowers to a round-down conversion
