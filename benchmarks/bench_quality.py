@@ -124,21 +124,26 @@ def _curve_path(args, name: str, seed: int) -> str:
 # ---------------------------------------------------------------- train (one arm, one seed)
 def train_one(name: str, args) -> dict:
     """Train arm ``name`` at ``args.seed`` (resuming its run), writing its curve file at every validation."""
-    from benchmarks.video_runs import train_arm
+    from benchmarks.video_runs import lr_schedule, schedule_key, train_arm
 
     arm = arm_of(name, args.arm, args)
     path = _curve_path(args, name, args.seed)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     old = json.load(open(path)) if os.path.exists(path) else {}
+    schedule = lr_schedule(args, args.schedule_steps)
     if old and old.get("arm", {}).get("label") != arm["label"]:  # another run (design) under the name: a default moved
         print(f"{path}: holds run {old.get('arm', {}).get('label')!r}, not {arm['label']!r}: started over", flush=True)
+        old = {}
+    if old and schedule_key(old.get("schedule")) != schedule_key(schedule):  # another learning-rate schedule
+        print(f"{path}: trained on schedule {old.get('schedule')}, not {schedule}: started over", flush=True)
         old = {}
     curve = dict(old.get("curve", []))
     # cumulative (sparse layer-steps, stage-2 layer-steps) at each validation: how a stage-2 step is charged
     counts = {int(k): v for k, v in old.get("sparse_counts", {}).items()}
 
+
     def record(**extra):
-        return dict(name=name, seed=args.seed, arm=_plain(arm), curve=sorted(curve.items()),
+        return dict(name=name, seed=args.seed, arm=_plain(arm), schedule=schedule, curve=sorted(curve.items()),
                     sparse_counts={str(k): v for k, v in sorted(counts.items())}, **extra)
 
     def on_val(step, loss, counters):
@@ -470,6 +475,8 @@ def main(argv=None):
         raise SystemExit("bench_quality: --arms must include 'full' with --time or --report (every difference and "
                          "every ratio is to it)")
     check_distinct_runs(names, args)
+    # the learning-rate schedule runs over the study's steps: an arm's extra steps stay at its floor
+    args.schedule_steps = parse_arm(args.arm)["steps"]
     seeds = [int(s) for s in args.seeds.split(",") if s]
     args.clips_cache = args.clips_cache or os.path.join(args.save_dir, "clips")
     args.align_stops = True  # every run of the study validates at the same steps, whenever its minutes end

@@ -15,7 +15,7 @@ import math
 import os
 from typing import Dict, List, Optional
 
-from benchmarks.video_runs import parse_arm, tokens_of
+from benchmarks.video_runs import parse_arm, schedule_key, tokens_of
 from megatron_dsv.config import DSVConfig
 
 def is_library_default(arm: dict) -> bool:
@@ -47,7 +47,27 @@ def load_records(args) -> Dict[str, Dict[int, dict]]:
         records = cut_records(records, args.at_step)
     if "full" not in records:
         raise ValueError(f"no curves of arm 'full' under {args.save_dir}/curves: run --launch first")
+    check_one_schedule(records)
     return records
+
+
+CONSTANT_SCHEDULE = "constant after the warm-up (no schedule recorded: runs before --lr-cooldown)"
+
+
+def check_one_schedule(records: Dict[str, Dict[int, dict]]) -> dict:
+    """The learning-rate schedule every run of a study trained on (a curve without one was trained at a constant
+    rate). Runs of different schedules are not compared: a cooldown alone moves the final loss by more than the
+    differences measured here. Raises ValueError naming a run of each."""
+    seen: Dict[str, str] = {}
+    for name, runs in records.items():
+        for seed, rec in runs.items():
+            seen.setdefault(schedule_key(rec.get("schedule")), f"{name} seed {seed}")
+    if len(seen) > 1:
+        raise ValueError("report: the runs trained on different learning-rate schedules: " +
+                         "; ".join(f"{run}: {CONSTANT_SCHEDULE if key == 'constant' else key}"
+                                   for key, run in seen.items()) + " (report each study from its own --save-dir)")
+    key = next(iter(seen))
+    return {"constant": True} if key == "constant" else json.loads(key)
 
 
 def cut_records(records: Dict[str, Dict[int, dict]], step: int) -> Dict[str, Dict[int, dict]]:
@@ -209,7 +229,8 @@ def report(args, names: List[str]) -> List[dict]:
                    stage2_charging=("per_interval" if counts else "uniform_share") if arm["attn"] == "dsv" else None,
                    # --at-step: curves cut there; kept_fraction, recall, sparsity and budget density are the runs'
                    # ends (their summaries), the sparse share is counted up to the cut
-                   cut_at_step=getattr(args, "at_step", None))
+                   cut_at_step=getattr(args, "at_step", None),
+                   lr_schedule=check_one_schedule({name: runs}))
         rows.append(row)
     full_by_S = next((r["time_to_full_loss_s_by_S"] for r in rows if r["name"] == "full"), {})
     for row in rows:

@@ -32,6 +32,7 @@ trainers evaluate and sample.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -321,8 +322,9 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
     validation (every ``args.val_every`` steps and at the end; on the EMA weights with ``args.ema_decay`` > 0;
     ``counters``: the run's stage-2 layer-steps so far, ``{"sparse_steps", "layer_steps"}``, whose differences
     between validations say how many of the steps in between ran each layer sparse).
-    AdamW on fp32 main weights, linear warm-up over ``args.warmup`` steps, gradient clipping at 1, batch
-    ``args.batch``.
+    AdamW on fp32 main weights, the learning rate of :func:`lr_scale` (linear warm-up over ``args.warmup`` steps,
+    with ``args.lr_cooldown`` a linear decay over the last part of ``args.schedule_steps``, default the arm's
+    steps), gradient clipping at 1, batch ``args.batch``.
     """
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -335,9 +337,11 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
     cfg_dsv = dsv[0].dsv_config if dsv else None
     ema = _ema(model, args)
     path = run_path(arm, args)
+    schedule_steps = getattr(args, "schedule_steps", None) or arm["steps"]
+    schedule = lr_schedule(args, schedule_steps)
     start, counters, last_val = 0, {"sparse_steps": 0, "layer_steps": 0}, None
     if path and os.path.exists(path):
-        start, counters, last_val = load_run(path, arm, model, opt, g, ema)
+        start, counters, last_val = load_run(path, arm, model, opt, g, ema, schedule)
         print(f" [{arm['label']}] resumed at step {start} from {path}", flush=True)
     # align (args.align_stops): runs stopped by their minutes report their last validation step
     align = bool(getattr(args, "align_stops", False)) and on_val is not None
@@ -348,8 +352,9 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
     t_start, times, losses = time.perf_counter(), [], []
     step = start - 1
     for step in range(start, arm["steps"]):
+        scale = lr_scale(step, args, schedule_steps)
         for group in opt.param_groups:
-            group["lr"] = arm["lr"] * group["lr_mult"] * min(1.0, (step + 1) / max(1, args.warmup))
+            group["lr"] = arm["lr"] * group["lr_mult"] * scale
         latents, labels = clips.batch_at(step, args.batch)
         t0 = time.perf_counter()
         loss = flow_matching_step(model, opt, latents, labels, g)
@@ -374,7 +379,7 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
             on_val(step + 1, val, dict(counters))
             if align and path and step + 1 < arm["steps"]:
                 aligned = (step + 1, val, dict(counters))
-                save_run(path, arm, model, opt, g, step + 1, counters, ema, last_val=aligned)
+                save_run(path, arm, model, opt, g, step + 1, counters, ema, last_val=aligned, schedule=schedule)
         if time.perf_counter() - t_start > 60.0 * arm["minutes"]:
             print(f" [{arm['label']}] stopped at step {step + 1} by its {arm['minutes']} min budget", flush=True)
             break
@@ -384,14 +389,15 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
         # trained twice; validations stay at multiples of val_every), and what it reports (steps, loss,
         # counters) is its last validation step's, so every run of a study reports at validated steps
         if aligned[0] != steps_done:  # (stopped right at a validation: saved there already)
-            save_run(path, arm, model, opt, g, steps_done, counters, ema, last_val=aligned)
+            save_run(path, arm, model, opt, g, steps_done, counters, ema, last_val=aligned, schedule=schedule)
         print(f" [{arm['label']}] saved at step {steps_done}; reports its validation step {aligned[0]} (its DSV "
               f"metrics are of step {steps_done})", flush=True)
         steps_done, final_val, counters = aligned
     else:
         final_val = validate(model, ema, clips, args)
         if path:  # with its validation: a run extended later (more steps) and stopped early reports this one
-            save_run(path, arm, model, opt, g, steps_done, counters, ema, last_val=(steps_done, final_val, counters))
+            save_run(path, arm, model, opt, g, steps_done, counters, ema, last_val=(steps_done, final_val, counters),
+                     schedule=schedule)
         if on_val is not None and steps_done % args.val_every:
             on_val(steps_done, final_val, dict(counters))
     summary = dict(steps=steps_done, val_loss=final_val, ms_step=1e3 * _median(times[1:] or times),
@@ -403,6 +409,48 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
                        recall=m["dsv/recall_mean"], budget_density=m["dsv/budget_density_mean"],
                        stage=int(m["dsv/stage"]))
     return model, clips, summary
+
+
+def lr_schedule(args, schedule_steps: int) -> dict:
+    """The learning-rate schedule of a run as plain numbers (kept in its checkpoint: a run resumes only on the
+    schedule it started with): ``warmup`` steps, then the cooldown from step ``decay_start`` to ``decay_end``
+    (``decay_start == decay_end``: none) down to ``min_frac`` of the rate."""
+    frac = float(getattr(args, "lr_cooldown", 0.0) or 0.0)
+    min_frac = float(getattr(args, "lr_min_frac", 0.0) or 0.0)
+    if not 0.0 <= frac <= 1.0:
+        raise ValueError(f"--lr-cooldown must be a fraction of the run's steps in [0, 1], got {frac:g}")
+    if not 0.0 <= min_frac <= 1.0:
+        raise ValueError(f"--lr-min-frac must be in [0, 1], got {min_frac:g}")
+    if schedule_steps < 1:
+        raise ValueError(f"the schedule's steps must be >= 1, got {schedule_steps}")
+    end = int(schedule_steps)
+    start = end - int(round(frac * end))
+    if frac and start < args.warmup:
+        raise ValueError(f"--lr-cooldown {frac:g} starts the decay at step {start}, inside the {args.warmup}-step "
+                         "warm-up: a shorter cooldown or warm-up")
+    return dict(warmup=int(args.warmup), decay_start=start, decay_end=end, min_frac=min_frac if frac else 1.0)
+
+
+def schedule_key(schedule) -> str:
+    """A schedule as runs are compared by (curves and checkpoints before schedules were recorded hold None: a
+    constant rate after the warm-up): ``"constant"`` or the cooldown's numbers as sorted JSON."""
+    if schedule is None or schedule.get("decay_end", 0) <= schedule.get("decay_start", 0):
+        return "constant"
+    return json.dumps(schedule, sort_keys=True)
+
+
+def lr_scale(step: int, args, schedule_steps: int) -> float:
+    """The learning-rate multiplier of 0-based ``step``: linear warm-up over ``args.warmup`` steps, constant, then
+    with ``args.lr_cooldown`` = f > 0 a linear decay over the last f of ``schedule_steps`` to ``args.lr_min_frac``
+    (a warmup-stable-decay schedule: the final weights average out the step-to-step noise of a constant rate, so
+    the final loss varies less from seed to seed); steps past ``schedule_steps`` (an arm's extra steps) stay at
+    the floor."""
+    sch = lr_schedule(args, schedule_steps)
+    scale = min(1.0, (step + 1) / max(1, sch["warmup"]))
+    if step + 1 > sch["decay_start"] and sch["decay_end"] > sch["decay_start"]:
+        done = min(1.0, (step + 1 - sch["decay_start"]) / (sch["decay_end"] - sch["decay_start"]))
+        scale *= 1.0 - (1.0 - sch["min_frac"]) * done
+    return scale
 
 
 def _ema(model, args):
@@ -450,13 +498,14 @@ _RESUME_KEYS = ("data", "frames", "res", "attn", "lr", "qk_norm", "qk_lr", "rope
 _FORMATS = ("megatron_dsv.video_run.v2", "megatron_dsv.video_run.v3")  # v3: + the weight EMA
 
 
-def save_run(path: str, arm: dict, model, opt, g, step: int, counters: dict, ema=None, last_val=None) -> None:
+def save_run(path: str, arm: dict, model, opt, g, step: int, counters: dict, ema=None, last_val=None,
+             schedule=None) -> None:
     """Model (with its DSV state), optimizer, weight EMA, noise generator and step of a run, written atomically;
     ``last_val``: (step, loss, counters) of its last validation (what a run stopped by its minutes reports)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     state = {"format": _FORMATS[-1], "arm": {k: arm[k] for k in _RESUME_KEYS}, "step": step,
              "counters": counters, "model": model.state_dict(), "optimizer": opt.state_dict(), "rng": g.get_state(),
-             "ema": None if ema is None else ema.state_dict(),
+             "ema": None if ema is None else ema.state_dict(), "schedule": schedule,
              "last_val": None if last_val is None else dict(step=int(last_val[0]), val=float(last_val[1]),
                                                             counters=dict(last_val[2]))}
     torch.save(state, path + ".tmp")
@@ -464,7 +513,7 @@ def save_run(path: str, arm: dict, model, opt, g, step: int, counters: dict, ema
     print(f" [{arm['label']}] saved step {step} to {path}", flush=True)
 
 
-def load_run(path: str, arm: dict, model, opt, g, ema=None):
+def load_run(path: str, arm: dict, model, opt, g, ema=None, schedule=None):
     """Restore what :func:`save_run` wrote (tensors only: ``weights_only=True``); returns (step, counters,
     last validation as a dict of step, val, counters, or None).
     A run saved without an EMA (format v2, or ``--ema-decay 0``) starts its EMA at the loaded weights."""
@@ -484,6 +533,11 @@ def load_run(path: str, arm: dict, model, opt, g, ema=None):
     differ = {k: (saved.get(k), arm[k]) for k in _RESUME_KEYS if saved.get(k) != arm[k]}
     if differ:
         raise ValueError(f"run checkpoint {path!r} was written by another arm: (saved, now) = {differ}")
+    saved_schedule = state.get("schedule")
+    if schedule is not None and schedule_key(saved_schedule) != schedule_key(schedule):
+        raise ValueError(f"run checkpoint {path!r} was trained on another learning-rate schedule (saved "
+                         f"{schedule_key(saved_schedule)}, now {schedule_key(schedule)}): resume with its --warmup / "
+                         "--lr-cooldown / --lr-min-frac, or start afresh")
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     g.set_state(state["rng"])
@@ -531,6 +585,11 @@ def add_run_args(ap, preset="0.8b", layers=4, samples=64):
     ap.add_argument("--head-dim", type=int, default=64, help="head dim with --heads")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=100, help="linear learning-rate warm-up steps")
+    ap.add_argument("--lr-cooldown", type=float, default=0.0,
+                    help="decay the learning rate linearly over this last fraction of the run's steps (0: constant "
+                         "after the warm-up, as runs 1-12); bench_quality counts the study's steps, not an arm's "
+                         "extra steps, which stay at the floor")
+    ap.add_argument("--lr-min-frac", type=float, default=0.0, help="the rate at the cooldown's end, a fraction of lr")
     ap.add_argument("--samples", type=int, default=samples, help="training clips (rendered once, cycled)")
     ap.add_argument("--val-samples", type=int, default=8, help="held-out clips for the validation loss")
     ap.add_argument("--frame-skip", type=int, default=None,

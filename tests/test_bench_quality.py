@@ -260,3 +260,18 @@ def test_full_attention_is_required_only_where_it_is_the_baseline(tmp_path, monk
     monkeypatch.setattr(bq, "launch", lambda names, seeds, argv, args: launched.append((names, seeds)))
     bq.main(base + ["--launch", "--seeds", "0,1"])
     assert launched == [(["s1win_cap25_s400"], [0, 1])]
+
+
+def test_the_report_refuses_runs_of_different_learning_rate_schedules():
+    """A cooldown moves the final loss by more than the differences measured: a study mixing runs with and
+    without one (or of two cooldowns) is refused, naming a run of each; curves without a schedule are constant."""
+    from benchmarks.quality_report import check_one_schedule
+
+    cool = dict(warmup=100, decay_start=2400, decay_end=3000, min_frac=0.0)
+    constant = dict(warmup=100, decay_start=3000, decay_end=3000, min_frac=1.0)
+    assert check_one_schedule({"full": {0: {}, 1: {"schedule": constant}}}) == {"constant": True}
+    assert check_one_schedule({"full": {0: {"schedule": cool}}, "dsv": {0: {"schedule": dict(cool)}}}) == cool
+    with pytest.raises(ValueError, match="different learning-rate schedules: full seed 0: constant.*dsv seed 0"):
+        check_one_schedule({"full": {0: {}}, "dsv": {0: {"schedule": cool}}})
+    with pytest.raises(ValueError, match="different learning-rate schedules"):
+        check_one_schedule({"full": {0: {"schedule": cool}, 1: {"schedule": dict(cool, decay_start=2700)}}})

@@ -159,3 +159,60 @@ def test_windowed_stage1_arm_trains_into_stage_two(megatron_cpu, tmp_path):
         m.stage.fill_(1)
         m._sync_host()
         assert m._stage1_window(1024, "cpu")[2] < 1024
+
+
+def test_lr_cooldown_schedule_warms_up_holds_decays_and_stays_at_its_floor():
+    """--lr-cooldown f: linear warm-up, constant, a linear decay over the last f of the schedule's steps to
+    --lr-min-frac, extra steps past the schedule at that floor; f = 0 is the constant rate of runs 1-12."""
+    import argparse
+
+    from benchmarks.video_runs import lr_scale, lr_schedule, schedule_key
+
+    args = argparse.Namespace(warmup=10, lr_cooldown=0.2, lr_min_frac=0.1)
+    assert lr_schedule(args, 100) == dict(warmup=10, decay_start=80, decay_end=100, min_frac=0.1)
+    scale = [lr_scale(s, args, 100) for s in range(110)]
+    assert scale[0] == pytest.approx(0.1) and scale[9] == 1.0  # warm-up: (step + 1) / 10
+    assert all(x == 1.0 for x in scale[9:80])
+    assert scale[89] == pytest.approx(1.0 - 0.9 * 0.5) and scale[99] == pytest.approx(0.1)  # halfway, end
+    assert all(a > b for a, b in zip(scale[79:100], scale[80:100]))  # strictly decreasing through the cooldown
+    assert all(x == pytest.approx(0.1) for x in scale[100:])  # extra steps: the floor
+    constant = argparse.Namespace(warmup=10, lr_cooldown=0.0, lr_min_frac=0.0)
+    assert [lr_scale(s, constant, 100) for s in range(9, 120)] == [1.0] * 111
+    assert schedule_key(lr_schedule(constant, 100)) == schedule_key(None) == "constant"
+    assert schedule_key(lr_schedule(args, 100)) != schedule_key(lr_schedule(args, 200))
+    with pytest.raises(ValueError, match="--lr-cooldown must be a fraction"):
+        lr_schedule(argparse.Namespace(warmup=10, lr_cooldown=1.5, lr_min_frac=0.0), 100)
+    with pytest.raises(ValueError, match="--lr-min-frac must be in"):
+        lr_schedule(argparse.Namespace(warmup=10, lr_cooldown=0.2, lr_min_frac=-1.0), 100)
+    with pytest.raises(ValueError, match="inside the 10-step warm-up"):
+        lr_schedule(argparse.Namespace(warmup=10, lr_cooldown=0.95, lr_min_frac=0.0), 100)
+
+
+@pytest.mark.timeout(300)
+def test_a_run_resumes_only_on_the_schedule_it_was_trained_on(megatron_cpu, tmp_path):
+    """The run checkpoint keeps its learning-rate schedule: resuming it under another cooldown is refused, naming
+    both; under its own it trains on to the same weights as a run never stopped."""
+    import torch
+
+    from benchmarks.video_runs import train_arm
+    from tests.test_benchmarks_smoke import _run_args
+
+    arm = "data=synthetic,frames=4,res=64,stage1=3,steps=6,attn=full"
+    straight = train_arm(parse_arm(arm), _run_args(tmp_path, "--warmup", "1", "--lr-cooldown", "0.5"))
+    args = _run_args(tmp_path, "--warmup", "1", "--lr-cooldown", "0.5", "--save-dir", str(tmp_path / "runs"))
+    train_arm(parse_arm(arm.replace("steps=6", "steps=4")), args)
+    args.schedule_steps = 6  # the study's steps fix the schedule (bench_quality sets them)
+    with pytest.raises(ValueError, match="another learning-rate schedule"):
+        train_arm(parse_arm(arm), args)  # saved with the 4-step schedule, now the 6-step one
+    wrong = _run_args(tmp_path, "--warmup", "1", "--save-dir", str(tmp_path / "runs2"))
+    wrong.schedule_steps = 6
+    train_arm(parse_arm(arm.replace("steps=6", "steps=4")), wrong)
+    wrong.lr_cooldown = 0.5
+    with pytest.raises(ValueError, match="constant"):
+        train_arm(parse_arm(arm), wrong)
+    good = _run_args(tmp_path, "--warmup", "1", "--lr-cooldown", "0.5", "--save-dir", str(tmp_path / "runs3"))
+    good.schedule_steps = 6
+    train_arm(parse_arm(arm.replace("steps=6", "steps=4")), good)
+    resumed = train_arm(parse_arm(arm), good)
+    a, b = straight[0].state_dict(), resumed[0].state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a if torch.is_tensor(a[k]))
