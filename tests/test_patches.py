@@ -37,10 +37,12 @@ _COMMON = {
     "0002-dsv-gpt-layer-spec.patch": ["gpt_builders.py"],
     "0003-dsv-step-end-hook.patch": ["megatron/training/training.py"],
 }
+_PREFETCH = {"0005-dsv-step-end-prefetch.patch": ["megatron/training/training.py"]}
 SERIES = {
-    "core_v0.16.1": dict(_COMMON),
+    "core_v0.16.1": {**_COMMON, **_PREFETCH},
     # core_v0.19's pretrain_gpt.py builds its model from gpt_config_from_args, not gpt_builder
-    "core_v0.19.0": {**_COMMON, "0004-dsv-gpt-config-layer-spec.patch": ["megatron/training/argument_utils.py"]},
+    "core_v0.19.0": {**_COMMON, "0004-dsv-gpt-config-layer-spec.patch": ["megatron/training/argument_utils.py"],
+                     **_PREFETCH},
 }
 EXPECTED = SERIES["core_v0.16.1"]
 TAGS = list(SERIES)
@@ -100,7 +102,7 @@ def test_patch_parses_is_small_and_touches_named_files(tag, name, tmp_path, tool
     assert "megatron_dsv" in text and "use_dsv_attention" in text.replace("-", "_")
 
 
-@pytest.mark.parametrize("name", list(_COMMON))
+@pytest.mark.parametrize("name", list(_COMMON) + list(_PREFETCH))
 def test_both_tags_add_the_same_lines(name):
     """One behaviour for both pins: the series differ only in context (and 0.19's extra 0004)."""
     assert _added_code(name, "core_v0.16.1") == _added_code(name, "core_v0.19.0")
@@ -111,7 +113,7 @@ def test_readme_names_each_patch_and_its_files():
     for tag in TAGS:
         assert f"`{tag}`" in text, f"patches/README.md must name {tag}"
     rows = {line.split("|")[1].strip(" `"): line for line in text.splitlines() if line.startswith("| `0")}
-    every = {name: files for tag in TAGS for name, files in SERIES[tag].items()}
+    every = dict(sorted((name, files) for tag in TAGS for name, files in SERIES[tag].items()))
     assert list(rows) == list(every), "patches/README.md's table must list the series in order"
     for name, files in every.items():
         assert [f for f in files if f"`{f}`" in rows[name]] == files, f"README's row for {name} must name {files}"
@@ -245,6 +247,70 @@ def test_step_end_integration_logs_a_dsv_line(monkeypatch, capsys):
     assert check.parse_log(out[0])["dsv"] == {5: (2, 1, 2)}
 
 
+def test_prefetch_patch_queues_the_step_end_right_before_the_optimizer_step(monkeypatch):
+    """Patch 0005 calls dsv_train_step_prefetch(model, args) in train_step just before the optimizer step, under
+    --use-dsv-attention only."""
+    import megatron_dsv.training.megatron_lm as integration
+
+    for tag in TAGS:
+        text = open(_patch("0005-dsv-step-end-prefetch.patch", tag), encoding="utf-8").read()
+        assert re.search(r"^\+ +dsv_train_step_prefetch\(model, args\).*\n(?: *\n)*.*\n +update_successful, grad_norm, "
+                         r"num_zeros_in_grad = optimizer\.step\(\)", text, re.M), tag
+    calls = []
+    monkeypatch.setattr(integration, "dsv_train_step_prefetch", lambda model, args: calls.append((model, args)))
+    prefetch = _as_function("0005-dsv-step-end-prefetch.patch", "args, model", "None")
+    model, on = [torch.nn.Linear(2, 2)], argparse.Namespace(use_dsv_attention=True)
+    prefetch(on, model)
+    prefetch(argparse.Namespace(use_dsv_attention=False), model)
+    prefetch(argparse.Namespace(), model)  # megatron_dsv absent: no flag at all
+    assert calls == [(model, on)]
+
+
+def test_patched_step_with_prefetch_is_the_same_step(megatron_cpu, fast_table):
+    """Patches 0005 + 0003 around an optimizer step (Megatron's list of chunks) leave the same weights, DSV state
+    and stages, bit for bit, as 0003 alone; with a loss scaler (--fp16, --loss-scale) nothing is queued, since a
+    skipped step gets no step end."""
+    from megatron_dsv.attention import dsv_layers
+    from megatron_dsv.training.megatron_lm import dsv_train_step_prefetch
+    from tests.attention.conftest import dsv_config
+    from tests.attention.test_block import _block
+
+    prefetch = _as_function("0005-dsv-step-end-prefetch.patch", "args, model", "None")
+    step_end = _as_function("0003-dsv-step-end-hook.patch", "args, model, iteration, skipped_iter", "iteration")
+
+    def run(with_prefetch, steps=4, **flags):
+        args = argparse.Namespace(**{**dict(use_dsv_attention=True, log_interval=100, fp16=False, loss_scale=None),
+                                     **flags})
+        cfg = dsv_config(stage_switch_rule="steps", stage_switch_steps=2, sparsity_threshold=0.0,
+                         speedup_table=fast_table, granularity="block", kv_block_size=64)
+        torch.manual_seed(0)
+        model = [_block(cfg)]
+        opt = torch.optim.SGD(model[0].parameters(), lr=1e-3)
+        gen = torch.Generator().manual_seed(1)
+        queued = []
+        for iteration in range(steps):
+            x = torch.randn(256, 2, 128, generator=gen)
+            model[0](hidden_states=x, attention_mask=None).square().mean().backward()
+            if with_prefetch:
+                prefetch(args, model)
+                queued.append(getattr(model[0], "_dsv_step_end_read", None) is not None)
+            opt.step()
+            opt.zero_grad()
+            step_end(args, model, iteration + 1, 0)
+        return model[0], queued
+
+    plain, _ = run(False)
+    early, queued = run(True)
+    assert queued == [True] * 4
+    a, b = plain.state_dict(), early.state_dict()
+    assert all(torch.equal(a[n], b[n]) for n in a if torch.is_tensor(a[n]))
+    assert [(x.stage_host, x.step_host) for x in dsv_layers(early)] == [(2, 4)] * len(dsv_layers(early))
+    for flags in (dict(fp16=True), dict(loss_scale=4096.0)):
+        _, queued = run(True, steps=2, **flags)
+        assert queued == [False, False], flags
+    assert dsv_train_step_prefetch([], argparse.Namespace(fp16=False)) is False  # a rank without chunks
+
+
 # ---- apply_patches.py on synthetic repositories ---------------------------------------------
 def _preimages(tag="core_v0.16.1"):
     """{path: text} holding, for every hunk, its context and removed lines: enough for git apply,
@@ -328,7 +394,7 @@ def test_the_tag_picks_its_series(tmp_path, tool, capsys):
     repo, _ = _synthetic_repo(tmp_path / "mlm19", tag="core_v0.19.0", files=_preimages("core_v0.19.0"))
     tool.PINNED["core_v0.19.0"] = _git(repo, "rev-parse", "HEAD").stdout.strip()
     code, out, err = _run_tool(tool, [repo], capsys)
-    assert code == 0 and "applied 4 patches on core_v0.19.0" in out, err
+    assert code == 0 and f"applied {len(SERIES['core_v0.19.0'])} patches on core_v0.19.0" in out, err
     assert "argument_utils.py" in out
 
 
@@ -337,16 +403,16 @@ def test_apply_check_reapply_and_revert(pinned_repo, tool, capsys):
     code, out, _ = _run_tool(tool, [repo, "--check"], capsys)
     assert code == 0 and "would apply cleanly" in out and _status(repo) == [""]
     code, out, _ = _run_tool(tool, [repo], capsys)
-    assert code == 0 and "applied 3 patches" in out
+    assert code == 0 and f"applied {len(SERIES['core_v0.16.1'])} patches" in out
     for name, paths in EXPECTED.items():
         assert name in out
         for rel in paths:
             assert _added_code(name).splitlines()[0].strip() in (repo / rel).read_text()
-    assert sorted(line[3:] for line in _status(repo) if line) == sorted(sum(EXPECTED.values(), []))
+    assert sorted(line[3:] for line in _status(repo) if line) == sorted(set(sum(EXPECTED.values(), [])))
     code, out, _ = _run_tool(tool, [repo], capsys)
     assert code == 0 and "already patched" in out
     code, out, _ = _run_tool(tool, [repo, "--revert"], capsys)
-    assert code == 0 and "reverted 3 patches" in out and _status(repo) == [""]
+    assert code == 0 and f"reverted {len(EXPECTED)} patches" in out and _status(repo) == [""]
     for rel, text in files.items():
         assert (repo / rel).read_text() == text
     code, out, _ = _run_tool(tool, [repo, "--revert"], capsys)

@@ -1,7 +1,8 @@
 """Megatron-LM's side of DSV: the call the patched train loop makes after each optimizer step.
 
 Patch 0003 (patches/megatron-lm/<tag>/0003-dsv-step-end-hook.patch) calls
-:func:`dsv_train_step_end` right after Megatron's ``iteration += 1`` when the step was not skipped;
+:func:`dsv_train_step_end` right after Megatron's ``iteration += 1`` when the step was not skipped, and patch
+0005 :func:`dsv_train_step_prefetch` right before the optimizer step (the step end's device work queued early);
 ``examples/video_dit/pretrain_video_dit.py`` calls it from its forward step on an unpatched tree.
 It closes the DSV step (:func:`megatron_dsv.attention.dsv_on_step_end`: predictors, profiler,
 stage switch) and, on Megatron's logging iterations (``--log-interval``), prints one line of DSV
@@ -19,7 +20,7 @@ from typing import Dict, Optional
 
 import torch
 
-__all__ = ["dsv_train_step_end", "format_dsv_line"]
+__all__ = ["dsv_train_step_end", "dsv_train_step_prefetch", "format_dsv_line"]
 
 
 def format_dsv_line(iteration: int, metrics: Dict[str, float], num_layers: int) -> str:
@@ -36,6 +37,26 @@ def format_dsv_line(iteration: int, metrics: Dict[str, float], num_layers: int) 
 def _rank() -> int:
     dist = torch.distributed
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def dsv_train_step_prefetch(model, args=None, dp_group=None) -> bool:
+    """Queue DSV's step end before Megatron's optimizer step (patch 0005, in ``train_step`` right before
+    ``optimizer.step()``): :func:`megatron_dsv.attention.dsv_prefetch_step_end`, whose device work and host copy
+    the optimizer's gradient-norm sync then covers; the step-end hook after ``iteration += 1`` (patch 0003) reads
+    the values from the host. Same values, one stream sync a step instead of two.
+
+    Not with a loss scaler (``--fp16``, or ``--loss-scale`` with bf16): its step can be skipped, and patch 0003
+    then calls no step end, which would leave the queued one for the next step. Returns whether it queued.
+    ``dp_group`` as :func:`dsv_train_step_end` (the two must agree)."""
+    if args is not None and (getattr(args, "fp16", False) or getattr(args, "loss_scale", None)):
+        return False
+    from megatron_dsv.attention import dsv_prefetch_step_end
+
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    if not chunks:  # a rank without model chunks: its step end joins the collectives on its own
+        return False
+    dsv_prefetch_step_end(model, dp_group=dp_group)
+    return True
 
 
 def dsv_train_step_end(model, iteration: int, args=None, dp_group=None) -> int:

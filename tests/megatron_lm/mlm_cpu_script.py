@@ -74,7 +74,7 @@ def main():
     from gpt_builders import gpt_builder
 
     from megatron_dsv.attention import DSVCoreAttention, dsv_layers
-    from megatron_dsv.training.megatron_lm import dsv_train_step_end
+    from megatron_dsv.training.megatron_lm import dsv_train_step_end, dsv_train_step_prefetch
 
     torch.manual_seed(0)
     model = gpt_builder(args, True, True, config=core_transformer_config_from_args(args))
@@ -86,8 +86,10 @@ def main():
     position_ids = torch.arange(256)[None]
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
-        for iteration in (1, 2, 3):  # what patch 0003 runs after each optimizer step
+        result["prefetched"] = []
+        for iteration in (1, 2, 3):  # what patch 0005 runs before each optimizer step and 0003 after it
             model(tokens, position_ids, None, labels=tokens).float().mean().backward()
+            result["prefetched"].append(dsv_train_step_prefetch([model], args))
             dsv_train_step_end([model], iteration, args)
     result["dsv_lines"] = [line for line in log.getvalue().splitlines() if "[dsv]" in line]
 

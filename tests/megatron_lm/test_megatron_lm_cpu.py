@@ -49,6 +49,7 @@ def test_step_end_call_logs_each_iteration(findings):
     lines = findings["dsv_lines"]
     assert [int(line.split("iteration")[1].split("|")[0]) for line in lines] == [1, 2, 3]
     assert all("stage 1 | sparse layers 0/2" in line for line in lines)
+    assert findings["prefetched"] == [True, True, True]  # Megatron-LM's bf16/fp32 args: no loss scaler
 
 
 def test_dsv_state_through_megatron_lm_checkpoint_functions(findings):
