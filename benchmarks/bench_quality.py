@@ -514,7 +514,7 @@ def main(argv=None):
             print(f"no plot ({err}): pip install -e '.[plots]'")
         print(f"{'arm':16s} {'step':>5s} {'val loss':>10s} {'vs full %':>14s} {'unpaired %':>14s} {'kept':>6s} "
               f"{'sparse':>7s} "
-              f"{'recall':>7s} {'ms alone':>9s} {'t->full':>8s} {'t->full at each timed S':s}")
+              f"{'recall':>7s} {'ms alone':>9s} {'t->full':>8s} {'seeds@se':>8s} {'t->full at each timed S':s}")
         for r in rows:
             fmt = lambda x, f: "-" if x is None or x != x else format(x, f)  # noqa: E731
             print(f"{r['name']:16s} {r['steps']:5d} {r['val_loss']:10.4f} {fmt(r['delta_vs_full_pct'], '+7.2f')} +-"
@@ -522,6 +522,7 @@ def main(argv=None):
                   f"{fmt(r['delta_vs_full_unpaired_se_pct'], '4.2f')} {fmt(r['kept_fraction'], '6.3f')} "
                   f"{fmt(r['sparse_layer_fraction'], '7.2f')} {fmt(r['recall'], '7.3f')} "
                   f"{fmt(r['ms_step_alone'], '9.1f')} {fmt(r['time_to_full_loss_ratio'], '8.2f')} "
+                  f"{fmt(r['seeds_for_se_target'], '8d')} "
                   + " ".join(f"{k}:{fmt(v, '.2f')}" for k, v in r["time_to_full_loss_ratio_by_S"].items()))
         print("wrote", path)
 

@@ -112,6 +112,19 @@ def mean_se(xs: List[float]):
     return mean, math.sqrt(var / n)
 
 
+SE_TARGET_PCT = 0.5  # issue 24: the se of (arm - full) / full at the end, in % of full attention's loss
+
+
+def seeds_for_se(paired: List[float], target: float = SE_TARGET_PCT) -> Optional[int]:
+    """Seeds a paired study needs for an se of ``target`` (%) at the spread its paired deltas show:
+    ``ceil((sd / target)^2)``, at least 2; None with fewer than 2 deltas (no spread to go by)."""
+    if len(paired) < 2:
+        return None
+    _, se = mean_se(paired)
+    sd = se * math.sqrt(len(paired))
+    return max(2, math.ceil((sd / target) ** 2 - 1e-9))
+
+
 def unpaired_delta(arm: List[float], full: List[float]):
     """``(100 (mean(arm) / mean(full) - 1), its se)``: the arm's mean loss against full attention's over every
     seed each has, not seed by seed; the se by the delta method from the two means' standard errors (nan with fewer
@@ -215,6 +228,9 @@ def report(args, names: List[str]) -> List[dict]:
                    val_loss=loss, val_loss_se=loss_se, val_loss_per_seed=at, val_loss_full=sum(full_at.values()) /
                    len(full_at), full_loss_target=full_mean, full_loss_target_step=full_step,
                    delta_vs_full_pct=delta, delta_vs_full_se_pct=delta_se,
+                   delta_vs_full_sd_pct=delta_se * math.sqrt(len(paired)) if len(paired) > 1 else None,
+                   seeds_for_se_target=seeds_for_se(paired) if name != "full" else None,
+                   se_target_pct=SE_TARGET_PCT,
                    delta_vs_full_unpaired_pct=unpaired, delta_vs_full_unpaired_se_pct=unpaired_se,
                    full_seeds_unpaired=len(full_all),
                    kept_fraction=_mean([r.get("kept_fraction") for r in runs.values()]),

@@ -275,3 +275,14 @@ def test_the_report_refuses_runs_of_different_learning_rate_schedules():
         check_one_schedule({"full": {0: {}}, "dsv": {0: {"schedule": cool}}})
     with pytest.raises(ValueError, match="different learning-rate schedules"):
         check_one_schedule({"full": {0: {"schedule": cool}, 1: {"schedule": dict(cool, decay_start=2700)}}})
+
+
+def test_seeds_for_the_se_target_follow_the_paired_spread():
+    """n = ceil((sd / 0.5)^2): run 10's ViZDoom deltas (sd 1.37%) need 8 seeds, run 11's 32K pair (-3.1, -4.5: sd 0.99%) 4."""
+    from benchmarks.quality_report import seeds_for_se
+
+    assert seeds_for_se([-0.29, -3.26, -0.44, -1.59]) == 8
+    assert seeds_for_se([-3.1, -4.5]) == 4
+    assert seeds_for_se([-1.0, -1.0, -1.0]) == 2  # no spread: the two any se needs
+    assert seeds_for_se([-1.0]) is None
+    assert seeds_for_se([0.0, 2.0], target=1.0) == 2  # sd 1.41: (1.41 / 1)^2 = 2
