@@ -286,3 +286,36 @@ def test_seeds_for_the_se_target_follow_the_paired_spread():
     assert seeds_for_se([-1.0, -1.0, -1.0]) == 2  # no spread: the two any se needs
     assert seeds_for_se([-1.0]) is None
     assert seeds_for_se([0.0, 2.0], target=1.0) == 2  # sd 1.41: (1.41 / 1)^2 = 2
+
+
+def test_harness_spread_reads_studies_and_refuses_mixed_schedules(tmp_path, capsys):
+    """benchmarks/harness_spread.py: per study and step, full attention's seed sd and each arm's paired delta
+    (mean, sd, seeds for the se target) over the seeds every run reached; a study mixing schedules is refused."""
+    import json as _json
+
+    from benchmarks import harness_spread
+
+    def write(study, arm, seed, curve, schedule=None):
+        d = tmp_path / study / "curves"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"{arm}-s{seed}.json").write_text(_json.dumps(dict(name=arm, seed=seed, curve=curve, schedule=schedule)))
+
+    for seed, (f, w) in enumerate([(1.00, 0.99), (1.10, 1.078), (0.90, 0.9)]):
+        write("a", "full", seed, [[250, 2.0], [500, f]])
+        write("a", "window", seed, [[250, 2.0], [500, w]] if seed < 2 else [[250, 2.0]])  # seed 2 stopped early
+    rows = harness_spread.spread_rows("a", harness_spread.load_study(str(tmp_path / "a"))[0])
+    full500 = next(r for r in rows if r["arm"] == "full" and r["step"] == 500)
+    assert full500["seeds"] == [0, 1, 2] and full500["full_sd_pct"] == pytest.approx(10.0)
+    win = [r for r in rows if r["arm"] == "window"]
+    assert [r["step"] for r in win] == [250]  # 500: seed 2 never reached it, so no step every seed shares
+    harness_spread.main(["--study", f"a={tmp_path / 'a'}", "--out", str(tmp_path / "out.json")])
+    assert _json.load(open(tmp_path / "out.json"))["rows"][0]["study"] == "a"
+    (tmp_path / "a" / "curves" / "window-s2.json").unlink()
+    rows = harness_spread.spread_rows("a", harness_spread.load_study(str(tmp_path / "a"))[0])
+    win500 = next(r for r in rows if r["arm"] == "window" and r["step"] == 500)
+    assert win500["seeds"] == [0, 1] and win500["delta_pct"] == pytest.approx(-1.5)
+    assert win500["delta_sd_pct"] == pytest.approx(math.sqrt(0.5), rel=1e-6) and win500["seeds_for_se_target"] == 2
+    write("b", "full", 0, [[500, 1.0]], schedule=dict(warmup=1, decay_start=400, decay_end=500, min_frac=0.0))
+    write("b", "full", 1, [[500, 1.0]])
+    with pytest.raises(ValueError, match="different learning-rate schedules"):
+        harness_spread.load_study(str(tmp_path / "b"))
