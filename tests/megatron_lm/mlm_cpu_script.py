@@ -11,7 +11,6 @@ import argparse
 import contextlib
 import io
 import json
-import os
 import sys
 import tempfile
 
