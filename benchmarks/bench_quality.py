@@ -141,7 +141,6 @@ def train_one(name: str, args) -> dict:
     # cumulative (sparse layer-steps, stage-2 layer-steps) at each validation: how a stage-2 step is charged
     counts = {int(k): v for k, v in old.get("sparse_counts", {}).items()}
 
-
     def record(**extra):
         return dict(name=name, seed=args.seed, arm=_plain(arm), schedule=schedule, curve=sorted(curve.items()),
                     sparse_counts={str(k): v for k, v in sorted(counts.items())}, **extra)

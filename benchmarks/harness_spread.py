@@ -17,7 +17,6 @@ The JSON has one row per (study, arm, step); the plot shows both sds against the
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import math
 import os
@@ -26,22 +25,16 @@ from typing import Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.quality_report import SE_TARGET_PCT, check_one_schedule, mean_se, seeds_for_se  # noqa: E402
+from benchmarks.quality_report import (SE_TARGET_PCT, check_one_schedule, load_records, mean_se,  # noqa: E402
+                                      seeds_for_se)
 
 
 def load_study(save_dir: str):
     """``({arm: {seed: {step: val_loss}}}, schedule)`` of a study's curves: refused when its runs mix
     learning-rate schedules (:func:`benchmarks.quality_report.check_one_schedule`)."""
-    records: Dict[str, Dict[int, dict]] = {}
-    for path in sorted(glob.glob(os.path.join(save_dir, "curves", "*.json"))):
-        rec = json.load(open(path))
-        if rec.get("curve"):
-            records.setdefault(rec["name"], {})[int(rec["seed"])] = rec
-    if "full" not in records:
-        raise ValueError(f"{save_dir}: no curves of arm 'full' under {save_dir}/curves")
+    records = load_records(argparse.Namespace(save_dir=save_dir, at_step=None))
     schedule = check_one_schedule(records)
-    return {arm: {seed: {int(s): float(v) for s, v in rec["curve"]} for seed, rec in runs.items()}
-            for arm, runs in records.items()}, schedule
+    return {arm: {seed: dict(rec["curve"]) for seed, rec in runs.items()} for arm, runs in records.items()}, schedule
 
 
 def _sd_pct(xs: List[float]) -> float:

@@ -47,7 +47,6 @@ def load_records(args) -> Dict[str, Dict[int, dict]]:
         records = cut_records(records, args.at_step)
     if "full" not in records:
         raise ValueError(f"no curves of arm 'full' under {args.save_dir}/curves: run --launch first")
-    check_one_schedule(records)
     return records
 
 
@@ -186,6 +185,7 @@ def time_to_reach(points: List[tuple], target: float) -> Optional[float]:
 
 def report(args, names: List[str]) -> List[dict]:
     records = load_records(args)
+    schedule = check_one_schedule(records)  # refused when the study's runs mix schedules
     timing_path = os.path.join(args.save_dir, "timing.json")
     timing = json.load(open(timing_path)) if os.path.exists(timing_path) else {}
     S = tokens_of(parse_arm(args.arm))
@@ -246,7 +246,7 @@ def report(args, names: List[str]) -> List[dict]:
                    # --at-step: curves cut there; kept_fraction, recall, sparsity and budget density are the runs'
                    # ends (their summaries), the sparse share is counted up to the cut
                    cut_at_step=getattr(args, "at_step", None),
-                   lr_schedule=check_one_schedule({name: runs}))
+                   lr_schedule=schedule)
         rows.append(row)
     full_by_S = next((r["time_to_full_loss_s_by_S"] for r in rows if r["name"] == "full"), {})
     for row in rows:

@@ -337,8 +337,7 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
     cfg_dsv = dsv[0].dsv_config if dsv else None
     ema = _ema(model, args)
     path = run_path(arm, args)
-    schedule_steps = getattr(args, "schedule_steps", None) or arm["steps"]
-    schedule = lr_schedule(args, schedule_steps)
+    schedule = lr_schedule(args, getattr(args, "schedule_steps", None) or arm["steps"])
     start, counters, last_val = 0, {"sparse_steps": 0, "layer_steps": 0}, None
     if path and os.path.exists(path):
         start, counters, last_val = load_run(path, arm, model, opt, g, ema, schedule)
@@ -352,7 +351,7 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
     t_start, times, losses = time.perf_counter(), [], []
     step = start - 1
     for step in range(start, arm["steps"]):
-        scale = lr_scale(step, args, schedule_steps)
+        scale = lr_scale(step, schedule)
         for group in opt.param_groups:
             group["lr"] = arm["lr"] * group["lr_mult"] * scale
         latents, labels = clips.batch_at(step, args.batch)
@@ -439,13 +438,10 @@ def schedule_key(schedule) -> str:
     return json.dumps(schedule, sort_keys=True)
 
 
-def lr_scale(step: int, args, schedule_steps: int) -> float:
-    """The learning-rate multiplier of 0-based ``step``: linear warm-up over ``args.warmup`` steps, constant, then
-    with ``args.lr_cooldown`` = f > 0 a linear decay over the last f of ``schedule_steps`` to ``args.lr_min_frac``
-    (a warmup-stable-decay schedule: the final weights average out the step-to-step noise of a constant rate, so
-    the final loss varies less from seed to seed); steps past ``schedule_steps`` (an arm's extra steps) stay at
-    the floor."""
-    sch = lr_schedule(args, schedule_steps)
+def lr_scale(step: int, sch: dict) -> float:
+    """The learning-rate multiplier of 0-based ``step`` on schedule ``sch`` (:func:`lr_schedule`): linear warm-up,
+    constant, then with a cooldown a linear decay to ``min_frac`` (a warmup-stable-decay schedule); steps past
+    ``decay_end`` (an arm's extra steps) stay at the floor."""
     scale = min(1.0, (step + 1) / max(1, sch["warmup"]))
     if step + 1 > sch["decay_start"] and sch["decay_end"] > sch["decay_start"]:
         done = min(1.0, (step + 1 - sch["decay_start"]) / (sch["decay_end"] - sch["decay_start"]))

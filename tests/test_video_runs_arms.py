@@ -170,14 +170,14 @@ def test_lr_cooldown_schedule_warms_up_holds_decays_and_stays_at_its_floor():
 
     args = argparse.Namespace(warmup=10, lr_cooldown=0.2, lr_min_frac=0.1)
     assert lr_schedule(args, 100) == dict(warmup=10, decay_start=80, decay_end=100, min_frac=0.1)
-    scale = [lr_scale(s, args, 100) for s in range(110)]
+    scale = [lr_scale(s, lr_schedule(args, 100)) for s in range(110)]
     assert scale[0] == pytest.approx(0.1) and scale[9] == 1.0  # warm-up: (step + 1) / 10
     assert all(x == 1.0 for x in scale[9:80])
     assert scale[89] == pytest.approx(1.0 - 0.9 * 0.5) and scale[99] == pytest.approx(0.1)  # halfway, end
     assert all(a > b for a, b in zip(scale[79:100], scale[80:100]))  # strictly decreasing through the cooldown
     assert all(x == pytest.approx(0.1) for x in scale[100:])  # extra steps: the floor
     constant = argparse.Namespace(warmup=10, lr_cooldown=0.0, lr_min_frac=0.0)
-    assert [lr_scale(s, constant, 100) for s in range(9, 120)] == [1.0] * 111
+    assert [lr_scale(s, lr_schedule(constant, 100)) for s in range(9, 120)] == [1.0] * 111
     assert schedule_key(lr_schedule(constant, 100)) == schedule_key(None) == "constant"
     assert schedule_key(lr_schedule(args, 100)) != schedule_key(lr_schedule(args, 200))
     with pytest.raises(ValueError, match="--lr-cooldown must be a fraction"):
