@@ -140,14 +140,18 @@ def train_one(name: str, args) -> dict:
     curve = dict(old.get("curve", []))
     # cumulative (sparse layer-steps, stage-2 layer-steps) at each validation: how a stage-2 step is charged
     counts = {int(k): v for k, v in old.get("sparse_counts", {}).items()}
+    # the loss per class (footage: per source video) and per timestep at each validation: where a seed's spread sits
+    parts = {int(k): v for k, v in old.get("val_breakdown", {}).items()}
 
     def record(**extra):
         return dict(name=name, seed=args.seed, arm=_plain(arm), schedule=schedule, curve=sorted(curve.items()),
-                    sparse_counts={str(k): v for k, v in sorted(counts.items())}, **extra)
+                    sparse_counts={str(k): v for k, v in sorted(counts.items())},
+                    val_breakdown={str(k): v for k, v in sorted(parts.items())}, **extra)
 
-    def on_val(step, loss, counters):
+    def on_val(step, loss, counters, breakdown):
         curve[int(step)] = float(loss)
         counts[int(step)] = [int(counters["sparse_steps"]), int(counters["layer_steps"])]
+        parts[int(step)] = breakdown
         _write_json(path, record())
 
     model, _, summary = train_arm(arm, args, on_val=on_val)

@@ -368,7 +368,7 @@ def main(argv=None):
                 if args.sweep_every and (step - 1) % args.sweep_every == 0:  # profiles come after steps 1, 1 + P, ...
                     rows.extend(sweep(arm, args, step, model))
 
-            def on_val(step, loss, counters, arm=arm):
+            def on_val(step, loss, counters, breakdown, arm=arm):
                 rows.append(dict(kind="val", bench="sparsity_emergence", arm=arm["label"], step=step, val_loss=loss))
 
             model, _, summary = train_arm(arm, args, on_profile=on_profile, on_val=on_val)

@@ -274,29 +274,41 @@ def _classes(arm):
 
 
 @torch.no_grad()
-def val_loss(model, clips: Clips, batch: int, seed: int = 1234) -> float:
-    """Flow-matching loss on the held-out clips at fixed noise and fixed timesteps (t = 0.1 .. 0.9),
-    in eval mode (a DSV model attends as its dispatcher says; no predictor or profiler work)."""
+def val_parts(model, clips: Clips, batch: int, seed: int = 1234) -> torch.Tensor:
+    """Flow-matching loss of every held-out clip at every fixed timestep (t = 0.1 .. 0.9), at fixed noise:
+    ``[held-out clips, 5]`` (fp32, on the CPU), in eval mode (a DSV model attends as its dispatcher says; no
+    predictor or profiler work). The validation loss is its mean (in fp64); :func:`val_breakdown` its means per
+    class and t."""
     was = model.training
     model.eval()
-    total, n = 0.0, 0
     g = torch.Generator(device=clips.latents.device).manual_seed(seed)
     ts = torch.linspace(0.1, 0.9, 5)
-    val = range(clips.n_train, clips.latents.shape[0])
+    val = list(range(clips.n_train, clips.latents.shape[0]))
+    rows = []
     try:
         for start in range(0, len(val), batch):
-            idx = list(val)[start:start + batch]
+            idx = val[start:start + batch]
             x0, labels = clips.latents[idx].float(), clips.labels[idx]
+            cols = []
             for t in ts:
                 noise = torch.randn(x0.shape, generator=g, device=x0.device)
                 tb = torch.full((len(idx),), float(t), device=x0.device)
                 x_t = (1 - t) * x0 + t * noise
                 v = model(x_t.to(clips.latents.dtype), tb, labels).float()
-                total += float(torch.nn.functional.mse_loss(v, noise - x0)) * len(idx)
-                n += len(idx)
+                cols.append((v - (noise - x0)).square().flatten(1).mean(1))
+            rows.append(torch.stack(cols, 1).cpu())
     finally:
         model.train(was)
-    return total / n
+    return torch.cat(rows)
+
+
+def val_breakdown(parts: torch.Tensor, labels: torch.Tensor, class_names) -> dict:
+    """:func:`val_parts` summarised: the mean loss per class (``by_class``, by name: for footage, per source video)
+    and per timestep (``by_t``, t = 0.1 .. 0.9), so a seed's spread can be traced to a video or a noise level."""
+    labels = labels.cpu()
+    names = list(class_names)
+    by_class = {str(names[int(c)]): float(parts[labels == c].mean()) for c in labels.unique().tolist()}
+    return dict(by_class=by_class, by_t=[float(x) for x in parts.mean(0)])
 
 
 def run_path(arm: dict, args):
@@ -306,22 +318,23 @@ def run_path(arm: dict, args):
     return os.path.join(args.save_dir, arm["label"] + (f"-s{args.seed}" if args.seed else "") + ".pt")
 
 
-def validate(model, ema, clips: "Clips", args) -> float:
-    """The validation loss of the run: on the EMA weights when the run keeps one, else on the live weights."""
+def validate(model, ema, clips: "Clips", args) -> torch.Tensor:
+    """:func:`val_parts` of the run: on the EMA weights when the run keeps one, else on the live weights."""
     batch = getattr(args, "val_batch", None) or args.batch
     if ema is None:
-        return val_loss(model, clips, batch)
+        return val_parts(model, clips, batch)
     with ema.swap_in(model):
-        return val_loss(model, clips, batch)
+        return val_parts(model, clips, batch)
 
 
 def train_arm(arm: dict, args, on_profile=None, on_val=None):
     """Train one arm (resumed from ``args.save_dir`` when its checkpoint is there); returns ``(model, clips, summary)``.
 
-    ``on_profile(step, model)`` runs after every DSV profile step, ``on_val(step, loss, counters)`` after every
-    validation (every ``args.val_every`` steps and at the end; on the EMA weights with ``args.ema_decay`` > 0;
+    ``on_profile(step, model)`` runs after every DSV profile step, ``on_val(step, loss, counters, breakdown)`` after
+    every validation (every ``args.val_every`` steps and at the end; on the EMA weights with ``args.ema_decay`` > 0;
     ``counters``: the run's stage-2 layer-steps so far, ``{"sparse_steps", "layer_steps"}``, whose differences
-    between validations say how many of the steps in between ran each layer sparse).
+    between validations say how many of the steps in between ran each layer sparse; ``breakdown``: the loss per
+    class and per timestep, :func:`val_breakdown`).
     AdamW on fp32 main weights, the learning rate of :func:`lr_scale` (linear warm-up over ``args.warmup`` steps,
     with ``args.lr_cooldown`` a linear decay over the last part of ``args.schedule_steps``, default the arm's
     steps), gradient clipping at 1, batch ``args.batch``.
@@ -331,6 +344,11 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
     model, cfg = build_model(arm, args, device, dtype)
     model.train()
     clips = Clips.for_arm(arm, args, cfg.in_channels, device, dtype)
+    val_labels, class_names = clips.labels[clips.n_train:], list(_classes(arm))
+
+    def breakdown(parts):
+        return val_breakdown(parts, val_labels, class_names)
+
     opt = _optimizer(model, arm)
     g = torch.Generator(device=device).manual_seed(args.seed)
     dsv = dsv_layers(model)
@@ -374,8 +392,9 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
             _log_line(arm, step + 1, model, losses[-args.log_every:], times[-args.log_every:], args.batch,
                       tokens_of(arm))
         if on_val is not None and (step + 1) % args.val_every == 0:
-            val = validate(model, ema, clips, args)
-            on_val(step + 1, val, dict(counters))
+            parts = validate(model, ema, clips, args)
+            val = float(parts.double().mean())
+            on_val(step + 1, val, dict(counters), breakdown(parts))
             if align and path and step + 1 < arm["steps"]:
                 aligned = (step + 1, val, dict(counters))
                 save_run(path, arm, model, opt, g, step + 1, counters, ema, last_val=aligned, schedule=schedule)
@@ -393,12 +412,13 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
               f"metrics are of step {steps_done})", flush=True)
         steps_done, final_val, counters = aligned
     else:
-        final_val = validate(model, ema, clips, args)
+        parts = validate(model, ema, clips, args)
+        final_val = float(parts.double().mean())
         if path:  # with its validation: a run extended later (more steps) and stopped early reports this one
             save_run(path, arm, model, opt, g, steps_done, counters, ema, last_val=(steps_done, final_val, counters),
                      schedule=schedule)
         if on_val is not None and steps_done % args.val_every:
-            on_val(steps_done, final_val, dict(counters))
+            on_val(steps_done, final_val, dict(counters), breakdown(parts))
     summary = dict(steps=steps_done, val_loss=final_val, ms_step=1e3 * _median(times[1:] or times),
                    sparse_layer_fraction=counters["sparse_steps"] / max(1, counters["layer_steps"]),
                    minutes=(time.perf_counter() - t_start) / 60.0)

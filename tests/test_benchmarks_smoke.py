@@ -141,6 +141,10 @@ def test_bench_quality_quick_frontier_every_phase(tmp_path):
     assert "[profile] local S=256 stage2 (plain steps)" in proc.stdout
     for suffix in ("_curves.png", "_frontier.png"):
         assert (tmp_path / (path.stem + suffix)).stat().st_size > 0
+    # each curve file keeps the loss per class and per timestep at every validation step
+    curve = json.loads((tmp_path / "frontier-quick" / "curves" / "window-s1.json").read_text())
+    assert sorted(curve["val_breakdown"]) == sorted(str(step) for step, _ in curve["curve"])
+    assert all(len(b["by_t"]) == 5 and b["by_class"] for b in curve["val_breakdown"].values())
 
 
 def _run_args(tmp_path, *extra):

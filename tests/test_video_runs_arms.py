@@ -96,23 +96,26 @@ def test_align_stops_save_where_they_stop_report_the_last_validation_and_resume_
     from tests.test_benchmarks_smoke import _run_args
 
     arm = "data=synthetic,frames=4,res=64,stage1=3,steps=8"
-    curves = {"straight": [], "cut": []}
+    curves, parts = {"straight": [], "cut": []}, []
     straight = train_arm(parse_arm(arm), _run_args(tmp_path, "--val-every", "2"),
-                         on_val=lambda s, v, c: curves["straight"].append((s, v)))
+                         on_val=lambda s, v, c, b: (curves["straight"].append((s, v)), parts.append((v, b))))
+    for loss, b in parts:  # the breakdown: its means per timestep and per class are the loss's parts
+        assert len(b["by_t"]) == 5 and sum(b["by_t"]) / 5 == pytest.approx(loss, rel=1e-5)
+        assert b["by_class"] and set(b["by_class"]) <= {str(c) for c in range(8)}
     args = _run_args(tmp_path, "--val-every", "2", "--save-dir", str(tmp_path / "runs"), "--align-stops")
-    cut = train_arm(parse_arm(arm + ",minutes=0.0000001"), args, on_val=lambda s, v, c: curves["cut"].append((s, v)))
+    cut = train_arm(parse_arm(arm + ",minutes=0.0000001"), args, on_val=lambda s, v, c, b: curves["cut"].append((s, v)))
     run = tmp_path / "runs" / "synthetic-dsv-S256.pt"
     assert cut[2]["steps"] == 0 and run.exists()  # stopped after step 1, before any validation: saved at step 1
     assert torch.load(run, map_location="cpu", weights_only=True)["step"] == 1
     args.val_every = 1
-    cut = train_arm(parse_arm(arm + ",minutes=0.0000001"), args, on_val=lambda s, v, c: curves["cut"].append((s, v)))
+    cut = train_arm(parse_arm(arm + ",minutes=0.0000001"), args, on_val=lambda s, v, c, b: curves["cut"].append((s, v)))
     assert cut[2]["steps"] == 2 and curves["cut"] == [(2, cut[2]["val_loss"])]  # resumed at 1, validated at 2
     args.val_every = 4
-    again = train_arm(parse_arm(arm + ",minutes=0.0000001"), args, on_val=lambda s, v, c: curves["cut"].append((s, v)))
+    again = train_arm(parse_arm(arm + ",minutes=0.0000001"), args, on_val=lambda s, v, c, b: curves["cut"].append((s, v)))
     assert again[2]["steps"] == 2 and again[2]["val_loss"] == cut[2]["val_loss"]  # stopped at 3: reports step 2
     assert torch.load(run, map_location="cpu", weights_only=True)["step"] == 3
     args.val_every = 2
-    resumed = train_arm(parse_arm(arm), args, on_val=lambda s, v, c: curves["cut"].append((s, v)))
+    resumed = train_arm(parse_arm(arm), args, on_val=lambda s, v, c, b: curves["cut"].append((s, v)))
     assert resumed[2]["steps"] == 8 and [s for s, _ in curves["cut"]] == [2, 4, 6, 8]  # resumed at 3
     assert dict(curves["cut"])[8] == dict(curves["straight"])[8] == straight[2]["val_loss"]
     assert dict(curves["cut"])[2] == dict(curves["straight"])[2]
@@ -216,3 +219,15 @@ def test_a_run_resumes_only_on_the_schedule_it_was_trained_on(megatron_cpu, tmp_
     resumed = train_arm(parse_arm(arm), good)
     a, b = straight[0].state_dict(), resumed[0].state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a if torch.is_tensor(a[k]))
+
+
+def test_val_breakdown_means_per_class_and_timestep():
+    """val_breakdown: each class's mean over its own held-out clips (by name), each timestep's over all clips."""
+    import torch
+
+    from benchmarks.video_runs import val_breakdown
+
+    parts = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0], [3.0, 4.0, 5.0, 6.0, 7.0], [10.0] * 5])
+    b = val_breakdown(parts, torch.tensor([2, 2, 0]), ["vtest", "box", "cup"])
+    assert b["by_class"] == {"vtest": 10.0, "cup": 4.0}
+    assert b["by_t"] == pytest.approx([14 / 3, 16 / 3, 18 / 3, 20 / 3, 22 / 3])
