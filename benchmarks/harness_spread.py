@@ -11,7 +11,10 @@ study and validation step, over the seeds every run of the study reached:
     PYTHONPATH=. python benchmarks/harness_spread.py --study const=runs/cpu-cool-const --study wsd=runs/cpu-cool-wsd \
         --out benchmarks/results/harness-spread-cpu-20261205.json --plot
 
-The JSON has one row per (study, arm, step); the plot shows both sds against the step, one line per study.
+The JSON has one row per (study, arm, step); the plot shows both sds against the step, one line per study. With
+``--by-class``, rows of ``kind: by_class`` too: at each study's last common step, each arm's paired delta per class
+(footage: per source video) and per timestep, from the curves' ``val_breakdown`` (runs that recorded one), so a
+spread can be traced to the videos or noise levels it comes from.
 """
 
 from __future__ import annotations
@@ -30,11 +33,39 @@ from benchmarks.quality_report import (SE_TARGET_PCT, check_one_schedule, load_r
 
 
 def load_study(save_dir: str):
-    """``({arm: {seed: {step: val_loss}}}, schedule)`` of a study's curves: refused when its runs mix
-    learning-rate schedules (:func:`benchmarks.quality_report.check_one_schedule`)."""
+    """``({arm: {seed: {step: val_loss}}}, schedule, {arm: {seed: {step: breakdown}}})`` of a study's curves (the
+    breakdowns: :func:`benchmarks.video_runs.val_breakdown`, where the run recorded them): refused when its runs
+    mix learning-rate schedules (:func:`benchmarks.quality_report.check_one_schedule`)."""
     records = load_records(argparse.Namespace(save_dir=save_dir, at_step=None))
     schedule = check_one_schedule(records)
-    return {arm: {seed: dict(rec["curve"]) for seed, rec in runs.items()} for arm, runs in records.items()}, schedule
+    curves = {arm: {seed: dict(rec["curve"]) for seed, rec in runs.items()} for arm, runs in records.items()}
+    parts = {arm: {seed: {int(k): v for k, v in rec.get("val_breakdown", {}).items()} for seed, rec in runs.items()}
+             for arm, runs in records.items()}
+    return curves, schedule, parts
+
+
+def class_rows(name: str, parts: Dict[str, Dict[int, Dict[int, dict]]]) -> List[dict]:
+    """Per arm but full, at the last step where it and full attention both hold a breakdown for every common seed:
+    the paired delta ``100 (arm / full - 1)`` of each class's loss and each timestep's (mean, sd, per seed)."""
+    full, rows = parts.get("full", {}), []
+    for arm, runs in sorted(parts.items()):
+        seeds = sorted(s for s in set(runs) & set(full) if runs[s] and full[s])
+        steps = sorted(set.intersection(*(set(runs[s]) & set(full[s]) for s in seeds))) if seeds else []
+        if arm == "full" or not steps:
+            continue
+        step = steps[-1]
+        keys = [("class", c) for c in sorted(full[seeds[0]][step]["by_class"])]
+        keys += [("t", i) for i in range(len(full[seeds[0]][step]["by_t"]))]
+        for kind, key in keys:
+            pick = (lambda b: b["by_class"][key]) if kind == "class" else (lambda b: b["by_t"][key])
+            paired = [100.0 * (pick(runs[s][step]) / pick(full[s][step]) - 1.0) for s in seeds]
+            mean, se = mean_se(paired)
+            rows.append(dict(kind="by_class", study=name, arm=arm, step=step, seeds=seeds,
+                             part=key if kind == "class" else f"t={0.1 + 0.2 * key:.1f}",
+                             full_loss=sum(pick(full[s][step]) for s in seeds) / len(seeds), delta_pct=mean,
+                             delta_sd_pct=se * math.sqrt(len(paired)) if len(paired) > 1 else None,
+                             delta_per_seed=dict(zip(seeds, paired))))
+    return rows
 
 
 def _sd_pct(xs: List[float]) -> float:
@@ -97,14 +128,18 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="write the rows (and with --plot a PNG beside) here")
     ap.add_argument("--plot", action="store_true")
     ap.add_argument("--note", default=None, help="kept in the JSON's meta")
+    ap.add_argument("--by-class", action="store_true",
+                    help="also each arm's paired delta per class and per timestep at the last common step")
     args = ap.parse_args(argv)
-    rows = []
+    rows, by_class = [], []
     for spec in args.study:
         if "=" not in spec:
             raise SystemExit(f"harness_spread: --study takes NAME=SAVE_DIR, got {spec!r}")
         name, save_dir = spec.split("=", 1)
-        study, schedule = load_study(save_dir)
+        study, schedule, parts = load_study(save_dir)
         rows += spread_rows(name, study, schedule=schedule)
+        if args.by_class:
+            by_class += class_rows(name, parts)
     fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
     print(f"{'study':10s} {'arm':10s} {'step':>5s} {'seeds':>5s} {'full loss':>9s} {'full sd%':>8s} "
           f"{'delta%':>7s} {'sd%':>6s} {'se%':>6s} {f'seeds@{SE_TARGET_PCT:g}':>8s}")
@@ -112,6 +147,14 @@ def main(argv=None):
         print(f"{r['study']:10s} {r['arm']:10s} {r['step']:5d} {len(r['seeds']):5d} {r['full_loss']:9.4f} "
               f"{fmt(r['full_sd_pct'], '8.2f')} {fmt(r.get('delta_pct'), '+7.2f')} {fmt(r.get('delta_sd_pct'), '6.2f')} "
               f"{fmt(r.get('delta_se_pct'), '6.2f')} {fmt(r.get('seeds_for_se_target'), '8d')}")
+    if by_class:
+        print(f"\n{'study':10s} {'arm':18s} {'step':>5s} {'part':18s} {'full loss':>9s} {'delta%':>7s} {'sd%':>6s}  per seed")
+    for r in by_class:
+        print(f"{r['study']:10s} {r['arm']:18s} {r['step']:5d} {r['part']:18s} {r['full_loss']:9.4f} "
+              f"{r['delta_pct']:+7.2f} {fmt(r['delta_sd_pct'], '6.2f')}  "
+              + " ".join(f"s{s}:{d:+.1f}" for s, d in r["delta_per_seed"].items()))
+    spread = rows
+    rows = rows + by_class
     if args.out:
         from benchmarks.common import collect_meta
 
@@ -123,7 +166,7 @@ def main(argv=None):
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
         print("wrote", args.out)
         if args.plot:
-            print("wrote", plot(rows, args.out.rsplit(".", 1)[0] + ".png"))
+            print("wrote", plot(spread, args.out.rsplit(".", 1)[0] + ".png"))
 
 
 if __name__ == "__main__":

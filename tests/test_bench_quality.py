@@ -319,3 +319,32 @@ def test_harness_spread_reads_studies_and_refuses_mixed_schedules(tmp_path, caps
     write("b", "full", 1, [[500, 1.0]])
     with pytest.raises(ValueError, match="different learning-rate schedules"):
         harness_spread.load_study(str(tmp_path / "b"))
+
+
+def test_harness_spread_traces_the_paired_delta_to_classes_and_timesteps(tmp_path, capsys):
+    """--by-class: at the last step both arms recorded a breakdown, the paired delta per class and per timestep."""
+    import json as _json
+
+    from benchmarks import harness_spread
+
+    d = tmp_path / "s" / "curves"
+    d.mkdir(parents=True)
+
+    def bd(box, cup):
+        return dict(by_class=dict(box=box, cup=cup), by_t=[box, cup, 1.0, 1.0, 1.0])
+
+    runs = {("full", 0): {250: bd(1.0, 1.0), 500: bd(1.0, 2.0)}, ("full", 1): {500: bd(2.0, 1.0)},
+            ("window", 0): {250: bd(1.0, 1.0), 500: bd(1.1, 2.0)}, ("window", 1): {500: bd(1.6, 1.0)}}
+    for (arm, seed), parts in runs.items():
+        (d / f"{arm}-s{seed}.json").write_text(_json.dumps(dict(
+            name=arm, seed=seed, curve=[[s, 1.0] for s in parts], val_breakdown={str(k): v for k, v in parts.items()})))
+    rows = harness_spread.class_rows("s", harness_spread.load_study(str(tmp_path / "s"))[2])
+    by = {r["part"]: r for r in rows}
+    assert set(by) == {"box", "cup", "t=0.1", "t=0.3", "t=0.5", "t=0.7", "t=0.9"}
+    assert all(r["step"] == 500 and r["seeds"] == [0, 1] and r["arm"] == "window" for r in rows)
+    assert by["box"]["delta_per_seed"] == pytest.approx({0: 10.0, 1: -20.0}) and by["box"]["delta_pct"] == pytest.approx(-5.0)
+    assert by["cup"]["delta_pct"] == 0.0 and by["t=0.1"]["delta_pct"] == pytest.approx(-5.0)
+    harness_spread.main(["--study", f"s={tmp_path / 's'}", "--by-class", "--out", str(tmp_path / "o.json"), "--plot"])
+    assert "box" in capsys.readouterr().out
+    kinds = [r.get("kind") for r in _json.load(open(tmp_path / "o.json"))["rows"]]
+    assert kinds.count("by_class") == 7 and (tmp_path / "o.png").stat().st_size > 0
