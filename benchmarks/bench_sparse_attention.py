@@ -16,8 +16,8 @@ tile configs at S=64K, 90% sparsity, and uses the winners for the table.
 token and 128-blocks, S 16K-128K, sparsity 0.8-0.98).
 
 ``--sweep`` (issue #15): the shapes of the other presets, D x G x granularity, written to
-``sparse_attention-sweep-<gpu>-<date>.json`` after every point, with a heatmap PNG beside it
-(fwd+bwd speedup vs cuDNN and vs flex per (D, G, granularity) at S=64K, 90%). Default grid:
+``sparse_attention-sweep[-video]-<gpu>-<date>.json`` (``-video``: ``--lists video``) after every point, with a
+heatmap PNG beside it (fwd+bwd speedup vs cuDNN and vs flex per (D, G, granularity) at S=64K, 90%). Default grid:
 S in {16K, 64K} x sparsity 0.9 for every cell D in {64, 96, 128, 256} x G in {32, 64, 128} x
 {token, block 128} (48 points, the 24 heatmap points first), plus S in {16K, 32K, 64K, 128K} x
 sparsity {0.8, 0.9, 0.95} at (D=128, G=128, block 128) and (D=256, G=128, block 128)
@@ -576,7 +576,10 @@ def sweep(args, meta, t_start, argv=None):
         if len(rows) == n_heat:
             plot_sweep(rows, path.with_suffix(".png"), meta)
 
-    rows = run_points(points, "sparse_attention-sweep", args, meta, t_start, on_written=on_written)
+    # lists other than random get their own file: a video-lists sweep beside a random one on the same day would
+    # otherwise overwrite it (run 13 lost a random-lists table that way)
+    name = "sparse_attention-sweep" + ("" if args.lists == "random" else f"-{args.lists}")
+    rows = run_points(points, name, args, meta, t_start, on_written=on_written)
     print_sweep_table(rows)
     if rows:
         png = plot_sweep(rows, written["path"].with_suffix(".png"), meta)

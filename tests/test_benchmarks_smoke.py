@@ -358,6 +358,10 @@ def test_bench_sparse_attention_cli_help_and_budget(tmp_path):
     png.unlink()
     run("--plot-only", str(path))
     assert png.stat().st_size > 0
+    # video-shaped lists go to their own file: the random sweep of the same day stays
+    run("--sweep", "--head-dim", "128", "--group-size", "128", "--seq-lens", "16K", "--time-budget-s", "0",
+        "--lists", "video", "--out", str(tmp_path))
+    assert path.exists() and len(list(tmp_path.glob("sparse_attention-sweep-video-*.json"))) == 1
 
 
 @pytest.mark.parametrize("S,G,BS", [(4096, 32, 0), (5000, 64, 0), (8192, 128, 128), (3000, 32, 64)])

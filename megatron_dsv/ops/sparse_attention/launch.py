@@ -261,10 +261,11 @@ TOKEN_KV_MODES = ("fixed", "inverse")
 def token_kv_mode() -> str:
     """Token lists' deterministic dK/dV, ``DSV_TOKEN_KV_BWD`` in {fixed, inverse}: fixed (the default) is the
     dq kernel's scatter as int64 fixed-point atomics (integer sums do not depend on the order the atomics land
-    in); inverse walks the token inverse map over 32-key tiles, which on an H200 cost 4.0-8.6x the atomic
-    backward with random lists at 90% sparsity (every group pays a whole tile for each tile it lists a key of;
-    ``sparse_attention-sweep-detbwd-token-h200-20261203.json``). The two stay selectable until fixed is timed
-    on a GPU beside it."""
+    in); inverse walks the token inverse map over 32-key tiles. On an H200 (D=128, 64K, 90% sparse, G = 32 / 64 /
+    128, against the atomic backward): fixed 2.6-3.0x and inverse 1.3-2.1x on video-shaped lists
+    (``sparse_attention-sweep-detbwd-token-video-h200-20261205.json``); inverse 4.0-8.6x on random lists, where
+    every group pays a whole tile for each tile it lists a key of (``...-detbwd-token-h200-20261203.json``; fixed
+    not timed there yet). Both stay selectable until both are timed on both list kinds."""
     name = os.environ.get("DSV_TOKEN_KV_BWD", "fixed").strip().lower() or "fixed"
     if name not in TOKEN_KV_MODES:
         raise ValueError(f"DSV_TOKEN_KV_BWD must be one of {TOKEN_KV_MODES}; got {name!r}")
