@@ -44,6 +44,11 @@ def load_study(save_dir: str):
     return curves, schedule, parts
 
 
+def _flat(breakdown: dict) -> Dict[str, float]:
+    """A breakdown's parts by name: each class's, then ``t=0.1`` .. ``t=0.9``."""
+    return {**breakdown["by_class"], **{f"t={0.1 + 0.2 * i:.1f}": v for i, v in enumerate(breakdown["by_t"])}}
+
+
 def class_rows(name: str, parts: Dict[str, Dict[int, Dict[int, dict]]]) -> List[dict]:
     """Per arm but full, at the last step where it and full attention both hold a breakdown for every common seed:
     the paired delta ``100 (arm / full - 1)`` of each class's loss and each timestep's (mean, sd, per seed)."""
@@ -54,15 +59,13 @@ def class_rows(name: str, parts: Dict[str, Dict[int, Dict[int, dict]]]) -> List[
         if arm == "full" or not steps:
             continue
         step = steps[-1]
-        keys = [("class", c) for c in sorted(full[seeds[0]][step]["by_class"])]
-        keys += [("t", i) for i in range(len(full[seeds[0]][step]["by_t"]))]
-        for kind, key in keys:
-            pick = (lambda b: b["by_class"][key]) if kind == "class" else (lambda b: b["by_t"][key])
-            paired = [100.0 * (pick(runs[s][step]) / pick(full[s][step]) - 1.0) for s in seeds]
+        a = {s: _flat(runs[s][step]) for s in seeds}
+        f = {s: _flat(full[s][step]) for s in seeds}
+        for part in f[seeds[0]]:
+            paired = [100.0 * (a[s][part] / f[s][part] - 1.0) for s in seeds]
             mean, se = mean_se(paired)
-            rows.append(dict(kind="by_class", study=name, arm=arm, step=step, seeds=seeds,
-                             part=key if kind == "class" else f"t={0.1 + 0.2 * key:.1f}",
-                             full_loss=sum(pick(full[s][step]) for s in seeds) / len(seeds), delta_pct=mean,
+            rows.append(dict(kind="by_class", study=name, arm=arm, step=step, seeds=seeds, part=part,
+                             full_loss=sum(f[s][part] for s in seeds) / len(seeds), delta_pct=mean,
                              delta_sd_pct=se * math.sqrt(len(paired)) if len(paired) > 1 else None,
                              delta_per_seed=dict(zip(seeds, paired))))
     return rows
@@ -153,8 +156,6 @@ def main(argv=None):
         print(f"{r['study']:10s} {r['arm']:18s} {r['step']:5d} {r['part']:18s} {r['full_loss']:9.4f} "
               f"{r['delta_pct']:+7.2f} {fmt(r['delta_sd_pct'], '6.2f')}  "
               + " ".join(f"s{s}:{d:+.1f}" for s, d in r["delta_per_seed"].items()))
-    spread = rows
-    rows = rows + by_class
     if args.out:
         from benchmarks.common import collect_meta
 
@@ -163,10 +164,10 @@ def main(argv=None):
             meta["note"] = args.note
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+            json.dump({"meta": meta, "rows": rows + by_class}, f, indent=1)
         print("wrote", args.out)
         if args.plot:
-            print("wrote", plot(spread, args.out.rsplit(".", 1)[0] + ".png"))
+            print("wrote", plot(rows, args.out.rsplit(".", 1)[0] + ".png"))
 
 
 if __name__ == "__main__":

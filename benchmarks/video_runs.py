@@ -36,7 +36,7 @@ import json
 import os
 import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -318,13 +318,16 @@ def run_path(arm: dict, args):
     return os.path.join(args.save_dir, arm["label"] + (f"-s{args.seed}" if args.seed else "") + ".pt")
 
 
-def validate(model, ema, clips: "Clips", args) -> torch.Tensor:
-    """:func:`val_parts` of the run: on the EMA weights when the run keeps one, else on the live weights."""
+def validate(model, ema, clips: "Clips", args, class_names) -> Tuple[float, dict]:
+    """``(loss, breakdown)`` of the run's validation: the mean of :func:`val_parts` (in fp64) and its
+    :func:`val_breakdown` by ``class_names``; on the EMA weights when the run keeps one, else on the live weights."""
     batch = getattr(args, "val_batch", None) or args.batch
     if ema is None:
-        return val_parts(model, clips, batch)
-    with ema.swap_in(model):
-        return val_parts(model, clips, batch)
+        parts = val_parts(model, clips, batch)
+    else:
+        with ema.swap_in(model):
+            parts = val_parts(model, clips, batch)
+    return float(parts.double().mean()), val_breakdown(parts, clips.labels[clips.n_train:], class_names)
 
 
 def train_arm(arm: dict, args, on_profile=None, on_val=None):
@@ -344,11 +347,7 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
     model, cfg = build_model(arm, args, device, dtype)
     model.train()
     clips = Clips.for_arm(arm, args, cfg.in_channels, device, dtype)
-    val_labels, class_names = clips.labels[clips.n_train:], list(_classes(arm))
-
-    def breakdown(parts):
-        return val_breakdown(parts, val_labels, class_names)
-
+    class_names = list(_classes(arm))
     opt = _optimizer(model, arm)
     g = torch.Generator(device=device).manual_seed(args.seed)
     dsv = dsv_layers(model)
@@ -392,9 +391,8 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
             _log_line(arm, step + 1, model, losses[-args.log_every:], times[-args.log_every:], args.batch,
                       tokens_of(arm))
         if on_val is not None and (step + 1) % args.val_every == 0:
-            parts = validate(model, ema, clips, args)
-            val = float(parts.double().mean())
-            on_val(step + 1, val, dict(counters), breakdown(parts))
+            val, breakdown = validate(model, ema, clips, args, class_names)
+            on_val(step + 1, val, dict(counters), breakdown)
             if align and path and step + 1 < arm["steps"]:
                 aligned = (step + 1, val, dict(counters))
                 save_run(path, arm, model, opt, g, step + 1, counters, ema, last_val=aligned, schedule=schedule)
@@ -412,13 +410,12 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
               f"metrics are of step {steps_done})", flush=True)
         steps_done, final_val, counters = aligned
     else:
-        parts = validate(model, ema, clips, args)
-        final_val = float(parts.double().mean())
+        final_val, breakdown = validate(model, ema, clips, args, class_names)
         if path:  # with its validation: a run extended later (more steps) and stopped early reports this one
             save_run(path, arm, model, opt, g, steps_done, counters, ema, last_val=(steps_done, final_val, counters),
                      schedule=schedule)
         if on_val is not None and steps_done % args.val_every:
-            on_val(steps_done, final_val, dict(counters), breakdown(parts))
+            on_val(steps_done, final_val, dict(counters), breakdown)
     summary = dict(steps=steps_done, val_loss=final_val, ms_step=1e3 * _median(times[1:] or times),
                    sparse_layer_fraction=counters["sparse_steps"] / max(1, counters["layer_steps"]),
                    minutes=(time.perf_counter() - t_start) / 60.0)
