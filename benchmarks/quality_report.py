@@ -240,7 +240,10 @@ def report(args, names: List[str]) -> List[dict]:
                    budget_density=_mean([s.get("budget_density") for s in summaries]),
                    ms_step_alone=(t_arm or {}).get("stage2"), ms_step_alone_stage1=(t_arm or {}).get("stage1"),
                    ms_step_alone_by_S={k: v for k, v in (timing.get(name) or {}).items()},
-                   time_to_full_loss_s=reach_by_S.get(str(S)), curve=mean_curve, wall_clock=wc, wall_clock_by_S=wc_by_S,
+                   time_to_full_loss_s=reach_by_S.get(str(S)), curve=mean_curve,
+                   # every seed's whole curve (not cut at the paired step): a later study can join these seeds
+                   curve_per_seed={seed: rec["curve"] for seed, rec in sorted(runs.items())},
+                   wall_clock=wc, wall_clock_by_S=wc_by_S,
                    time_to_full_loss_s_by_S=reach_by_S,
                    stage2_charging=("per_interval" if counts else "uniform_share") if arm["attn"] == "dsv" else None,
                    # --at-step: curves cut there; kept_fraction, recall, sparsity and budget density are the runs'
@@ -300,24 +303,37 @@ def plot(rows: List[dict], prefix: str, title: str) -> List[str]:
     # a third panel: the same curves charged at the longest timed length (the speed target's length), when longer
     longest = max((int(k) for row in rows for k, w in (row.get("wall_clock_by_S") or {}).items() if w), default=0)
     longest = longest if longest > rows[0]["S"] else 0
+    timed = any(row["wall_clock"] for row in rows)
     fig, axes = plt.subplots(1, 3 if longest else 2, figsize=(18 if longest else 12, 4.5))
+    full_runs = next((row["curve_per_seed"] for row in rows if row["name"] == "full"), {})
     for row in rows:
         label = f"{row['name']} ({row['delta_vs_full_pct']:+.2f}% at step {row['steps']})"
         axes[0].plot(*zip(*row["curve"]), marker="o", ms=3, label=label)
         if row["wall_clock"]:
             axes[1].plot(*zip(*row["wall_clock"]), marker="o", ms=3, label=label)
+        elif not timed and row["name"] != "full":  # no timing: each seed's paired delta instead
+            for seed, curve in row["curve_per_seed"].items():
+                full = dict(full_runs.get(seed, []))
+                pts = [(s, 100.0 * (v / full[s] - 1.0)) for s, v in curve if s in full]
+                if pts:
+                    axes[1].plot(*zip(*pts), marker="o", ms=2, lw=1, label=f"{row['name']} seed {seed}")
         if longest and (row.get("wall_clock_by_S") or {}).get(str(longest)):
             ratio = (row.get("time_to_full_loss_ratio_by_S") or {}).get(str(longest))
             axes[2].plot(*zip(*row["wall_clock_by_S"][str(longest)]), marker="o", ms=3,
                          label=f"{row['name']} (full's loss in {ratio:.2f}x its time)" if ratio else row["name"])
     axes[0].set_xlabel("training step")
-    axes[1].set_xlabel(f"training time alone on the GPU at {rows[0]['S']} tokens (s, measured step times)")
+    axes[1].set_xlabel(f"training time alone on the GPU at {rows[0]['S']} tokens (s, measured step times)" if timed
+                       else "training step (no step times in this study)")
     if longest:
         axes[2].set_xlabel(f"the same steps timed at {longest} tokens (s, measured step times)")
-    for ax in axes:
-        ax.set_ylabel("validation loss (EMA weights, held-out clips)")
+    for i, ax in enumerate(axes):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
+        if i == 1 and not timed:
+            ax.set_ylabel("validation loss vs full attention, same seed (%)")
+            ax.axhline(0.0, color="k", lw=0.8)
+            continue
+        ax.set_ylabel("validation loss (EMA weights, held-out clips)")
         ax.set_yscale("log")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()

@@ -129,6 +129,10 @@ def test_bench_quality_quick_frontier_every_phase(tmp_path):
         assert r["seeds"] == [0, 1] and r["steps"] == 8 and r["S"] == 256
         assert r["val_loss"] > 0 and r["ms_step_alone"] > 0 and len(r["curve"]) == 2
         assert r["delta_vs_full_se_pct"] == r["delta_vs_full_se_pct"]  # two seeds: a standard error
+        # each seed's own curve, whose mean is the row's curve (what a later study joins)
+        assert sorted(r["curve_per_seed"]) == ["0", "1"]
+        assert [v for _, v in r["curve"]] == pytest.approx(
+            [sum(dict(c)[s] for c in r["curve_per_seed"].values()) / 2 for s, _ in r["curve"]])
     full = rows[0]
     assert full["delta_vs_full_pct"] == 0.0 and full["kept_fraction"] == 1.0 and full["time_to_full_loss_ratio"] == 1.0
     assert rows[2]["local_radius"] == "0.1.1" and 0 < rows[3]["kept_fraction"] < 1

@@ -186,3 +186,24 @@ def test_megatron_lm_gpt_launcher_dry_run(tmp_path):
         assert piece in cmd, piece
     bad = subprocess.run(["bash", script], env=dict(env, SEQ_LEN="1000"), capture_output=True, text=True, timeout=30)
     assert bad.returncode == 2 and "SEQ_LEN=1000 must be a multiple of 128" in bad.stderr
+
+
+@pytest.mark.skipif(shutil.which("pgrep") is None or shutil.which("ps") is None, reason="needs pgrep and ps (procps)")
+def test_frontier_stop_ends_the_workers_but_not_the_command_that_names_them(tmp_path):
+    """The device command that calls `gpu_quality_frontier.sh stop` may itself name the workers' pattern (run 14
+    lost a call that way: the old pkill matched the command's own shell); stop must end a matching worker and
+    leave the script's callers running."""
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "bench_quality.py", "--worker",
+                               "fake"])
+    try:
+        caller = ("echo 'bench_quality.py.* --worker ' > /dev/null; "
+                  f"bash {shlex.quote(os.path.join(ROOT, 'tools', 'gpu_quality_frontier.sh'))} "
+                  f"{shlex.quote(str(tmp_path / 'out'))} stop; echo caller-survived")
+        proc = subprocess.run(["bash", "-c", caller], capture_output=True, text=True, timeout=60,
+                              env=_bare_env(PATH=os.environ.get("PATH", "/usr/bin:/bin")))
+        assert "caller-survived" in proc.stdout, proc.stdout + proc.stderr
+        assert "== stopped: 0 launchers and workers left" in proc.stdout, proc.stdout
+        assert worker.wait(timeout=10) is not None  # ended by the stop phase's TERM
+    finally:
+        if worker.poll() is None:
+            worker.kill()

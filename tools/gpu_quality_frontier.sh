@@ -15,8 +15,9 @@
 #           workers' megatron-core under them broke a worker's import in run 6
 #   wait    WAIT_S [540] s at most, until every detached launch has ended; a progress line a minute (installs nothing)
 #   stop    end every detached launcher and worker on the machine now (each keeps its run as saved at its last
-#           validation: a later start resumes it); never `pkill -f bench_quality.py` in a device command instead,
-#           which matches that command's own shell (run 7 lost a call to it)
+#           validation: a later start resumes it). Its matching, like wait's, skips this script and its callers,
+#           whose text may name the pattern (run 14 lost a call before it did); never `pkill -f bench_quality.py`
+#           in a device command instead, which matches that command's own shell (run 7 lost a call to it)
 #   time    the timing and the reports alone
 #   report  the reports alone (curves and timing already under runs/frontier-<data>/)
 # Memory: a 16K-token worker (hidden 512 x 4 layers) holds 8-12 GiB of the GPU and peaks at 13-17 GiB; 18 workers ran out
@@ -37,11 +38,20 @@ set -u
 out=${1:?usage: gpu_quality_frontier.sh OUT_DIR PHASE}; phase=${2:?phase: train, start, wait, stop, finish, time or report}
 mkdir -p "$out/logs"
 cd "$(dirname "$0")/.." || exit 2
-if [ "$phase" = start ] && [ -z "${GPU_WHEEL_DIRS:-}" ] && pgrep -f "bench_quality.py.*--launch" > /dev/null; then
+ours=" $$ "  # this script and the shells above it (a device command's own text may name the patterns below)
+p=$PPID
+while [ "${p:-1}" -gt 1 ]; do ours+="$p "; p=$(ps -o ppid= -p "$p" 2> /dev/null | tr -d ' '); done
+running() {  # $1: a pgrep -f pattern -> the matching pids, never this script or its callers
+  local pid
+  for pid in $(pgrep -f "$1"); do [[ "$ours" == *" $pid "* ]] || echo "$pid"; done
+}
+
+if [ "$phase" = start ] && [ -z "${GPU_WHEEL_DIRS:-}" ] && [ -n "$(running "bench_quality.py.*--launch")" ]; then
   echo "gpu_quality_frontier.sh start: detached workers are running; name this study's own wheels in GPU_WHEEL_DIRS" \
        "(reinstalling every .whl*/ would replace the packages they import)" >&2
   exit 2
 fi
+
 if [ "$phase" != wait ] && [ "$phase" != stop ]; then  # never reinstall the packages detached workers import from
   # shellcheck disable=SC1091  # tools/gpu_env.sh, checked on its own
   . tools/gpu_env.sh
@@ -139,24 +149,28 @@ case "$phase" in
     ;;
   wait)
     end=$(( $(date +%s) + ${WAIT_S:-540} ))  # never past it: the call's limit must leave time for the tarball
-    while pgrep -f "bench_quality.py.*--launch" > /dev/null && [ "$(date +%s)" -lt "$end" ]; do
+    while [ -n "$(running "bench_quality.py.*--launch")" ] && [ "$(date +%s)" -lt "$end" ]; do
       left=$(( end - $(date +%s) ))
       sleep $(( left < 60 ? left : 60 ))
       for log in runs/frontier-*/logs/*-s0.log; do  # the last iteration line of each arm's first seed
         [ -e "$log" ] && echo "${log#runs/frontier-}: $(grep -a iteration "$log" | tail -n 1 | sed 's/.*iteration/it/' | cut -c1-150)"
       done
-      echo "-- $(date +%T): $(pgrep -fc "bench_quality.py.* --worker ") workers running"
+      echo "-- $(date +%T): $(running "bench_quality.py.* --worker " | wc -l) workers running"
     done
-    pgrep -f "bench_quality.py.*--launch" > /dev/null && echo "== still training after WAIT_S" || echo "== every launch ended"
+    [ -n "$(running "bench_quality.py.*--launch")" ] && echo "== still training after WAIT_S" || echo "== every launch ended"
     for log in runs/launch-*.log; do [ -e "$log" ] && { echo "== $log"; tail -n 12 "$log"; }; done
     ;;
   stop)  # the launchers first (a launcher retrying an OOM could start a worker meanwhile: ask again each second)
     for i in 1 2 3 4 5 6 7 8 9 10; do
-      pgrep -f "bench_quality.py.* --(launch|worker) " > /dev/null || break
+      [ -n "$(running "bench_quality.py.* --(launch|worker) ")" ] || break
       [ "$i" -lt 8 ] && sig=TERM || sig=KILL
-      pkill "-$sig" -f "bench_quality.py.* --launch "; pkill "-$sig" -f "bench_quality.py.* --worker "; sleep 1
+      for pat in "bench_quality.py.* --launch " "bench_quality.py.* --worker "; do
+        mapfile -t found < <(running "$pat")
+        [ "${#found[@]}" -gt 0 ] && kill "-$sig" "${found[@]}" 2> /dev/null
+      done
+      sleep 1
     done
-    echo "== stopped: $(pgrep -fc "bench_quality.py.* --(launch|worker) ") launchers and workers left"
+    echo "== stopped: $(running "bench_quality.py.* --(launch|worker) " | wc -l) launchers and workers left"
     ;;
   time)
     time_studies
