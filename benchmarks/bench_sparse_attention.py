@@ -71,6 +71,7 @@ from benchmarks.list_shapes import neighbour_overlap, video_lists  # noqa: E402
 from megatron_dsv.ops.sparse_attention import launch  # noqa: E402
 from megatron_dsv.ops.sparse_attention.flex import build_block_mask, sparse_attention_flex  # noqa: E402
 from megatron_dsv.ops.sparse_attention.op import choose_backend, sparse_attention  # noqa: E402
+from megatron_dsv.ops.sparse_attention.packing import token_pack_factor  # noqa: E402
 
 from benchmarks.sparse_attention_sweep import (B, H, HEATMAP_AT, SWEEP_DIMS, SWEEP_GROUPS, estimate_s,  # noqa: E402
                                                flex_skip_reason, gran_label, plot_sweep, print_grid,
@@ -189,6 +190,8 @@ def one_row(S, sparsity, BS, G, dense, with_flex, dim=D, heads=H, timer=bench_ms
                list_overlap=None if timer is run_once else neighbour_overlap(idx[:, :2], cnt[:, :2], n_items),
                granularity="token" if BS == 0 else "block", keys_per_group=kept, backend=backend,
                bwd_mode=launch.bwd_mode(G, BS, dim) if backend == "triton" else None,
+               # P groups a packed group (DSV_TOKEN_PACK=on; 1: none); the packing's own time is in ms_fwd / ms_bwd
+               token_pack=token_pack_factor(G, BS) if backend == "triton" else 1,
                ms_fwd=fwd, ms_bwd=bwd, **dense)
     if deterministic:  # its own failure (e.g. DSV_SPARSE_BWD=fused, which has no deterministic kernel) is recorded
         try:
@@ -579,6 +582,8 @@ def sweep(args, meta, t_start, argv=None):
     # lists other than random get their own file: a video-lists sweep beside a random one on the same day would
     # otherwise overwrite it (run 13 lost a random-lists table that way)
     name = "sparse_attention-sweep" + ("" if args.lists == "random" else f"-{args.lists}")
+    if token_pack_factor(32, 0) > 1:  # DSV_TOKEN_PACK=on: packed token lists get their own file too
+        name += "-packed"
     rows = run_points(points, name, args, meta, t_start, on_written=on_written)
     print_sweep_table(rows)
     if rows:

@@ -29,13 +29,13 @@ from megatron_dsv.ops.sparse_attention.triton_bwd import bwd_q_kernel
 
 names = list(inspect.signature(bwd_q_kernel.fn).parameters)
 ptr = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "o": "*bf16", "do": "*bf16", "lse": "*fp32", "delta": "*fp32",
-       "dq": "*bf16", "idx": "*i32", "cnt_ptr": "*i32", "fx_scale": "*fp32", "T": "i32", "TK": "i32", "NG": "i32",
+       "dq": "*bf16", "idx": "*i32", "bits": "*i8", "cnt_ptr": "*i32", "fx_scale": "*fp32", "T": "i32", "TK": "i32", "NG": "i32",
        "KMAX": "i32", "qk_scale": "fp32", "sm_scale": "fp32"}
 out = {}
 for mode in (1, 2):
     acc = "*i64" if mode == 2 else "*fp32"
     sig = {n: ptr.get(n, acc if n in ("dk32", "dv32") else "constexpr") for n in names}
-    const = dict(H=4, HR=2, K=128, BD=128, G=32, BM=32, BN=64, BS=0, EVEN_T=False, ATOMIC_KV=mode)
+    const = dict(H=4, HR=2, K=128, BD=128, G=32, BM=32, BN=64, BS=0, EVEN_T=False, ATOMIC_KV=mode, GB=0)
     src = ASTSource(fn=bwd_q_kernel, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()})
     try:
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2))
@@ -48,6 +48,18 @@ for mode in (1, 2):
                      f32=sum(".add.f32" in l for l in lines),
                      rounding=sum("cvt.rmi" in l for l in kernel.asm["ptx"].splitlines()),
                      cubin=len(kernel.asm["cubin"]))
+# packed token lists (GB > 0): 128-row tiles of four 32-row groups, forward and dq kernel, on Hopper's wgmma
+from megatron_dsv.ops.sparse_attention.triton_fwd import sparse_attn_fwd_kernel
+for name, fn, extra in (("packed_fwd", sparse_attn_fwd_kernel, {}), ("packed_bwd_q", bwd_q_kernel, {"ATOMIC_KV": 1})):
+    names = list(inspect.signature(fn.fn).parameters)
+    sig = {n: ptr.get(n, "*fp32" if n in ("dk32", "dv32") else "constexpr") for n in names}
+    const = dict(H=4, HR=2, K=128, BD=128, G=128, BM=128, BN=64, BS=0, EVEN_T=True, GB=32, **extra)
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=2))
+    ptx = kernel.asm["ptx"].splitlines()
+    out[name] = dict(cubin=len(kernel.asm["cubin"]), wgmma=sum("wgmma.mma_async" in l for l in ptx),
+                     bits_loads=sum("ld.global" in l and ".b8" in l or "ld.global.u8" in l or "ld.global.s8" in l
+                                    for l in ptx))
 print(json.dumps(out))
 """
 
@@ -65,3 +77,5 @@ def test_fixed_point_scatter_compiles_for_sm90(tmp_path):
     assert fp32["f32"] > 0 and fp32["u64"] == 0, fp32  # the fp32 atomics: float reductions only
     assert fixed["u64"] > 0 and fixed["f32"] == 0, fixed  # fixed point: integer reductions, no float atomics
     assert fixed["rounding"] > 0, fixed  # floor(x * 2^e + 1/2) lowers to a round-down conversion
+    for name in ("packed_fwd", "packed_bwd_q"):  # packed token lists compile to Hopper's wgmma tiles
+        assert result[name]["cubin"] > 0 and result[name]["wgmma"] > 0, result[name]

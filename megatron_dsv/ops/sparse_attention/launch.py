@@ -21,6 +21,7 @@ import torch
 import triton
 
 from .checks import group_counts
+from .packing import pack_token_lists, token_pack_factor
 from .triton_bwd import bwd_delta_kernel, bwd_kv_kernel, bwd_q_kernel
 from .triton_fwd import LOG2E, sparse_attn_fwd_kernel
 
@@ -137,20 +138,35 @@ def _bd(D: int) -> int:
     return triton.next_power_of_2(D)
 
 
+def _packed(kv_indices, kv_counts, G: int, BS: int, TK: int, pack: Optional[int]):
+    """``(kv_indices, bits, kv_counts, G, GB)`` the kernels take: the lists as given (bits None, GB 0), or
+    packed into groups of ``pack * G`` rows (:mod:`.packing`; pack None: :func:`token_pack_factor`)."""
+    P = token_pack_factor(G, BS) if pack is None else int(pack)
+    if P <= 1:
+        return kv_indices, None, kv_counts, G, 0
+    if BS != 0:
+        raise ValueError(f"pack={P}: only token lists (block_size 0) pack, got block_size={BS}")
+    idx, bits, counts = pack_token_lists(kv_indices, kv_counts, G, P, TK)
+    return idx, bits, counts, P * G, G
+
+
 def sparse_fwd(q, k, v, kv_indices, kv_counts, G: int, BS: int, scale: float,
-               cfg: Optional[Config] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """o [B, H, T, D] in q's dtype and lse [B, H, T] fp32 (log2 units); k, v [B, Hkv, TK, D]."""
+               cfg: Optional[Config] = None, pack: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """o [B, H, T, D] in q's dtype and lse [B, H, T] fp32 (log2 units); k, v [B, Hkv, TK, D].
+    ``pack``: token lists packed P groups at a time (:func:`_packed`; cfg is then the packed group's)."""
     B, H, T, D = q.shape
     TK = k.shape[2]
+    kv_indices, bits, kv_counts, G, GB = _packed(kv_indices, kv_counts, G, BS, TK, pack)
     NG = kv_indices.shape[2]
     cfg = cfg or pick_config("fwd", D, G, BS)
     o = torch.empty_like(q)
     lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
     grid = (NG * (G // cfg["BM"]), B * H)
     sparse_attn_fwd_kernel[grid](
-        q, k, v, o, lse, kv_indices, _kernel_counts(kv_counts, NG), T, TK, NG, kv_indices.shape[3], scale * LOG2E,
+        q, k, v, o, lse, kv_indices, kv_indices if bits is None else bits, _kernel_counts(kv_counts, NG),
+        T, TK, NG, kv_indices.shape[3], scale * LOG2E,
         H=H, HR=H // k.shape[1], K=D, BD=_bd(D), G=G, BM=cfg["BM"], BN=cfg["BN"], BS=BS,
-        EVEN_T=_even_keys(TK, BS), **_launch_opts(cfg))
+        EVEN_T=_even_keys(TK, BS), GB=GB, **_launch_opts(cfg))
     return o, lse
 
 
@@ -274,7 +290,8 @@ def token_kv_mode() -> str:
 
 def sparse_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scale: float,
                atomic_kv: Optional[bool] = None, cfg_q: Optional[Config] = None,
-               cfg_kv: Optional[Config] = None, mode: Optional[str] = None, token_kv: Optional[str] = None):
+               cfg_kv: Optional[Config] = None, mode: Optional[str] = None, token_kv: Optional[str] = None,
+               pack: Optional[int] = None):
     """dq, dk, dv. Token lists (or atomic_kv=True) scatter dk/dv with fp32 atomics, except under
     deterministic algorithms (or atomic_kv=False), where token lists take ``token_kv`` (None: :func:`token_kv_mode`):
     "fixed" (the same scatter as int64 fixed point, :func:`fixed_point_scales`) or "inverse" (the token
@@ -282,7 +299,9 @@ def sparse_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scal
     dq kernel (mode split) or adding dq itself with atomics (mode fused; cfg_kv then
     overrides the fused config). mode None: ``bwd_mode``. q, o, do [B, H, T, D]; k, v [B, Hkv, TK, D].
     q and k must be contiguous; do, v and o may have any strides: the kernels read transient
-    contiguous copies (o's only until delta is computed). dq, dk, dv are contiguous."""
+    contiguous copies (o's only until delta is computed). dq, dk, dv are contiguous. ``pack``: token lists
+    packed as in :func:`sparse_fwd` for the dq kernel (and its dK/dV scatter); the inverse walk takes the
+    lists as given."""
     B, H, T, D = q.shape
     TK = k.shape[2]
     if token_kv is not None and token_kv not in TOKEN_KV_MODES:
@@ -303,8 +322,12 @@ def sparse_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scal
     fixed = BS == 0 and not atomic_kv and (token_kv or token_kv_mode()) == "fixed"
     fx, inv = fixed_point_scales(q, k, v, do, scale) if fixed else (None, None)
     # o only feeds delta inside the dq kernel: its contiguous copy (if any) dies with that call
-    dq, delta, dk32, dv32 = sparse_bwd_q(do, q, k, v, o.contiguous(), lse, kv_indices, kv_counts, G, BS, scale,
-                                         2 if fixed else int(bool(atomic_kv)), cfg_q, fx_scale=fx)
+    # the dq kernel on packed lists (if asked) when it also scatters dK/dV; before the inverse walk, on the lists
+    q_lists = _packed(kv_indices, kv_counts, G, BS, TK, pack if (atomic_kv or fixed) else 1)
+    dq, delta, dk32, dv32 = sparse_bwd_q(do, q, k, v, o.contiguous(), lse, q_lists[0], q_lists[2], q_lists[3], BS,
+                                         scale, 2 if fixed else int(bool(atomic_kv)), cfg_q, fx_scale=fx,
+                                         bits=q_lists[1], GB=q_lists[4])
+    del q_lists
     if atomic_kv:
         return dq, dk32.to(k.dtype), dv32.to(v.dtype)
     if fixed:  # int64 fixed point back to floats: times 1 / 2^e (NaN where an input was not finite)
@@ -372,11 +395,13 @@ def fixed_point_scales(q, k, v, do, sm_scale: float):
 
 
 def sparse_bwd_q(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scale: float, atomic_kv: int,
-                 cfg_q: Optional[Config] = None, fx_scale: Optional[torch.Tensor] = None):
+                 cfg_q: Optional[Config] = None, fx_scale: Optional[torch.Tensor] = None,
+                 bits: Optional[torch.Tensor] = None, GB: int = 0):
     """The split backward's first kernel alone (the tuning sweep also times it alone): ``(dq,
     delta [B, H, T] fp32, dk32, dv32)``; dk32/dv32 are the fp32 atomic dk/dv with ``atomic_kv`` 1 (or True),
     their int64 fixed point with 2 (``fx_scale`` from :func:`fixed_point_scales`), else placeholders the kernel
-    never touches. ``do`` must be contiguous."""
+    never touches. ``do`` must be contiguous. ``bits``/``GB``: packed token lists (:func:`_packed`; G is then
+    the packed group's rows)."""
     B, H, T, D = q.shape
     TK = k.shape[2]
     NG = kv_indices.shape[2]
@@ -393,11 +418,11 @@ def sparse_bwd_q(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, sc
     else:
         dk32 = dv32 = dq  # unused by the kernel when ATOMIC_KV is off
     bwd_q_kernel[(NG * (G // cfg_q["BM"]), B * H)](
-        q, k, v, o, do, lse, delta, dq, dk32, dv32, kv_indices, _kernel_counts(kv_counts, NG),
-        dq if fx_scale is None else fx_scale,
+        q, k, v, o, do, lse, delta, dq, dk32, dv32, kv_indices, kv_indices if bits is None else bits,
+        _kernel_counts(kv_counts, NG), dq if fx_scale is None else fx_scale,
         T, TK, NG, kv_indices.shape[3], scale * LOG2E, scale,
         H=H, HR=H // k.shape[1], K=D, BD=_bd(D), G=G, BS=BS,
-        BM=cfg_q["BM"], BN=cfg_q["BN"], EVEN_T=_even_keys(TK, BS), ATOMIC_KV=atomic_kv,
+        BM=cfg_q["BM"], BN=cfg_q["BN"], EVEN_T=_even_keys(TK, BS), ATOMIC_KV=atomic_kv, GB=GB,
         **_launch_opts(cfg_q))
     return dq, delta, dk32, dv32
 

@@ -35,12 +35,13 @@ from .triton_fwd import _load_kv_tile, _num_steps
 
 @triton.jit
 def bwd_q_kernel(
-    q, k, v, o, do, lse, delta, dq, dk32, dv32, idx, cnt_ptr, fx_scale,
+    q, k, v, o, do, lse, delta, dq, dk32, dv32, idx, bits, cnt_ptr, fx_scale,
     T, TK, NG, KMAX, qk_scale, sm_scale,
     H: tl.constexpr, HR: tl.constexpr, K: tl.constexpr, BD: tl.constexpr,
     G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr,
-    EVEN_T: tl.constexpr, ATOMIC_KV: tl.constexpr,
+    EVEN_T: tl.constexpr, ATOMIC_KV: tl.constexpr, GB: tl.constexpr = 0,
 ):
+    """GB > 0: packed token lists, as in the forward (rows an entry's mask leaves out get p = 0)."""
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     i_g = i_m // (G // BM)
@@ -70,6 +71,9 @@ def bwd_q_kernel(
         p_fx = fx_scale + (i_b * (H // HR) + i_h // HR) * 2
         s_k = tl.load(p_fx) * sm_scale
         s_v = tl.load(p_fx + 1)
+    if GB > 0:  # [BM]: each row's group within the packed group
+        p_bits = bits + (i_bh.to(tl.int64) * NG + i_g) * KMAX
+        o_sub = (o_m - i_g * G) // GB
     b_dq = tl.zeros([BM, BD], tl.float32)
     for i_it in range(n_it):
         o_n, m_n, m_ld = _load_kv_tile(i_it, cnt, p_idx, TK, K, BD, BN, BS, EVEN_T)
@@ -82,6 +86,9 @@ def bwd_q_kernel(
         b_p = tl.exp2(b_s - b_lse[:, None])
         if BS == 0 or BN > BS or not EVEN_T:
             b_p = tl.where(m_n[None, :], b_p, 0.)
+        if GB > 0:
+            b_bits = tl.load(p_bits + i_it * BN + tl.arange(0, BN), mask=m_n, other=0).to(tl.int32)
+            b_p = tl.where(((b_bits[None, :] >> o_sub[:, None]) & 1) != 0, b_p, 0.)
         b_dp = tl.dot(b_do, tl.trans(b_v))
         b_ds = b_p * (b_dp - b_delta[:, None])
         b_dq += tl.dot(b_ds.to(b_k.dtype), b_k)

@@ -66,12 +66,14 @@ def _num_steps(cnt, BN: tl.constexpr, BS: tl.constexpr):
 
 @triton.jit
 def sparse_attn_fwd_kernel(
-    q, k, v, o, lse, idx, cnt_ptr,
+    q, k, v, o, lse, idx, bits, cnt_ptr,
     T, TK, NG, KMAX, qk_scale,
     H: tl.constexpr, HR: tl.constexpr, K: tl.constexpr, BD: tl.constexpr,
     G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr,
-    EVEN_T: tl.constexpr,
+    EVEN_T: tl.constexpr, GB: tl.constexpr = 0,
 ):
+    """GB > 0: packed token lists (``packing.py``): a group of G rows is G // GB groups of GB rows, and
+    bits[entry] says which of them list the entry's key (the others give it zero probability)."""
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     i_g = i_m // (G // BM)
@@ -91,6 +93,9 @@ def sparse_attn_fwd_kernel(
     p_idx = idx + (i_bh.to(tl.int64) * NG + i_g) * KMAX
     n_it = _num_steps(cnt, BN, BS)
 
+    if GB > 0:  # [BM]: each row's group within the packed group (its bit in an entry's mask)
+        p_bits = bits + (i_bh.to(tl.int64) * NG + i_g) * KMAX
+        o_sub = (o_m - i_g * G) // GB
     b_m = tl.full([BM], float("-inf"), tl.float32)
     b_l = tl.zeros([BM], tl.float32)
     b_acc = tl.zeros([BM, BD], tl.float32)
@@ -104,10 +109,18 @@ def sparse_attn_fwd_kernel(
         b_s = tl.dot(b_q, tl.trans(b_k))
         if BS == 0 or BN > BS or not EVEN_T:
             b_s = tl.where(m_n[None, :], b_s, float("-inf"))
-        # every step has >= 1 valid key, so b_m_new is finite and no NaN appears
-        b_m_new = tl.maximum(b_m, tl.max(b_s, 1) * qk_scale)
-        b_alpha = tl.exp2(b_m - b_m_new)
-        b_p = tl.exp2(b_s * qk_scale - b_m_new[:, None])
+        if GB > 0:
+            # a row may have no key in this step: its max stays -inf, and 0 stands in for it below (no NaN)
+            b_bits = tl.load(p_bits + i_it * BN + tl.arange(0, BN), mask=m_n, other=0).to(tl.int32)
+            b_s = tl.where(((b_bits[None, :] >> o_sub[:, None]) & 1) != 0, b_s, float("-inf"))
+            b_m_new = tl.maximum(b_m, tl.max(b_s, 1) * qk_scale)
+            b_m_use = tl.where(b_m_new == float("-inf"), 0., b_m_new)
+        else:
+            # every step has >= 1 valid key, so b_m_new is finite and no NaN appears
+            b_m_new = tl.maximum(b_m, tl.max(b_s, 1) * qk_scale)
+            b_m_use = b_m_new
+        b_alpha = tl.exp2(b_m - b_m_use)
+        b_p = tl.exp2(b_s * qk_scale - b_m_use[:, None])
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
         b_acc = tl.dot(b_p.to(b_v.dtype), b_v, b_acc * b_alpha[:, None])
         b_m = b_m_new

@@ -1,0 +1,138 @@
+"""Packed token lists (``sparse_attention.packing``): P neighbouring query groups run as one group of P * G
+rows over the union of their lists, each entry's bit mask saying which groups list it. The packed lists
+against a set union, and the Triton kernels (interpreter) on packed lists against the unpacked kernels and the
+PyTorch reference, forward and every backward that packs, over odd shapes: a partial last query group, a
+packed group with missing members, groups with empty lists, per-group counts, GQA, padding past the counts."""
+
+import math
+
+import pytest
+import torch
+
+from megatron_dsv.ops.sparse_attention import sparse_attention, sparse_attention_naive
+from megatron_dsv.ops.sparse_attention.launch import sparse_bwd, sparse_fwd
+from megatron_dsv.ops.sparse_attention.packing import pack_token_lists, token_pack_factor
+from tests.ops.test_sparse_attention import rel_rmse
+
+
+def _lists(B, H, S, G, density, seed, pad_value=-1):
+    """Sorted token lists with one count per group (some groups empty), neighbours sharing keys as a
+    video's cubes do: each group draws half of its keys near its own rows and half anywhere."""
+    gen = torch.Generator().manual_seed(seed)
+    NG = math.ceil(S / G)
+    K = max(2, round(density * S))
+    idx = torch.full((B, H, NG, K + 2), pad_value, dtype=torch.int32)
+    cnt = torch.randint(1, K + 1, (B, H, NG), generator=gen, dtype=torch.int32)
+    cnt[:, 0, 1] = 0  # an empty group inside a packed group
+    for b in range(B):
+        for h in range(H):
+            for g in range(NG):
+                c = int(cnt[b, h, g])
+                near = torch.arange(max(0, g * G - S // 8), min(S, g * G + G + S // 8))
+                pool = torch.cat([near[torch.randperm(len(near), generator=gen)[:c // 2]],
+                                  torch.randperm(S, generator=gen)[:c]]).unique()
+                pick = pool[torch.randperm(len(pool), generator=gen)[:c]]
+                cnt[b, h, g] = len(pick)
+                idx[b, h, g, :len(pick)] = pick.sort().values.to(torch.int32)
+    return idx, cnt
+
+
+@pytest.mark.parametrize("P", [2, 4, 8])
+def test_packed_lists_are_the_union_with_each_groups_bit(P):
+    B, H, S, G = 2, 3, 150, 8
+    idx, cnt = _lists(B, H, S, G, 0.2, seed=P)
+    pidx, pbits, pcnt = pack_token_lists(idx, cnt, G, P, S)
+    NG = idx.shape[2]
+    NP = math.ceil(NG / P)
+    assert pidx.shape[:3] == (B, H, NP) and pbits.shape == pidx.shape and pcnt.shape == (B, H, NP)
+    assert pidx.dtype == torch.int32 and pbits.dtype == torch.int8 and pcnt.dtype == torch.int32
+    for b in range(B):
+        for h in range(H):
+            for i in range(NP):
+                members = [g for g in range(i * P, min(NG, (i + 1) * P))]
+                want = {}
+                for g in members:
+                    for key in idx[b, h, g, :cnt[b, h, g]].tolist():
+                        want[key] = want.get(key, 0) | (1 << (g - i * P))
+                n = int(pcnt[b, h, i])
+                keys = pidx[b, h, i, :n].tolist()
+                assert keys == sorted(want), (b, h, i)
+                masks = [int(x) & 0xFF for x in pbits[b, h, i, :n].tolist()]  # int8: bit 7 is the sign
+                assert masks == [want[key] for key in keys], (b, h, i)
+                assert (pbits[b, h, i, n:] == 0).all()
+    assert int(pcnt.max()) == pidx.shape[3]  # the width is the largest union
+
+
+def test_pack_factor_and_bad_arguments(monkeypatch):
+    assert token_pack_factor(32, 0) == 1  # off by default
+    monkeypatch.setenv("DSV_TOKEN_PACK", "on")
+    assert [token_pack_factor(G, 0) for G in (16, 32, 64, 128)] == [8, 4, 2, 1]
+    assert token_pack_factor(32, 64) == 1  # block lists never pack
+    monkeypatch.setenv("DSV_TOKEN_PACK", "4")
+    with pytest.raises(ValueError, match="DSV_TOKEN_PACK must be one of"):
+        token_pack_factor(32, 0)
+    idx, cnt = _lists(1, 1, 40, 8, 0.2, seed=0)
+    with pytest.raises(ValueError, match="P must be in"):
+        pack_token_lists(idx, cnt, 8, 16, 40)
+
+
+CASES = [  # B, H, Hkv, S, D, G, P, dtype
+    (1, 2, 1, 200, 64, 16, 4, torch.float32),  # GQA; 13 groups: the last packed group has one member
+    (2, 2, 2, 130, 96, 32, 2, torch.float32),  # padded head dim, partial last group
+    (1, 3, 3, 100, 64, 16, 8, torch.float16),  # eight groups a pack: bit 7 is the int8 sign
+]
+
+
+def _case_id(c):
+    B, H, Hkv, S, D, G, P, dt = c
+    return f"B{B}-H{H}-kv{Hkv}-S{S}-D{D}-G{G}-P{P}-{str(dt).split('.')[-1]}"
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("case", [pytest.param(c, id=_case_id(c)) for c in CASES])
+def test_packed_kernels_match_unpacked_and_reference(case):
+    B, H, Hkv, S, D, G, P, dt = case
+    tol = 1e-5 if dt == torch.float32 else 5e-3
+    torch.manual_seed(7)
+    q = torch.randn(B, H, S, D, dtype=dt)
+    k, v = (torch.randn(B, Hkv, S, D, dtype=dt) for _ in range(2))
+    idx, cnt = _lists(B, H, S, G, 0.25, seed=S)
+    scale = 1 / math.sqrt(D)
+    o0, lse0 = sparse_fwd(q, k, v, idx, cnt, G, 0, scale, pack=1)
+    o1, lse1 = sparse_fwd(q, k, v, idx, cnt, G, 0, scale, pack=P)
+    ref = sparse_attention_naive(q.float(), k.float(), v.float(), idx, cnt, G, 0, scale)
+    assert not torch.isnan(o1).any() and not torch.isnan(lse1).any()
+    assert rel_rmse(o1, o0) < tol and rel_rmse(o1, ref) < max(tol, 2 * rel_rmse(o0, ref))
+    rows = torch.arange(S) // G
+    empty = (cnt[:, :, rows] == 0)  # [B, H, S]: rows of an empty group
+    assert empty.any() and (o1[empty] == 0).all()
+    assert torch.allclose(lse1[~empty], lse0[~empty], rtol=1e-5, atol=1e-5)
+    do = torch.randn_like(o0)
+    for mode in ("atomic", "fixed"):
+        kw = dict(atomic_kv=True) if mode == "atomic" else dict(atomic_kv=False, token_kv="fixed")
+        g0 = sparse_bwd(do, q, k, v, o0, lse0, idx, cnt, G, 0, scale, pack=1, **kw)
+        g1 = sparse_bwd(do, q, k, v, o1, lse1, idx, cnt, G, 0, scale, pack=P, **kw)
+        for name, a, b in zip(("dq", "dk", "dv"), g1, g0):
+            assert not torch.isnan(a).any(), (mode, name)
+            assert rel_rmse(a, b) < tol, (mode, name, rel_rmse(a, b))
+    # the inverse walk takes the lists as given: the same gradients with pack asked for
+    inv = sparse_bwd(do, q, k, v, o0, lse0, idx, cnt, G, 0, scale, atomic_kv=False, token_kv="inverse", pack=P)
+    for a, b in zip(inv, g0):
+        assert rel_rmse(a, b) < tol
+
+
+@pytest.mark.interpreter
+def test_packing_through_the_public_op(monkeypatch):
+    """DSV_TOKEN_PACK=on reaches sparse_attention's forward and backward (autograd), same values."""
+    B, H, S, D, G = 1, 2, 96, 64, 32
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(B, H, S, D, requires_grad=True) for _ in range(3))
+    idx, cnt = _lists(B, H, S, G, 0.3, seed=1)
+    out = []
+    for flag in ("off", "on"):
+        monkeypatch.setenv("DSV_TOKEN_PACK", flag)
+        o = sparse_attention(q, k, v, idx, cnt, G, 0, backend="triton")
+        grads = torch.autograd.grad(o.square().sum(), (q, k, v))
+        out.append((o.detach(), *grads))
+    for a, b in zip(*out):
+        assert rel_rmse(a, b) < 1e-5
