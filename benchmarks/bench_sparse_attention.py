@@ -71,7 +71,7 @@ from benchmarks.list_shapes import neighbour_overlap, video_lists  # noqa: E402
 from megatron_dsv.ops.sparse_attention import launch  # noqa: E402
 from megatron_dsv.ops.sparse_attention.flex import build_block_mask, sparse_attention_flex  # noqa: E402
 from megatron_dsv.ops.sparse_attention.op import choose_backend, sparse_attention  # noqa: E402
-from megatron_dsv.ops.sparse_attention.packing import token_pack_factor  # noqa: E402
+from megatron_dsv.ops.sparse_attention.packing import pack_token_lists, token_pack_factor  # noqa: E402
 
 from benchmarks.sparse_attention_sweep import (B, H, HEATMAP_AT, SWEEP_DIMS, SWEEP_GROUPS, estimate_s,  # noqa: E402
                                                flex_skip_reason, gran_label, plot_sweep, print_grid,
@@ -193,6 +193,8 @@ def one_row(S, sparsity, BS, G, dense, with_flex, dim=D, heads=H, timer=bench_ms
                # P groups a packed group (DSV_TOKEN_PACK=on; 1: none); the packing's own time is in ms_fwd / ms_bwd
                token_pack=token_pack_factor(G, BS) if backend == "triton" else 1,
                ms_fwd=fwd, ms_bwd=bwd, **dense)
+    if row["token_pack"] > 1 and timer is not run_once:  # the packing alone (each pass packs once)
+        row["ms_pack"] = timer(lambda: pack_token_lists(idx, cnt, G, row["token_pack"], S))
     if deterministic:  # its own failure (e.g. DSV_SPARSE_BWD=fused, which has no deterministic kernel) is recorded
         try:
             row["ms_bwd_deterministic"] = ours_deterministic_bwd_ms(q, k, v, idx, cnt, G, BS, timer)
