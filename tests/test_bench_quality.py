@@ -348,3 +348,34 @@ def test_harness_spread_traces_the_paired_delta_to_classes_and_timesteps(tmp_pat
     assert "box" in capsys.readouterr().out
     kinds = [r.get("kind") for r in _json.load(open(tmp_path / "o.json"))["rows"]]
     assert kinds.count("by_class") == 7 and (tmp_path / "o.png").stat().st_size > 0
+
+
+def test_join_seeds_pairs_within_each_file_and_counts_a_seed_once(tmp_path):
+    """join_seeds reads each seed at the step from curve_per_seed (new reports) or val_loss_per_seed (rows compared
+    at that step), pairs it with full attention of the same file, and refuses a seed found twice."""
+    import json
+
+    from benchmarks.join_seeds import join
+
+    def write(name, rows, gpu):
+        path = tmp_path / name
+        path.write_text(json.dumps({"meta": {"gpu": gpu}, "rows": [dict(r, kind="arm") for r in rows]}))
+        return str(path)
+
+    old = write("old.json", [dict(name="full", steps=100, val_loss_per_seed={"0": 1.0, "1": 2.0}),
+                             dict(name="dsv", steps=100, val_loss_per_seed={"0": 0.99, "1": 2.02})], "H200")
+    new = write("new.json", [dict(name="full", curve_per_seed={"2": [[50, 3.0], [100, 1.5]], "3": [[50, 3.0]]}),
+                             dict(name="dsv", curve_per_seed={"2": [[50, 2.9], [100, 1.47]], "3": [[50, 2.0]]})],
+                "H100")
+    got = join([old, new], "dsv", 100)
+    assert got["seeds"] == [0, 1, 2]  # seed 3 never reached step 100
+    assert [round(s["delta_pct"], 6) for s in got["per_seed"]] == [-1.0, 1.0, -2.0]
+    assert [s["gpu"] for s in got["per_seed"]] == ["H200", "H200", "H100"]
+    assert got["delta_vs_full_pct"] == pytest.approx(-2.0 / 3) and got["delta_vs_full_se_pct"] > 0
+    assert join([new], "dsv", 50)["per_seed"][1]["delta_pct"] == pytest.approx(100 * (2.0 / 3.0 - 1))
+    with pytest.raises(ValueError, match="seed 0 of 'dsv' is in"):
+        join([old, old], "dsv", 100)
+    with pytest.raises(ValueError, match="needs rows 'full' and 'window'"):
+        join([old], "window", 100)
+    with pytest.raises(ValueError, match="no seed of 'dsv'"):
+        join([old], "dsv", 7)
