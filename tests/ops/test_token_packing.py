@@ -136,3 +136,23 @@ def test_packing_through_the_public_op(monkeypatch):
         out.append((o.detach(), *grads))
     for a, b in zip(*out):
         assert rel_rmse(a, b) < 1e-5
+
+
+def test_packing_edge_cases():
+    """No query at all packs to empty lists of width 1; every list empty gives zero counts; a pack that is not a
+    power of two, or more than 128 rows, is refused by the launcher with the rule."""
+    from megatron_dsv.ops.sparse_attention.launch import _packed
+
+    empty = torch.zeros(1, 2, 0, 3, dtype=torch.int32)
+    pidx, pbits, pcnt = pack_token_lists(empty, torch.zeros(1, 2, dtype=torch.int32), 16, 4, 10)
+    assert pidx.shape == (1, 2, 0, 1) and pcnt.shape == (1, 2, 0)
+    idx, _ = _lists(1, 2, 40, 8, 0.2, seed=3)
+    pidx, pbits, pcnt = pack_token_lists(idx, torch.zeros(1, 2, dtype=torch.int32), 8, 2, 40)
+    assert pidx.shape[3] == 1 and (pcnt == 0).all() and (pbits == 0).all()
+    # the packing a few heads at a time (a tiny max_bytes: one head a chunk) gives the same lists
+    idx, cnt = _lists(2, 3, 90, 8, 0.2, seed=4)
+    assert all(torch.equal(a, b) for a, b in zip(pack_token_lists(idx, cnt, 8, 4, 90),
+                                                 pack_token_lists(idx, cnt, 8, 4, 90, max_bytes=1)))
+    for bad in (3, 16):
+        with pytest.raises(ValueError, match="power of two with pack"):
+            _packed(idx, cnt, 16, 0, 90, bad)

@@ -146,6 +146,8 @@ def _packed(kv_indices, kv_counts, G: int, BS: int, TK: int, pack: Optional[int]
         return kv_indices, None, kv_counts, G, 0
     if BS != 0:
         raise ValueError(f"pack={P}: only token lists (block_size 0) pack, got block_size={BS}")
+    if P & (P - 1) or P * G > 128:  # the packed group is the kernels' query tile: a power of two, <= 128 rows
+        raise ValueError(f"pack={P}: must be a power of two with pack * group_size <= 128 (group_size={G})")
     idx, bits, counts = pack_token_lists(kv_indices, kv_counts, G, P, TK)
     return idx, bits, counts, P * G, G
 

@@ -9,7 +9,9 @@ their union runs 128-row tiles over 1.2-1.4x the keys and scatters each listed k
 group instead of once per group. Each entry of a packed list carries a P-bit mask of the groups that list
 it (bit p: group ``P * i + p``); the kernels give every other row of the tile zero probability there, so
 the result is the unpacked one up to summation order. Uniformly random lists share few keys (the union is
-~P times a list), where packing only adds work: it is off unless asked for (``DSV_TOKEN_PACK``).
+~P times a list), where packing only adds work: it is off unless asked for (``DSV_TOKEN_PACK``). A row's
+zero probability still multiplies the packed group's values, so a non-finite key or value row (a diverged run)
+turns into NaN in every group of its pack, where unpacked it reaches only the groups that list it.
 
 The union is built on the device per packed group: each group's keys add its bit into a row of ``TK``
 int32 marks (distinct bits, so the sum is their OR), then the marked keys are compacted in key order. Its
@@ -49,45 +51,49 @@ def pack_token_lists(kv_indices: torch.Tensor, kv_counts: torch.Tensor, G: int, 
     first ``counts`` entries; the rest is padding, index 0 and no bits), and bit p of its mask says which of
     them do. ``U`` is the largest union (at least 1).
 
-    kv_indices int32 ``[B, H, NG, Kmax]`` token ids in ``[0, TK)``, kv_counts ``[B, H]`` or ``[B, H, NG]``
-    (entries past a group's count are never read). ``max_bytes`` bounds the marks' temporaries: heads are
-    packed a few at a time."""
+    kv_indices int32 ``[B, H, NG, Kmax]`` token ids in ``[0, TK)``, unique within a group (as ``sparse_attention``
+    requires: a key listed twice would carry into the next group's bit), kv_counts ``[B, H]`` or ``[B, H, NG]``
+    (entries past a group's count are never read). ``max_bytes`` bounds the temporaries: heads are packed a few
+    at a time (one head at least)."""
     if not 2 <= P <= 8:
         raise ValueError(f"pack_token_lists: P must be in [2, 8] (one int8 mask per entry), got {P}")
     B, H, NG, KM = kv_indices.shape
     dev = kv_indices.device
     NP = math.ceil(NG / P)
-    counts = group_counts(kv_counts, NG)
-    valid = torch.arange(KM, device=dev) < counts[..., None]  # [B, H, NG, KM]
-    keys = torch.where(valid, kv_indices, 0).to(torch.int64)
+    counts = group_counts(kv_counts, NG).reshape(B * H, NG)
+    lists = kv_indices.reshape(B * H, NG, KM)
     bit = torch.bitwise_left_shift(torch.ones(NG, dtype=torch.int32, device=dev),
                                    torch.arange(NG, device=dev, dtype=torch.int32) % P)
-    bits = torch.where(valid, bit[:, None], 0)
-    del valid
-    pad = NP * P - NG  # the last packed group's missing members list nothing
-    if pad:
-        keys = torch.nn.functional.pad(keys, (0, 0, 0, pad))
-        bits = torch.nn.functional.pad(bits, (0, 0, 0, pad))
-    rows = B * H * NP
-    keys = keys.reshape(rows, P * KM)
-    bits = bits.reshape(rows, P * KM)
-    # int32 marks, int64 positions and key ids per (packed group, key) while compacting
-    step = max(1, max_bytes // (TK * 20))
+    # bytes per head: its marks and compaction temporaries (~24 per (packed group, key)), its keys and bits (~24
+    # per list entry)
+    per_head = NP * TK * 24 + NG * KM * 24
+    heads = max(1, max_bytes // max(1, per_head))
 
-    def marks(r0: int, r1: int) -> torch.Tensor:
-        m = torch.zeros(r1 - r0, TK, dtype=torch.int32, device=dev)
-        return m.scatter_add_(1, keys[r0:r1], bits[r0:r1])
+    def chunk_marks(h0: int, h1: int) -> torch.Tensor:
+        """int32 ``[(h1 - h0) * NP, TK]``: per packed group and key, the bits of the groups listing it."""
+        valid = torch.arange(KM, device=dev) < counts[h0:h1, :, None]
+        keys = torch.where(valid, lists[h0:h1], 0).to(torch.int64)
+        bits = torch.where(valid, bit[:, None], 0)
+        del valid
+        pad = NP * P - NG  # the last packed group's missing members list nothing
+        if pad:
+            keys = torch.nn.functional.pad(keys, (0, 0, 0, pad))
+            bits = torch.nn.functional.pad(bits, (0, 0, 0, pad))
+        n = (h1 - h0) * NP
+        m = torch.zeros(n, TK, dtype=torch.int32, device=dev)
+        return m.scatter_add_(1, keys.reshape(n, P * KM), bits.reshape(n, P * KM))
 
-    union = torch.empty(rows, dtype=torch.int32, device=dev)
-    for r0 in range(0, rows, step):
-        r1 = min(rows, r0 + step)
-        union[r0:r1] = (marks(r0, r1) != 0).sum(1, dtype=torch.int32)
-    U = max(1, int(union.max()))  # the one host sync: the packed lists' width
-    out_idx = torch.zeros(rows, U + 1, dtype=torch.int32, device=dev)  # column U: where unmarked keys go
-    out_bits = torch.zeros(rows, U + 1, dtype=torch.int8, device=dev)
-    for r0 in range(0, rows, step):
-        r1 = min(rows, r0 + step)
-        m = marks(r0, r1)
+    union = torch.zeros(B * H, NP, dtype=torch.int32, device=dev)
+    for h0 in range(0, B * H, heads):
+        h1 = min(B * H, h0 + heads)
+        union[h0:h1] = (chunk_marks(h0, h1) != 0).sum(1, dtype=torch.int32).view(h1 - h0, NP)
+    U = max(1, int(union.max())) if union.numel() else 1  # the one host sync: the packed lists' width
+    out_idx = torch.zeros(B * H * NP, U + 1, dtype=torch.int32, device=dev)  # column U: where unmarked keys go
+    out_bits = torch.zeros(B * H * NP, U + 1, dtype=torch.int8, device=dev)
+    for h0 in range(0, B * H, heads):
+        h1 = min(B * H, h0 + heads)
+        r0, r1 = h0 * NP, h1 * NP
+        m = chunk_marks(h0, h1)
         nz = m != 0
         pos = torch.cumsum(nz, 1).sub_(1).masked_fill_(~nz, U)
         ids = torch.arange(TK, device=dev, dtype=torch.int32).expand(r1 - r0, TK)
