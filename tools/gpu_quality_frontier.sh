@@ -8,7 +8,7 @@
 #   finish  TRAIN_MINUTES [3] more training, then each study's arms timed alone, one after the other (--time,
 #           with a kernel profile of each arm's stage-2 step at the last length; TIME_TIMEOUT [240] s for all
 #           studies), and the reports: OUT_DIR/<data>/quality-frontier-<gpu>-<date>.json + PNGs
-#   start   as train, but the studies are launched detached (setsid) and the call returns at once: the training
+#   start   as train, but the studies are launched detached (setsid; log runs/launch-<data>-<pid>.log) and the call returns at once: the training
 #           outlives the call while the machine stays warm (call back to back), so a study whose data needs its own
 #           carry (footage, ViZDoom's wheels: 64 MiB a call) starts in one call and the next starts beside it. A
 #           second start beside running workers must install only its own wheels (GPU_WHEEL_DIRS): reinstalling the
@@ -83,9 +83,9 @@ train() {  # $1: minutes per arm; the studies side by side ($2 = detach: launche
     if [ "${2:-}" = detach ]; then
       mkdir -p runs
       DSV_TOPK_BACKEND=${TRAIN_TOPK:-naive} setsid nohup "${cmd[@]}" --launch --arm "data=$d,$keys,minutes=$1" \
-        > "runs/launch-$d.log" 2>&1 < /dev/null &
-      echo "$!" > "runs/launch-$d.pid"
-      echo "== $d: launched detached (pid $!, log runs/launch-$d.log)"
+        > "runs/launch-$d-$$.log" 2>&1 < /dev/null &  # $$: a second start of one study keeps the first's log
+      echo "$!" > "runs/launch-$d-$$.pid"
+      echo "== $d: launched detached (pid $!, log runs/launch-$d-$$.log)"
       continue
     fi
     DSV_TOPK_BACKEND=${TRAIN_TOPK:-naive} "${cmd[@]}" --launch --arm "data=$d,$keys,minutes=$1" > "$out/logs/launch-$d.log" 2>&1 &
