@@ -8,7 +8,8 @@
 #   finish  TRAIN_MINUTES [3] more training, then each study's arms timed alone, one after the other (--time,
 #           with a kernel profile of each arm's stage-2 step at the last length; TIME_TIMEOUT [240] s for all
 #           studies), and the reports: OUT_DIR/<data>/quality-frontier-<gpu>-<date>.json + PNGs
-#   start   as train, but the studies are launched detached (setsid; log runs/launch-<data>-<pid>.log) and the call returns at once: the training
+#   start   as train, but the studies are launched detached (setsid; each launch logs to
+#           runs/launch-<data>-<pid>.log) and the call returns at once: the training
 #           outlives the call while the machine stays warm (call back to back), so a study whose data needs its own
 #           carry (footage, ViZDoom's wheels: 64 MiB a call) starts in one call and the next starts beside it. A
 #           second start beside running workers must install only its own wheels (GPU_WHEEL_DIRS): reinstalling the
