@@ -71,7 +71,7 @@ from benchmarks.list_shapes import neighbour_overlap, video_lists  # noqa: E402
 from megatron_dsv.ops.sparse_attention import launch  # noqa: E402
 from megatron_dsv.ops.sparse_attention.flex import build_block_mask, sparse_attention_flex  # noqa: E402
 from megatron_dsv.ops.sparse_attention.op import choose_backend, sparse_attention  # noqa: E402
-from megatron_dsv.ops.sparse_attention.packing import pack_token_lists, token_pack_factor  # noqa: E402
+from megatron_dsv.ops.sparse_attention.packing import pack_token_lists, packing_on, token_pack_factor  # noqa: E402
 
 from benchmarks.sparse_attention_sweep import (B, H, HEATMAP_AT, SWEEP_DIMS, SWEEP_GROUPS, estimate_s,  # noqa: E402
                                                flex_skip_reason, gran_label, plot_sweep, print_grid,
@@ -584,7 +584,7 @@ def sweep(args, meta, t_start, argv=None):
     # lists other than random get their own file: a video-lists sweep beside a random one on the same day would
     # otherwise overwrite it (run 13 lost a random-lists table that way)
     name = "sparse_attention-sweep" + ("" if args.lists == "random" else f"-{args.lists}")
-    if token_pack_factor(32, 0) > 1:  # DSV_TOKEN_PACK=on: packed token lists get their own file too
+    if packing_on():  # DSV_TOKEN_PACK=on: packed token lists get their own file too
         name += "-packed"
     rows = run_points(points, name, args, meta, t_start, on_written=on_written)
     print_sweep_table(rows)

@@ -42,7 +42,9 @@ def join(paths: List[str], arm: str, step: int) -> dict:
     seeds: List[dict] = []
     where: Dict[int, str] = {}
     for path in paths:
-        rows = {r["name"]: r for r in json.load(open(path))["rows"] if r.get("kind") == "arm"}
+        with open(path) as f:
+            results = json.load(f)
+        rows = {r["name"]: r for r in results["rows"] if r.get("kind") == "arm"}
         if arm not in rows or "full" not in rows:
             raise ValueError(f"{path}: needs rows 'full' and {arm!r}; has {sorted(rows)}")
         got, full = losses_at(rows[arm], step), losses_at(rows["full"], step)
@@ -50,7 +52,7 @@ def join(paths: List[str], arm: str, step: int) -> dict:
             if seed in where:
                 raise ValueError(f"seed {seed} of {arm!r} is in {where[seed]} and {path}: a seed counts once")
             where[seed] = path
-            seeds.append(dict(seed=seed, file=os.path.basename(path), gpu=json.load(open(path))["meta"].get("gpu"),
+            seeds.append(dict(seed=seed, file=os.path.basename(path), gpu=results["meta"].get("gpu"),
                               arm_loss=got[seed], full_loss=full[seed],
                               delta_pct=100.0 * (got[seed] / full[seed] - 1.0)))
     if not seeds:

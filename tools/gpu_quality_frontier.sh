@@ -165,10 +165,8 @@ case "$phase" in
     for i in 1 2 3 4 5 6 7 8 9 10; do
       [ -n "$(running "bench_quality.py.* --(launch|worker) ")" ] || break
       [ "$i" -lt 8 ] && sig=TERM || sig=KILL
-      for pat in "bench_quality.py.* --launch " "bench_quality.py.* --worker "; do
-        mapfile -t found < <(running "$pat")
-        [ "${#found[@]}" -gt 0 ] && kill "-$sig" "${found[@]}" 2> /dev/null
-      done
+      mapfile -t found < <(running "bench_quality.py.* --(launch|worker) ")
+      [ "${#found[@]}" -gt 0 ] && kill "-$sig" "${found[@]}" 2> /dev/null
       sleep 1
     done
     echo "== stopped: $(running "bench_quality.py.* --(launch|worker) " | wc -l) launchers and workers left"

@@ -33,13 +33,18 @@ PACK_ROWS = 128  # rows of a packed group: the kernels' widest query tile
 PACK_MODES = ("off", "on")
 
 
-def token_pack_factor(G: int, BS: int) -> int:
-    """How many query groups one packed group holds: ``DSV_TOKEN_PACK`` in {off, on} (default off); on packs
-    token lists (``BS == 0``) of G < 128 into groups of 128 rows (P = 128 // G); 1 = no packing."""
+def packing_on() -> bool:
+    """``DSV_TOKEN_PACK`` in {off, on} (default off), validated."""
     name = os.environ.get("DSV_TOKEN_PACK", "off").strip().lower() or "off"
     if name not in PACK_MODES:
         raise ValueError(f"DSV_TOKEN_PACK must be one of {PACK_MODES}; got {name!r}")
-    if name == "off" or BS != 0 or G >= PACK_ROWS:
+    return name == "on"
+
+
+def token_pack_factor(G: int, BS: int) -> int:
+    """How many query groups one packed group holds: with :func:`packing_on`, token lists (``BS == 0``) of
+    G < 128 pack into groups of 128 rows (P = 128 // G); 1 = no packing."""
+    if not packing_on() or BS != 0 or G >= PACK_ROWS:
         return 1
     return PACK_ROWS // G
 
