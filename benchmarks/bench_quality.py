@@ -192,11 +192,16 @@ def prepare_clips(args) -> None:
     Clips._cache.clear()
 
 
+def study_seeds(args) -> List[int]:
+    """The study's seeds, ``--seeds`` (default 0, 1)."""
+    return [int(x) for x in (args.seeds or "0,1").split(",") if x]
+
+
 # ---------------------------------------------------------------- step time alone
 def time_arms(names: List[str], args) -> dict:
     """Each arm's step time alone, from its first seed's run: ``{name: {S: {"stage2": ms, "stage1": ms}}}``."""
     lengths = sorted({tokens_of(parse_arm(args.arm)), *[int(s) for s in args.time_lengths.split(",") if s]})
-    seed = min(int(x) for x in args.seeds.split(",") if x)
+    seed = min(study_seeds(args))
     profiled = args.time_profile_at or lengths[-1]
     if args.time_profile and profiled not in lengths:
         raise ValueError(f"--time-profile-at {profiled} is not a timed length (the arm's and --time-lengths: "
@@ -242,7 +247,7 @@ def time_arm(name: str, S: int, args, profile: bool = False) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     timed = dict(arm, frames=S // per_frame)
     model, cfg = build_model(timed, args, device, dtype)
-    seed = min(int(x) for x in args.seeds.split(",") if x)
+    seed = min(study_seeds(args))
     path = _trained_run(name, args, seed)
     if os.path.exists(path):
         model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True)["model"])
@@ -422,7 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_args(ap)
     ap.add_argument("--arm", default=None, help="the data keys every arm shares (video_runs.py syntax)")
     ap.add_argument("--arms", default=DEFAULT_ARMS, help=f"frontier arms, comma-separated, of {sorted(FRONTIER)}")
-    ap.add_argument("--seeds", default="0,1", help="seeds (init + data order), comma-separated")
+    ap.add_argument("--seeds", default=None,
+                    help="seeds (init + data order), comma-separated (default 0,1); --report: only these seeds' curves "
+                         "(default: every curve under --save-dir)")
     ap.add_argument("--window-frac", type=float, default=0.2, help="kept fraction of keys of the window arm")
     ap.add_argument("--extra-steps", type=float, default=0.0,
                     help="every arm but full trains this many percent more steps than the arm's `steps` (full stops "
@@ -480,7 +487,8 @@ def main(argv=None):
     check_distinct_runs(names, args)
     # the learning-rate schedule runs over the study's steps: an arm's extra steps stay at its floor
     args.schedule_steps = parse_arm(args.arm)["steps"]
-    seeds = [int(s) for s in args.seeds.split(",") if s]
+    seeds = study_seeds(args)
+    args.report_seeds = None if args.seeds is None else seeds
     args.clips_cache = args.clips_cache or os.path.join(args.save_dir, "clips")
     args.align_stops = True  # every run of the study validates at the same steps, whenever its minutes end
     if args.data_seed is None:

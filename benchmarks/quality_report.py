@@ -42,6 +42,8 @@ def load_records(args) -> Dict[str, Dict[int, dict]]:
         if not rec["curve"]:
             print(f"report: {path} has no validation yet: left out", flush=True)
             continue
+        if getattr(args, "report_seeds", None) is not None and int(rec["seed"]) not in args.report_seeds:
+            continue  # --seeds names the seeds to report
         records.setdefault(rec["name"], {})[int(rec["seed"])] = rec
     if getattr(args, "at_step", None) is not None:
         records = cut_records(records, args.at_step)

@@ -163,6 +163,29 @@ def test_cut_records_reports_a_longer_study_at_a_shorter_step():
         cut_records(records, 600)
 
 
+def test_report_reads_only_the_seeds_asked_for(tmp_path):
+    """--seeds with --report keeps those seeds' curves (a save-dir joined from two sessions holds runs of other
+    lengths); without --seeds every curve under --save-dir is read."""
+    import json
+    from types import SimpleNamespace
+
+    from benchmarks.quality_report import load_records
+
+    (tmp_path / "curves").mkdir()
+    for name in ("full", "dsv"):
+        for seed, last in ((4, 3000), (5, 2750), (7, 3000)):
+            curve = [[s, 1.0 - s / 1e4] for s in range(250, last + 1, 250)]
+            (tmp_path / "curves" / f"{name}-s{seed}.json").write_text(json.dumps(
+                {"name": name, "seed": seed, "curve": curve, "sparse_counts": {}}))
+    every = load_records(SimpleNamespace(save_dir=str(tmp_path), at_step=None, report_seeds=None))
+    assert sorted(every["dsv"]) == [4, 5, 7]
+    with pytest.raises(ValueError, match="seed 5 has no validation there"):
+        load_records(SimpleNamespace(save_dir=str(tmp_path), at_step=3000, report_seeds=None))
+    asked = load_records(SimpleNamespace(save_dir=str(tmp_path), at_step=3000, report_seeds=[4, 7]))
+    assert sorted(asked["full"]) == sorted(asked["dsv"]) == [4, 7]
+    assert asked["dsv"][7]["curve"][-1] == (3000, 0.7)
+
+
 def test_worker_slots_count_every_launchers_workers(tmp_path):
     """The cap counts worker processes machine-wide (another study's launcher shares the GPU)."""
     import subprocess

@@ -153,7 +153,7 @@ case "$phase" in
     while [ -n "$(running "bench_quality.py.*--launch")" ] && [ "$(date +%s)" -lt "$end" ]; do
       left=$(( end - $(date +%s) ))
       sleep $(( left < 60 ? left : 60 ))
-      for log in runs/frontier-*/logs/*-s0.log; do  # the last iteration line of each arm's first seed
+      for log in runs/frontier-*/logs/*-s*.log; do  # the last iteration line of each run
         [ -e "$log" ] && echo "${log#runs/frontier-}: $(grep -a iteration "$log" | tail -n 1 | sed 's/.*iteration/it/' | cut -c1-150)"
       done
       echo "-- $(date +%T): $(running "bench_quality.py.* --worker " | wc -l) workers running"
