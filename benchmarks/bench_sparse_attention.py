@@ -190,10 +190,11 @@ def one_row(S, sparsity, BS, G, dense, with_flex, dim=D, heads=H, timer=bench_ms
                list_overlap=None if timer is run_once else neighbour_overlap(idx[:, :2], cnt[:, :2], n_items),
                granularity="token" if BS == 0 else "block", keys_per_group=kept, backend=backend,
                bwd_mode=launch.bwd_mode(G, BS, dim) if backend == "triton" else None,
-               # P groups a packed group (DSV_TOKEN_PACK=on; 1: none); the packing's own time is in ms_fwd / ms_bwd
+               # P groups a packed group in the backward (DSV_TOKEN_PACK=on; 1: none); the packing's own time is in
+               # ms_bwd (the forward never packs)
                token_pack=token_pack_factor(G, BS) if backend == "triton" else 1,
                ms_fwd=fwd, ms_bwd=bwd, **dense)
-    if row["token_pack"] > 1 and timer is not run_once:  # the packing alone (each pass packs once)
+    if row["token_pack"] > 1 and timer is not run_once:  # the packing alone (the backward packs once)
         row["ms_pack"] = timer(lambda: pack_token_lists(idx, cnt, G, row["token_pack"], S))
     if deterministic:  # its own failure (e.g. DSV_SPARSE_BWD=fused, which has no deterministic kernel) is recorded
         try:

@@ -267,8 +267,8 @@ def test_deterministic_mode_takes_the_atomic_free_backward(deterministic, monkey
                                                      (1, 2, 2, 130, 64, 64, False)])
 def test_deterministic_token_backward_matches_naive(deterministic, monkeypatch, B, H, Hkv, S, D, G, per_group,
                                                     token_kv):
-    """Token lists under deterministic algorithms: the dq kernel and dk/dv as int64 fixed-point atomics (fixed,
-    the default) or the token inverse map's kernel (inverse, DSV_TOKEN_KV_BWD) give the naive twin's gradients
+    """Token lists under deterministic algorithms: the dq kernel and dk/dv by the token inverse map's kernel
+    (inverse, the default) or as int64 fixed-point atomics (fixed, DSV_TOKEN_KV_BWD) give the naive twin's gradients
     (GQA, head dim 96, a partial last key tile and query group, per-group list lengths, an empty head and a full
     one); without deterministic algorithms the fp32 atomic kernels give the same values."""
     gen = torch.Generator().manual_seed(7)
@@ -279,8 +279,10 @@ def test_deterministic_token_backward_matches_naive(deterministic, monkeypatch, 
         cnt = (torch.rand(B, H, NG, generator=gen) * (cnt[..., None] + 1)).long().clamp(max=cnt[..., None])
         cnt = cnt.to(torch.int32)
     do = torch.randn(B, H, S, D, generator=gen)
-    if token_kv == "inverse":
-        monkeypatch.setenv("DSV_TOKEN_KV_BWD", "inverse")
+    if token_kv == "fixed":
+        monkeypatch.setenv("DSV_TOKEN_KV_BWD", "fixed")
+    else:  # the default
+        monkeypatch.delenv("DSV_TOKEN_KV_BWD", raising=False)
     calls, inverse_kv, scales = [], launch._sparse_bwd_token_kv, launch.fixed_point_scales
     monkeypatch.setattr(launch, "_sparse_bwd_token_kv",
                         lambda *a, **kw: calls.append("inverse") or inverse_kv(*a, **kw))
@@ -299,7 +301,7 @@ def test_deterministic_token_backward_matches_naive(deterministic, monkeypatch, 
 @pytest.mark.interpreter
 def test_bench_times_the_deterministic_backward(monkeypatch):
     """bench_sparse_attention --deterministic-bwd: our backward runs under deterministic algorithms (token lists:
-    the library's fixed-point dk/dv, and the token inverse map when asked), and the global setting and
+    the library's default inverse-map dk/dv, and the fixed-point one when asked), and the global setting and
     DSV_TOKEN_KV_BWD are restored after."""
     from benchmarks.bench_sparse_attention import ours_deterministic_bwd_ms, run_once
 
@@ -314,9 +316,9 @@ def test_bench_times_the_deterministic_backward(monkeypatch):
     idx, cnt = make_lists(B, H, S, G, 0, 0.3)
     assert not torch.are_deterministic_algorithms_enabled()
     assert ours_deterministic_bwd_ms(q, k, v, idx, cnt, G, 0, timer=run_once) == 0.0
-    assert calls == ["fixed"] and not torch.are_deterministic_algorithms_enabled()
-    assert ours_deterministic_bwd_ms(q, k, v, idx, cnt, G, 0, timer=run_once, token_kv="inverse") == 0.0
-    assert calls == ["fixed", "inverse"] and "DSV_TOKEN_KV_BWD" not in os.environ
+    assert calls == ["inverse"] and not torch.are_deterministic_algorithms_enabled()
+    assert ours_deterministic_bwd_ms(q, k, v, idx, cnt, G, 0, timer=run_once, token_kv="fixed") == 0.0
+    assert calls == ["inverse", "fixed"] and "DSV_TOKEN_KV_BWD" not in os.environ
 
 
 @pytest.mark.interpreter

@@ -11,7 +11,7 @@ import torch
 
 from megatron_dsv.ops.sparse_attention import sparse_attention, sparse_attention_naive
 from megatron_dsv.ops.sparse_attention.launch import sparse_bwd, sparse_fwd
-from megatron_dsv.ops.sparse_attention.packing import pack_token_lists, token_pack_factor
+from megatron_dsv.ops.sparse_attention.packing import pack_token_lists, pack_token_lists_naive, token_pack_factor
 from tests.ops.test_sparse_attention import rel_rmse
 
 
@@ -37,21 +37,18 @@ def _lists(B, H, S, G, density, seed, pad_value=-1):
     return idx, cnt
 
 
-@pytest.mark.parametrize("P", [2, 4, 8])
-def test_packed_lists_are_the_union_with_each_groups_bit(P):
-    B, H, S, G = 2, 3, 150, 8
-    idx, cnt = _lists(B, H, S, G, 0.2, seed=P)
-    pidx, pbits, pcnt = pack_token_lists(idx, cnt, G, P, S)
-    NG = idx.shape[2]
+def _check_union(idx, cnt, P, pidx, pbits, pcnt):
+    """Each packed group's first count entries: the ascending union of its members' lists, each key with the
+    bits of the members listing it."""
+    B, H, NG = idx.shape[:3]
     NP = math.ceil(NG / P)
     assert pidx.shape[:3] == (B, H, NP) and pbits.shape == pidx.shape and pcnt.shape == (B, H, NP)
     assert pidx.dtype == torch.int32 and pbits.dtype == torch.int8 and pcnt.dtype == torch.int32
     for b in range(B):
         for h in range(H):
             for i in range(NP):
-                members = [g for g in range(i * P, min(NG, (i + 1) * P))]
                 want = {}
-                for g in members:
+                for g in range(i * P, min(NG, (i + 1) * P)):
                     for key in idx[b, h, g, :cnt[b, h, g]].tolist():
                         want[key] = want.get(key, 0) | (1 << (g - i * P))
                 n = int(pcnt[b, h, i])
@@ -59,8 +56,49 @@ def test_packed_lists_are_the_union_with_each_groups_bit(P):
                 assert keys == sorted(want), (b, h, i)
                 masks = [int(x) & 0xFF for x in pbits[b, h, i, :n].tolist()]  # int8: bit 7 is the sign
                 assert masks == [want[key] for key in keys], (b, h, i)
-                assert (pbits[b, h, i, n:] == 0).all()
-    assert int(pcnt.max()) == pidx.shape[3]  # the width is the largest union
+
+
+@pytest.mark.parametrize("P", [2, 4, 8])
+def test_naive_packed_lists_are_the_union_with_each_groups_bit(P):
+    B, H, S, G = 2, 3, 150, 8
+    idx, cnt = _lists(B, H, S, G, 0.2, seed=P)
+    pidx, pbits, pcnt = pack_token_lists_naive(idx, cnt, G, P, S)
+    _check_union(idx, cnt, P, pidx, pbits, pcnt)
+    n = pcnt[..., None]
+    assert (pbits[torch.arange(pidx.shape[3]) >= n] == 0).all()  # padding: no bits
+    assert int(pcnt.max()) == pidx.shape[3]  # the twin's width is the largest union
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("P,S,G,density", [(2, 150, 8, 0.2), (4, 200, 16, 0.3), (8, 100, 12, 0.25), (4, 70, 8, 0.9),
+                                           (2, 1000, 32, 0.05)])
+def test_packing_kernels_match_the_twin(P, S, G, density):
+    """The two Triton passes (bitmap by atomic_or, compaction by prefix sums over 2048 keys: S = 1000 crosses
+    none, S > 2048 below) against the union and against the PyTorch twin's counts; width min(TK, P * Kmax),
+    with no host sync. Keys 31 mod 32 set the bitmap word's sign bit."""
+    B, H = 2, 3
+    idx, cnt = _lists(B, H, S, G, density, seed=P + S)
+    pidx, pbits, pcnt = pack_token_lists(idx, cnt, G, P, S)
+    _check_union(idx, cnt, P, pidx, pbits, pcnt)
+    assert torch.equal(pcnt, pack_token_lists_naive(idx, cnt, G, P, S)[2])
+    assert pidx.shape[3] == min(S, P * idx.shape[3])
+    assert any(k % 32 == 31 for k in idx[cnt[..., None] > torch.arange(idx.shape[3])].tolist())
+
+
+@pytest.mark.interpreter
+def test_packing_kernels_over_several_compaction_steps_and_head_chunks():
+    """4100 keys: three 2048-key compaction steps, the last partial; a one-head bitmap budget packs head by
+    head with the same result; per-head counts ([B, H]) as the op takes them."""
+    idx, cnt = _lists(1, 2, 4100, 128, 0.02, seed=5)
+    full = pack_token_lists(idx, cnt, 128, 2, 4100)
+    _check_union(idx, cnt, 2, *full)
+    chunked = pack_token_lists(idx, cnt, 128, 2, 4100, max_bytes=1)
+    for a, b in zip(full, chunked):
+        n = full[2][..., None] > torch.arange(full[0].shape[3])
+        assert torch.equal(a[n], b[n]) if a.dim() == 4 else torch.equal(a, b)
+    per_head = cnt.amin(-1)  # every group's first entries are real keys
+    _check_union(idx, per_head[..., None].expand(1, 2, idx.shape[2]).contiguous(), 2,
+                 *pack_token_lists(idx, per_head, 128, 2, 4100))
 
 
 def test_pack_factor_and_bad_arguments(monkeypatch):
@@ -138,21 +176,23 @@ def test_packing_through_the_public_op(monkeypatch):
         assert rel_rmse(a, b) < 1e-5
 
 
+@pytest.mark.interpreter
 def test_packing_edge_cases():
-    """No query at all packs to empty lists of width 1; every list empty gives zero counts; a pack that is not a
-    power of two, or more than 128 rows, is refused by the launcher with the rule."""
+    """No query at all packs to no packed group; every list empty gives zero counts; the twin packs a few heads at
+    a time with the same lists; a pack that is not a power of two, or more than 128 rows, is refused by the launcher
+    with the rule."""
     from megatron_dsv.ops.sparse_attention.launch import _packed
 
-    empty = torch.zeros(1, 2, 0, 3, dtype=torch.int32)
-    pidx, pbits, pcnt = pack_token_lists(empty, torch.zeros(1, 2, dtype=torch.int32), 16, 4, 10)
-    assert pidx.shape == (1, 2, 0, 1) and pcnt.shape == (1, 2, 0)
-    idx, _ = _lists(1, 2, 40, 8, 0.2, seed=3)
-    pidx, pbits, pcnt = pack_token_lists(idx, torch.zeros(1, 2, dtype=torch.int32), 8, 2, 40)
-    assert pidx.shape[3] == 1 and (pcnt == 0).all() and (pbits == 0).all()
-    # the packing a few heads at a time (a tiny max_bytes: one head a chunk) gives the same lists
+    for pack in (pack_token_lists, pack_token_lists_naive):
+        empty = torch.zeros(1, 2, 0, 3, dtype=torch.int32)
+        pidx, pbits, pcnt = pack(empty, torch.zeros(1, 2, dtype=torch.int32), 16, 4, 10)
+        assert pidx.shape[:3] == (1, 2, 0) and pcnt.shape == (1, 2, 0)
+        idx, _ = _lists(1, 2, 40, 8, 0.2, seed=3)
+        pidx, pbits, pcnt = pack(idx, torch.zeros(1, 2, dtype=torch.int32), 8, 2, 40)
+        assert pidx.shape[3] >= 1 and (pcnt == 0).all()
     idx, cnt = _lists(2, 3, 90, 8, 0.2, seed=4)
-    assert all(torch.equal(a, b) for a, b in zip(pack_token_lists(idx, cnt, 8, 4, 90),
-                                                 pack_token_lists(idx, cnt, 8, 4, 90, max_bytes=1)))
+    assert all(torch.equal(a, b) for a, b in zip(pack_token_lists_naive(idx, cnt, 8, 4, 90),
+                                                 pack_token_lists_naive(idx, cnt, 8, 4, 90, max_bytes=1)))
     for bad in (3, 16):
         with pytest.raises(ValueError, match="power of two with pack"):
             _packed(idx, cnt, 16, 0, 90, bad)

@@ -1,4 +1,5 @@
-"""The dq kernel's dK/dV scatter compiles for the H200 (sm_90) on a machine without a GPU.
+"""The dq kernel's dK/dV scatter (and the token packing passes) compile for the H200 (sm_90) on a machine
+without a GPU.
 
 The interpreter runs the kernels' arithmetic on CPU but never lowers them; Triton's own compiler (with the
 ptxas its wheel ships) does, for a named target, without a driver. This checks what the fixed-point path
@@ -60,6 +61,20 @@ for name, fn, extra in (("packed_fwd", sparse_attn_fwd_kernel, {}), ("packed_bwd
     out[name] = dict(cubin=len(kernel.asm["cubin"]), wgmma=sum("wgmma.mma_async" in l for l in ptx),
                      bits_loads=sum("ld.global" in l and ".b8" in l or "ld.global.u8" in l or "ld.global.s8" in l
                                     for l in ptx))
+# the packing passes (packing.py): atomic_or on the key bitmap, prefix sums over 2048 keys
+from megatron_dsv.ops.sparse_attention.packing import _compact_kernel, _mark_kernel
+for name, fn, types, const in (
+        ("pack_mark", _mark_kernel, dict(idx="*i32", cnt="*i32", bitmap="*i32", KM="i32", NG="i32", NW="i32",
+                                         NGP="i32"), dict(BLOCK=256)),
+        ("pack_compact", _compact_kernel, dict(bitmap="*i32", out_idx="*i32", out_bits="*i8", out_cnt="*i32",
+                                               NW="i32", W="i32"), dict(P=4, WB=64))):
+    names = list(inspect.signature(fn.fn).parameters)
+    sig = {n: types.get(n, "constexpr") for n in names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=1))
+    ptx = kernel.asm["ptx"].splitlines()
+    out[name] = dict(cubin=len(kernel.asm["cubin"]), atom_or=sum(("atom" in l or "red" in l) and ".or." in l
+                                                                 for l in ptx))
 print(json.dumps(out))
 """
 
@@ -79,3 +94,5 @@ def test_fixed_point_scatter_compiles_for_sm90(tmp_path):
     assert fixed["rounding"] > 0, fixed  # floor(x * 2^e + 1/2) lowers to a round-down conversion
     for name in ("packed_fwd", "packed_bwd_q"):  # packed token lists compile to Hopper's wgmma tiles
         assert result[name]["cubin"] > 0 and result[name]["wgmma"] > 0, result[name]
+    assert result["pack_mark"]["cubin"] > 0 and result["pack_mark"]["atom_or"] > 0, result["pack_mark"]
+    assert result["pack_compact"]["cubin"] > 0, result["pack_compact"]

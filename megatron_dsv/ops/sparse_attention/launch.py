@@ -140,8 +140,8 @@ def _bd(D: int) -> int:
 
 def _packed(kv_indices, kv_counts, G: int, BS: int, TK: int, pack: Optional[int]):
     """``(kv_indices, bits, kv_counts, G, GB)`` the kernels take: the lists as given (bits None, GB 0), or
-    packed into groups of ``pack * G`` rows (:mod:`.packing`; pack None: :func:`token_pack_factor`)."""
-    P = token_pack_factor(G, BS) if pack is None else int(pack)
+    packed into groups of ``pack * G`` rows (:mod:`.packing`; pack None: 1)."""
+    P = 1 if pack is None else int(pack)
     if P <= 1:
         return kv_indices, None, kv_counts, G, 0
     if BS != 0:
@@ -155,7 +155,8 @@ def _packed(kv_indices, kv_counts, G: int, BS: int, TK: int, pack: Optional[int]
 def sparse_fwd(q, k, v, kv_indices, kv_counts, G: int, BS: int, scale: float,
                cfg: Optional[Config] = None, pack: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """o [B, H, T, D] in q's dtype and lse [B, H, T] fp32 (log2 units); k, v [B, Hkv, TK, D].
-    ``pack``: token lists packed P groups at a time (:func:`_packed`; cfg is then the packed group's)."""
+    ``pack``: token lists packed P groups at a time (:func:`_packed`; cfg is then the packed group's). None:
+    not packed (the packed forward measured no faster: only the backward packs, :mod:`.packing`)."""
     B, H, T, D = q.shape
     TK = k.shape[2]
     kv_indices, bits, kv_counts, G, GB = _packed(kv_indices, kv_counts, G, BS, TK, pack)
@@ -273,18 +274,19 @@ def build_token_inverse_map(kv_indices: torch.Tensor, kv_counts: torch.Tensor, T
     return inv_ptr, inv_grp, inv_bits
 
 
-TOKEN_KV_MODES = ("fixed", "inverse")
+TOKEN_KV_MODES = ("inverse", "fixed")
 
 
 def token_kv_mode() -> str:
-    """Token lists' deterministic dK/dV, ``DSV_TOKEN_KV_BWD`` in {fixed, inverse}: fixed (the default) is the
-    dq kernel's scatter as int64 fixed-point atomics (integer sums do not depend on the order the atomics land
-    in); inverse walks the token inverse map over 32-key tiles. On an H200 (D=128, 64K, 90% sparse, G = 32 / 64 /
-    128, against the atomic backward): fixed 2.6-3.0x and inverse 1.3-2.1x on video-shaped lists
-    (``sparse_attention-sweep-detbwd-token-video-h200-20261205.json``); inverse 4.0-8.6x on random lists, where
-    every group pays a whole tile for each tile it lists a key of (``...-detbwd-token-h200-20261203.json``; fixed
-    not timed there yet). Both stay selectable until both are timed on both list kinds."""
-    name = os.environ.get("DSV_TOKEN_KV_BWD", "fixed").strip().lower() or "fixed"
+    """Token lists' deterministic dK/dV, ``DSV_TOKEN_KV_BWD`` in {inverse, fixed}: inverse (the default) walks the
+    token inverse map over 32-key tiles; fixed is the dq kernel's scatter as int64 fixed-point atomics (integer
+    sums do not depend on the order the atomics land in). Against the atomic backward (D=128, 64K, 90% sparse,
+    G = 32 / 64 / 128; ``sparse_attention-sweep-token-run15-{video-,}h100-80gb-hbm3-20261205.json``, H100): on
+    video-shaped lists inverse costs 1.33 / 1.58 / 2.18x and fixed 2.84 / 2.93 / 3.26x (H200: 1.26-2.09x and
+    2.63-3.04x); on random lists inverse 3.8 / 5.2 / 8.6x and fixed 4.0 / 4.1 / 4.1x. A DSV list keeps each cube's
+    neighbourhood, so neighbouring groups share their key tiles and the walk is the cheaper; fixed is bounded
+    (~4x) whatever the lists, the choice for lists without locality."""
+    name = os.environ.get("DSV_TOKEN_KV_BWD", "inverse").strip().lower() or "inverse"
     if name not in TOKEN_KV_MODES:
         raise ValueError(f"DSV_TOKEN_KV_BWD must be one of {TOKEN_KV_MODES}; got {name!r}")
     return name
@@ -302,8 +304,8 @@ def sparse_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scal
     overrides the fused config). mode None: ``bwd_mode``. q, o, do [B, H, T, D]; k, v [B, Hkv, TK, D].
     q and k must be contiguous; do, v and o may have any strides: the kernels read transient
     contiguous copies (o's only until delta is computed). dq, dk, dv are contiguous. ``pack``: token lists
-    packed as in :func:`sparse_fwd` for the dq kernel (and its dK/dV scatter); the inverse walk takes the
-    lists as given."""
+    packed as in :func:`sparse_fwd` for the dq kernel (and its dK/dV scatter; None: :func:`token_pack_factor`,
+    ``DSV_TOKEN_PACK``); the inverse walk takes the lists as given."""
     B, H, T, D = q.shape
     TK = k.shape[2]
     if token_kv is not None and token_kv not in TOKEN_KV_MODES:
@@ -325,6 +327,8 @@ def sparse_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scal
     fx, inv = fixed_point_scales(q, k, v, do, scale) if fixed else (None, None)
     # o only feeds delta inside the dq kernel: its contiguous copy (if any) dies with that call
     # the dq kernel on packed lists (if asked) when it also scatters dK/dV; before the inverse walk, on the lists
+    if pack is None:
+        pack = token_pack_factor(G, BS)
     q_idx, q_bits, q_cnt, q_G, q_GB = _packed(kv_indices, kv_counts, G, BS, TK, pack if (atomic_kv or fixed) else 1)
     dq, delta, dk32, dv32 = sparse_bwd_q(do, q, k, v, o.contiguous(), lse, q_idx, q_cnt, q_G, BS, scale,
                                          2 if fixed else int(bool(atomic_kv)), cfg_q, fx_scale=fx, bits=q_bits,

@@ -1,22 +1,27 @@
-"""Packed token lists: P neighbouring query groups run as one group of P * G rows.
+"""Packed token lists: P neighbouring query groups run as one group of P * G rows, in the backward.
 
 Token lists at G = 32 / 64 run their kernels on 32- or 64-row tiles, and the dq kernel's dK/dV atomics are
 paid once per (group, listed key): at 64K tokens and 90% sparsity the backward is atomics-bound and scales
-as 1 / G (H200, 2026-12-05: 114 / 62 / 34 ms at G = 32 / 64 / 128). Neighbouring query cubes of a video
+as 1 / G (H100, 2026-12-05: 110 / 61 / 33 ms at G = 32 / 64 / 128). Neighbouring query cubes of a video
 keep mostly the same keys (``benchmarks/list_shapes.video_lists`` at 64K, 90%: the union of 4 groups of 32
 holds 1.41x one group's keys, of 2 groups of 64 1.16x), so packing P = 128 // G groups into one list of
 their union runs 128-row tiles over 1.2-1.4x the keys and scatters each listed key's dK/dV once per packed
 group instead of once per group. Each entry of a packed list carries a P-bit mask of the groups that list
 it (bit p: group ``P * i + p``); the kernels give every other row of the tile zero probability there, so
-the result is the unpacked one up to summation order. Uniformly random lists share few keys (the union is
-~P times a list), where packing only adds work: it is off unless asked for (``DSV_TOKEN_PACK``). A row's
-zero probability still multiplies the packed group's values, so a non-finite key or value row (a diverged run)
-turns into NaN in every group of its pack, where unpacked it reaches only the groups that list it.
+the result is the unpacked one up to summation order. Measured on an H100 (video-shaped lists, D=128, 64K,
+90%; ``sparse_attention-sweep-token-run15-video-packed-...``): the packed dq + dK/dV kernels take 50 / 40 ms
+against 110 / 61 ms unpacked at G = 32 / 64, while the packed forward gains nothing (19 / 16 ms against 20 / 11
+ms): so only the backward packs (``DSV_TOKEN_PACK=on``). Uniformly random lists share few keys (the union is
+~P times a list), where packing only adds work: it is off unless asked for. A row's zero probability still
+multiplies the packed group's values, so a non-finite key or value row (a diverged run) turns into NaN in every
+group of its pack, where unpacked it reaches only the groups that list it.
 
-The union is built on the device per packed group: each group's keys add its bit into a row of ``TK``
-int32 marks (distinct bits, so the sum is their OR), then the marked keys are compacted in key order. Its
-width, the largest union, is read on the host once per call (one sync), so the packed lists take
-``max union`` entries per packed group rather than ``P * Kmax``.
+The union is built on the device by two Triton kernels, with no host sync: each group's keys set bits in its
+own row of a key bitmap (``atomic_or``), then each packed group ORs its members' rows and compacts the set keys
+in key order (a prefix sum over 2048 keys at a time), each with the mask of the members listing it. The packed
+lists are ``min(TK, P * Kmax)`` wide (no sync for the largest union; entries past a packed group's count are
+never read). The same two passes in PyTorch, :func:`pack_token_lists_naive`, are the kernels' twin (the first
+measured version: 40-50 ms a call at 64K, as long as the backward it shortens).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import os
 from typing import Tuple
 
 import torch
+import triton
+import triton.language as tl
 
 from .checks import group_counts
 
@@ -49,8 +56,8 @@ def token_pack_factor(G: int, BS: int) -> int:
     return PACK_ROWS // G
 
 
-def pack_token_lists(kv_indices: torch.Tensor, kv_counts: torch.Tensor, G: int, P: int, TK: int,
-                     max_bytes: int = 512 << 20) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pack_token_lists_naive(kv_indices: torch.Tensor, kv_counts: torch.Tensor, G: int, P: int, TK: int,
+                           max_bytes: int = 512 << 20) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(indices int32 [B, H, NP, U], bits int8 [B, H, NP, U], counts int32 [B, H, NP])`` with
     ``NP = ceil(NG / P)``: packed group i lists, ascending, every key some group ``P * i + p`` lists (the
     first ``counts`` entries; the rest is padding, index 0 and no bits), and bit p of its mask says which of
@@ -62,7 +69,7 @@ def pack_token_lists(kv_indices: torch.Tensor, kv_counts: torch.Tensor, G: int, 
     at a time (one head at least)."""
     if not 2 <= P <= 8:
         raise ValueError(f"pack_token_lists: P must be in [2, 8] (one int8 mask per entry), got {P}")
-    B, H, NG, KM = kv_indices.shape
+    B, H, NG, KM = kv_indices.shape  # (PyTorch twin of pack_token_lists; its width is the largest union)
     dev = kv_indices.device
     NP = math.ceil(NG / P)
     counts = group_counts(kv_counts, NG).reshape(B * H, NG)
@@ -107,3 +114,82 @@ def pack_token_lists(kv_indices: torch.Tensor, kv_counts: torch.Tensor, G: int, 
         del m, nz, pos
     return (out_idx[:, :U].reshape(B, H, NP, U).contiguous(), out_bits[:, :U].reshape(B, H, NP, U).contiguous(),
             union.reshape(B, H, NP))
+
+
+MARK_BLOCK = 256  # list entries per program of the marking pass
+COMPACT_WORDS = 64  # bitmap words (32 keys each) per step of the compaction: a 2048-key prefix sum
+
+
+@triton.jit
+def _mark_kernel(idx, cnt, bitmap, KM, NG, NW, NGP, BLOCK: tl.constexpr):
+    """Program (row, chunk): list entries [chunk * BLOCK, +BLOCK) of group row = bh * NG + g set their keys'
+    bits in the bitmap's row bh * NGP + g (NGP = NP * P: a missing member of the last pack keeps a zero row)."""
+    row = tl.program_id(0)
+    o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = o < tl.load(cnt + row)
+    key = tl.load(idx + row.to(tl.int64) * KM + o, mask=m, other=0)
+    out = (row // NG).to(tl.int64) * NGP + row % NG
+    bit = tl.full([BLOCK], 1, tl.int32) << (key & 31)  # bit 31 is the int32 sign: an OR does not mind
+    tl.atomic_or(bitmap + out * NW + (key >> 5), bit, mask=m, sem="relaxed")
+
+
+@triton.jit
+def _compact_kernel(bitmap, out_idx, out_bits, out_cnt, NW, W, P: tl.constexpr, WB: tl.constexpr):
+    """Program pg (packed group bh * NP + i): the OR of its P members' bitmap rows, compacted in key order into
+    out_idx[pg, :count] with each key's member mask in out_bits; count into out_cnt[pg]."""
+    pg = tl.program_id(0)
+    rows = bitmap + pg.to(tl.int64) * P * NW
+    o_b = tl.arange(0, 32)
+    keys_in_step = tl.reshape(tl.arange(0, WB)[:, None] * 32 + o_b[None, :], [WB * 32])
+    base = pg.to(tl.int64) * W
+    n = pg * 0  # keys written so far (int32)
+    for w0 in range(0, NW, WB):
+        o_w = w0 + tl.arange(0, WB)
+        masks = tl.zeros([WB, 32], dtype=tl.int32)
+        for p in tl.static_range(P):
+            word = tl.load(rows + p * NW + o_w, mask=o_w < NW, other=0)
+            masks |= ((word[:, None] >> o_b[None, :]) & 1) << p
+        masks = tl.reshape(masks, [WB * 32])
+        hit = masks != 0
+        pos = n + tl.cumsum(hit.to(tl.int32), axis=0) - 1
+        tl.store(out_idx + base + pos, w0 * 32 + keys_in_step, mask=hit)
+        tl.store(out_bits + base + pos, masks.to(tl.int8), mask=hit)
+        n += tl.sum(hit.to(tl.int32), axis=0)
+    tl.store(out_cnt + pg, n)
+
+
+def pack_token_lists(kv_indices: torch.Tensor, kv_counts: torch.Tensor, G: int, P: int, TK: int,
+                     max_bytes: int = 512 << 20) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(indices int32 [B, H, NP, W], bits int8 [B, H, NP, W], counts int32 [B, H, NP])`` with
+    ``NP = ceil(NG / P)`` and ``W = max(1, min(TK, P * Kmax))``: packed group i lists, ascending, every key
+    some group ``P * i + p`` lists (its first ``counts`` entries; the rest is unspecified and never read), and
+    bit p of its mask says which of them do. Two Triton launches, no host sync (:func:`pack_token_lists_naive`
+    is the twin).
+
+    kv_indices int32 ``[B, H, NG, Kmax]`` token ids in ``[0, TK)``, unique within a group (as
+    ``sparse_attention`` requires), kv_counts ``[B, H]`` or ``[B, H, NG]`` (entries past a group's count are
+    never read). ``max_bytes`` bounds the key bitmap (``NP * P * ceil(TK / 32)`` int32 words a head): heads are
+    packed a few at a time (one head at least)."""
+    if not 2 <= P <= 8:
+        raise ValueError(f"pack_token_lists: P must be in [2, 8] (one int8 mask per entry), got {P}")
+    B, H, NG, KM = kv_indices.shape
+    dev = kv_indices.device
+    NP, NW, BH = math.ceil(NG / P), math.ceil(TK / 32), B * H
+    W = max(1, min(TK, P * KM))
+    out_idx = torch.empty(BH * NP, W, dtype=torch.int32, device=dev)
+    out_bits = torch.empty(BH * NP, W, dtype=torch.int8, device=dev)
+    out_cnt = torch.zeros(BH * NP, dtype=torch.int32, device=dev)
+    if BH * NP and NW:
+        lists = kv_indices.reshape(BH, NG, KM).to(torch.int32).contiguous()
+        counts = group_counts(kv_counts, NG).reshape(BH, NG).to(torch.int32).contiguous()
+        heads = max(1, min(BH, max_bytes // (NP * P * NW * 4)))
+        bitmap = torch.empty(heads * NP * P * NW, dtype=torch.int32, device=dev)
+        for h0 in range(0, BH, heads):
+            h1 = min(BH, h0 + heads)
+            marks = bitmap[:(h1 - h0) * NP * P * NW].zero_()
+            if KM:
+                _mark_kernel[((h1 - h0) * NG, triton.cdiv(KM, MARK_BLOCK))](
+                    lists[h0:h1], counts[h0:h1], marks, KM, NG, NW, NP * P, BLOCK=MARK_BLOCK)
+            _compact_kernel[((h1 - h0) * NP,)](marks, out_idx[h0 * NP:h1 * NP], out_bits[h0 * NP:h1 * NP],
+                                                out_cnt[h0 * NP:h1 * NP], NW, W, P=P, WB=COMPACT_WORDS)
+    return out_idx.view(B, H, NP, W), out_bits.view(B, H, NP, W), out_cnt.view(B, H, NP)
