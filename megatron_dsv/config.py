@@ -114,7 +114,7 @@ class DSVConfig:
     than ``1 - sparsity_threshold`` (as dense as a stage-2 layer may be and still run sparse) stage 1 stays dense.
     Measured on the H200 quality frontier (benchmarks/NOTES_quality.md runs 10-11: 4 layers of hidden 512, (2, 2, 1)
     for 400 steps, then the capped lists; validation loss against full attention at equal steps, mean +- se over
-    seeds): ViZDoom 16K -1.77 +- 0.65% (5 seeds, runs 10 and 14; the same schedule with a dense stage 1:
+    seeds): ViZDoom 16K -2.04 +- 0.42% at 3000 steps (8 seeds, runs 10, 14, 15; the same schedule with a dense stage 1:
     -0.20 +- 0.34%, 4 seeds), footage
     16K -5.24 +- 4.42% (4 seeds: -4.1, +6.8, -13.0, -10.6%; unpaired -5.43 +- 3.38%), ViZDoom trained at 32K
     -3.80 +- 0.66% at step 1750 (2 seeds), reaching full attention's loss in 0.47x its time at 32K. Unmeasured in
