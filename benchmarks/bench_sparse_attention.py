@@ -191,7 +191,7 @@ def one_row(S, sparsity, BS, G, dense, with_flex, dim=D, heads=H, timer=bench_ms
                granularity="token" if BS == 0 else "block", keys_per_group=kept, backend=backend,
                bwd_mode=launch.bwd_mode(G, BS, dim) if backend == "triton" else None,
                # P groups a packed group in the backward (DSV_TOKEN_PACK=on; 1: none); the packing's own time is in
-               # ms_bwd (the forward never packs)
+               # ms_bwd (the forward never packs, nor the deterministic inverse walk: ms_bwd_deterministic)
                token_pack=token_pack_factor(G, BS) if backend == "triton" else 1,
                ms_fwd=fwd, ms_bwd=bwd, **dense)
     if row["token_pack"] > 1 and timer is not run_once:  # the packing alone (the backward packs once)

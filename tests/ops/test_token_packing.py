@@ -161,16 +161,23 @@ def test_packed_kernels_match_unpacked_and_reference(case):
 
 @pytest.mark.interpreter
 def test_packing_through_the_public_op(monkeypatch):
-    """DSV_TOKEN_PACK=on reaches sparse_attention's forward and backward (autograd), same values."""
+    """DSV_TOKEN_PACK=on reaches sparse_attention's backward (autograd): the lists are packed once, there (the
+    forward runs them unpacked), with the same values as off."""
+    from megatron_dsv.ops.sparse_attention import launch
+
     B, H, S, D, G = 1, 2, 96, 64, 32
     torch.manual_seed(2)
     q, k, v = (torch.randn(B, H, S, D, requires_grad=True) for _ in range(3))
     idx, cnt = _lists(B, H, S, G, 0.3, seed=1)
+    packs, pack = [], launch.pack_token_lists
+    monkeypatch.setattr(launch, "pack_token_lists", lambda *a, **kw: packs.append(a[3]) or pack(*a, **kw))
     out = []
     for flag in ("off", "on"):
         monkeypatch.setenv("DSV_TOKEN_PACK", flag)
         o = sparse_attention(q, k, v, idx, cnt, G, 0, backend="triton")
+        assert packs == []  # the forward never packs
         grads = torch.autograd.grad(o.square().sum(), (q, k, v))
+        assert packs == ([4] if flag == "on" else [])
         out.append((o.detach(), *grads))
     for a, b in zip(*out):
         assert rel_rmse(a, b) < 1e-5
