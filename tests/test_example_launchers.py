@@ -207,3 +207,24 @@ def test_frontier_stop_ends_the_workers_but_not_the_command_that_names_them(tmp_
     finally:
         if worker.poll() is None:
             worker.kill()
+
+
+@pytest.mark.skipif(shutil.which("pgrep") is None or shutil.which("ps") is None, reason="needs pgrep and ps (procps)")
+def test_frontier_wait_reports_each_runs_progress_and_the_end(tmp_path):
+    """`wait` (and `start-wait` after its launch) prints the last iteration line of every run's log, not only seed
+    0's (run 15 trained seeds 5-9), and says when a launch outlives WAIT_S."""
+    runs = tmp_path / "repo"
+    shutil.copytree(os.path.join(ROOT, "tools"), runs / "tools")
+    logs = runs / "runs" / "frontier-vizdoom" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "full-s8.log").write_text(" [x] iteration   1250/3000 | ms/step 150.2\n")
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "bench_quality.py", "--launch"])
+    try:
+        proc = subprocess.run(["bash", str(runs / "tools" / "gpu_quality_frontier.sh"), str(tmp_path / "out"), "wait"],
+                              capture_output=True, text=True, timeout=60,
+                              env=_bare_env(PATH=os.environ.get("PATH", "/usr/bin:/bin"), WAIT_S="2"))
+    finally:
+        launcher.kill()
+        launcher.wait()
+    assert "vizdoom/logs/full-s8.log: it   1250/3000" in proc.stdout, proc.stdout + proc.stderr
+    assert "== still training after WAIT_S" in proc.stdout

@@ -14,6 +14,8 @@
 #           carry (footage, ViZDoom's wheels: 64 MiB a call) starts in one call and the next starts beside it. A
 #           second start beside running workers must install only its own wheels (GPU_WHEEL_DIRS): reinstalling the
 #           workers' megatron-core under them broke a worker's import in run 6
+#   start-wait  start, then wait in the same call (WAIT_S): a study that ends within one call's limit needs no second
+#           call within 30 s of this one (run 15 lost a machine, and its runs, between two calls)
 #   wait    WAIT_S [540] s at most, until every detached launch has ended; a progress line a minute (installs nothing)
 #   stop    end every detached launcher and worker on the machine now (each keeps its run as saved at its last
 #           validation: a later start resumes it). Its matching, like wait's, skips this script and its callers,
@@ -37,7 +39,7 @@
 # Carry [".whl", ".whl-vizdoom"] (".footage" for data footage: in a call of its own before, the carry cap is
 # 64 MiB; ".whl-mlm", ".mlm" for MEGATRON_CHECK=1).
 set -u
-out=${1:?usage: gpu_quality_frontier.sh OUT_DIR PHASE}; phase=${2:?phase: train, start, wait, stop, finish, time or report}
+out=${1:?usage: gpu_quality_frontier.sh OUT_DIR PHASE}; phase=${2:?phase: train, start, start-wait, wait, stop, finish, time or report}
 mkdir -p "$out/logs"
 cd "$(dirname "$0")/.." || exit 2
 ours=" $$ "  # this script and the shells above it (a device command's own text may name the patterns below)
@@ -48,7 +50,7 @@ running() {  # $1: a pgrep -f pattern -> the matching pids, never this script or
   for pid in $(pgrep -f "$1"); do [[ "$ours" == *" $pid "* ]] || echo "$pid"; done
 }
 
-if [ "$phase" = start ] && [ -z "${GPU_WHEEL_DIRS:-}" ] && [ -n "$(running "bench_quality.py.*--launch")" ]; then
+if [[ "$phase" == start* ]] && [ -z "${GPU_WHEEL_DIRS:-}" ] && [ -n "$(running "bench_quality.py.*--launch")" ]; then
   echo "gpu_quality_frontier.sh start: detached workers are running; name this study's own wheels in GPU_WHEEL_DIRS" \
        "(reinstalling every .whl*/ would replace the packages they import)" >&2
   exit 2
@@ -114,6 +116,21 @@ report() {
   for d in "${studies[@]}"; do echo "== $d"; study "$d"; "${cmd[@]}" --report 2>&1 | tail -n 10; done
 }
 
+wait_launches() {  # WAIT_S [540] s at most, until every detached launch has ended; a progress line a minute
+  local end left log
+  end=$(( $(date +%s) + ${WAIT_S:-540} ))  # never past it: the call's limit must leave time for the tarball
+  while [ -n "$(running "bench_quality.py.*--launch")" ] && [ "$(date +%s)" -lt "$end" ]; do
+    left=$(( end - $(date +%s) ))
+    sleep $(( left < 60 ? left : 60 ))
+    for log in runs/frontier-*/logs/*-s*.log; do  # the last iteration line of each run
+      [ -e "$log" ] && echo "${log#runs/frontier-}: $(grep -a iteration "$log" | tail -n 1 | sed 's/.*iteration/it/' | cut -c1-150)"
+    done
+    echo "-- $(date +%T): $(running "bench_quality.py.* --worker " | wc -l) workers running"
+  done
+  [ -n "$(running "bench_quality.py.*--launch")" ] && echo "== still training after WAIT_S" || echo "== every launch ended"
+  for log in runs/launch-*.log; do [ -e "$log" ] && { echo "== $log"; tail -n 12 "$log"; }; done
+}
+
 # the GPU tests of the paths the frontier trains, the newest first (beside the workers a phase's limit may end them
 # early: the log names the last file reached)
 gpu_tests=(tests/attention/test_stage1_window.py tests/attention/test_prefetch_step_end.py
@@ -140,7 +157,7 @@ case "$phase" in
     time_studies
     report
     ;;
-  start)
+  start|start-wait)
     train "${MINUTES:-7.0}" detach
     if [ "${SKIP_GPU_TESTS:-0}" != 1 ]; then  # in the foreground, beside the detached arms
       timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -v -rs "${gpu_tests[@]}" \
@@ -148,19 +165,10 @@ case "$phase" in
       echo "gpu tests exit $? (limit ${TEST_TIMEOUT:-240}s; 124: not all ran)" | tee -a "$out/logs/gpu_tests.log"
       tail -n 15 "$out/logs/gpu_tests.log"
     fi
+    [ "$phase" = start-wait ] && wait_launches
     ;;
   wait)
-    end=$(( $(date +%s) + ${WAIT_S:-540} ))  # never past it: the call's limit must leave time for the tarball
-    while [ -n "$(running "bench_quality.py.*--launch")" ] && [ "$(date +%s)" -lt "$end" ]; do
-      left=$(( end - $(date +%s) ))
-      sleep $(( left < 60 ? left : 60 ))
-      for log in runs/frontier-*/logs/*-s*.log; do  # the last iteration line of each run
-        [ -e "$log" ] && echo "${log#runs/frontier-}: $(grep -a iteration "$log" | tail -n 1 | sed 's/.*iteration/it/' | cut -c1-150)"
-      done
-      echo "-- $(date +%T): $(running "bench_quality.py.* --worker " | wc -l) workers running"
-    done
-    [ -n "$(running "bench_quality.py.*--launch")" ] && echo "== still training after WAIT_S" || echo "== every launch ended"
-    for log in runs/launch-*.log; do [ -e "$log" ] && { echo "== $log"; tail -n 12 "$log"; }; done
+    wait_launches
     ;;
   stop)  # the launchers first (a launcher retrying an OOM could start a worker meanwhile: ask again each second)
     for i in 1 2 3 4 5 6 7 8 9 10; do
