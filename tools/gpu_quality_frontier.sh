@@ -22,7 +22,7 @@
 #           whose text may name the pattern (run 14 lost a call before it did); never `pkill -f bench_quality.py`
 #           in a device command instead, which matches that command's own shell (run 7 lost a call to it)
 #   time    the timing and the reports alone
-#   report  the reports alone (curves and timing already under runs/frontier-<data>/)
+#   report  the reports alone (curves and timing already under runs/frontier-<data>/; SEEDS: the seeds reported)
 # Memory: a 16K-token worker (hidden 512 x 4 layers) holds 8-12 GiB of the GPU and peaks at 13-17 GiB; 18 workers ran out
 # of the H200's 140 GiB in run 6 (four died of OOM and were resumed), 10 in run 7 (two died). So at most MAX_WORKERS
 # [GPU memory / 16 GiB] train at once on the machine, every study's launcher counted (bench_quality --max-workers):
