@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import collect_meta, init_dist, write_results  # noqa: E402
 from benchmarks.frontier_launch import launch  # noqa: E402
-from benchmarks.quality_report import plot, report  # noqa: E402
+from benchmarks.quality_report import plot, report, study_seeds  # noqa: E402
 from benchmarks.video_runs import add_run_args, parse_arm, tokens_of  # noqa: E402
 from megatron_dsv.config import DSVConfig  # noqa: E402
 
@@ -190,11 +190,6 @@ def prepare_clips(args) -> None:
     channels = VideoDiTConfig.from_preset(args.preset).in_channels
     Clips.for_arm(parse_arm(args.arm), args, channels, torch.device("cpu"), torch.float32)
     Clips._cache.clear()
-
-
-def study_seeds(args) -> List[int]:
-    """The study's seeds, ``--seeds`` (default 0, 1)."""
-    return [int(x) for x in (args.seeds or "0,1").split(",") if x]
 
 
 # ---------------------------------------------------------------- step time alone
@@ -488,7 +483,6 @@ def main(argv=None):
     # the learning-rate schedule runs over the study's steps: an arm's extra steps stay at its floor
     args.schedule_steps = parse_arm(args.arm)["steps"]
     seeds = study_seeds(args)
-    args.report_seeds = None if args.seeds is None else seeds
     args.clips_cache = args.clips_cache or os.path.join(args.save_dir, "clips")
     args.align_stops = True  # every run of the study validates at the same steps, whenever its minutes end
     if args.data_seed is None:

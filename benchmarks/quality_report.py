@@ -33,8 +33,15 @@ def is_library_default(arm: dict) -> bool:
             == d.stage1_radius_for(grid))
 
 
+def study_seeds(args) -> List[int]:
+    """The study's seeds, ``--seeds`` (default 0, 1)."""
+    return [int(x) for x in (args.seeds or "0,1").split(",") if x]
+
+
 def load_records(args) -> Dict[str, Dict[int, dict]]:
+    """Every run's curve under ``args.save_dir``, by arm and seed; with ``args.seeds`` set, those seeds' only."""
     records: Dict[str, Dict[int, dict]] = {}
+    asked = None if getattr(args, "seeds", None) is None else set(study_seeds(args))
     for path in sorted(glob.glob(os.path.join(args.save_dir, "curves", "*.json"))):
         rec = json.load(open(path))
         rec["curve"] = [(int(s), float(v)) for s, v in rec["curve"]]
@@ -42,7 +49,7 @@ def load_records(args) -> Dict[str, Dict[int, dict]]:
         if not rec["curve"]:
             print(f"report: {path} has no validation yet: left out", flush=True)
             continue
-        if getattr(args, "report_seeds", None) is not None and int(rec["seed"]) not in args.report_seeds:
+        if asked is not None and int(rec["seed"]) not in asked:
             continue  # --seeds names the seeds to report
         records.setdefault(rec["name"], {})[int(rec["seed"])] = rec
     if getattr(args, "at_step", None) is not None:

@@ -177,11 +177,11 @@ def test_report_reads_only_the_seeds_asked_for(tmp_path):
             curve = [[s, 1.0 - s / 1e4] for s in range(250, last + 1, 250)]
             (tmp_path / "curves" / f"{name}-s{seed}.json").write_text(json.dumps(
                 {"name": name, "seed": seed, "curve": curve, "sparse_counts": {}}))
-    every = load_records(SimpleNamespace(save_dir=str(tmp_path), at_step=None, report_seeds=None))
+    every = load_records(SimpleNamespace(save_dir=str(tmp_path), at_step=None, seeds=None))
     assert sorted(every["dsv"]) == [4, 5, 7]
     with pytest.raises(ValueError, match="seed 5 has no validation there"):
-        load_records(SimpleNamespace(save_dir=str(tmp_path), at_step=3000, report_seeds=None))
-    asked = load_records(SimpleNamespace(save_dir=str(tmp_path), at_step=3000, report_seeds=[4, 7]))
+        load_records(SimpleNamespace(save_dir=str(tmp_path), at_step=3000, seeds=None))
+    asked = load_records(SimpleNamespace(save_dir=str(tmp_path), at_step=3000, seeds="4,7"))
     assert sorted(asked["full"]) == sorted(asked["dsv"]) == [4, 7]
     assert asked["dsv"][7]["curve"][-1] == (3000, 0.7)
 

@@ -327,9 +327,8 @@ def sparse_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scal
     fx, inv = fixed_point_scales(q, k, v, do, scale) if fixed else (None, None)
     # o only feeds delta inside the dq kernel: its contiguous copy (if any) dies with that call
     # the dq kernel on packed lists (if asked) when it also scatters dK/dV; before the inverse walk, on the lists
-    if pack is None:
-        pack = token_pack_factor(G, BS)
-    q_idx, q_bits, q_cnt, q_G, q_GB = _packed(kv_indices, kv_counts, G, BS, TK, pack if (atomic_kv or fixed) else 1)
+    pack = (token_pack_factor(G, BS) if pack is None else pack) if (atomic_kv or fixed) else 1
+    q_idx, q_bits, q_cnt, q_G, q_GB = _packed(kv_indices, kv_counts, G, BS, TK, pack)
     dq, delta, dk32, dv32 = sparse_bwd_q(do, q, k, v, o.contiguous(), lse, q_idx, q_cnt, q_G, BS, scale,
                                          2 if fixed else int(bool(atomic_kv)), cfg_q, fx_scale=fx, bits=q_bits,
                                          GB=q_GB)
