@@ -61,8 +61,8 @@ def died_of_oom(log_path: str, since: int = 0) -> bool:
 
 
 def launch(names: List[str], seeds: List[int], argv: List[str], args, script: str = BENCH_QUALITY) -> None:
-    """One worker process per (arm, seed), at most ``--max-workers`` at once on the machine (every launcher's
-    workers counted); waits for all, then prints each log's tail. A worker that dies of CUDA out-of-memory (other
+    """One worker process per (arm, seed), seed by seed, at most ``--max-workers`` at once on the machine (every
+    launcher's workers counted); waits for all, then prints each log's tail. A worker that dies of CUDA out-of-memory (other
     workers' peaks met its own) starts again from its last save when a slot is free, up to ``--oom-retries`` times;
     any other failure is reported at the end. ``script``: the worker's program (``bench_quality.py``), run with
     ``argv`` less the phases plus ``--worker NAME --seed N``; the study's clips are rendered before (its caller)."""
@@ -82,8 +82,8 @@ def launch(names: List[str], seeds: List[int], argv: List[str], args, script: st
             return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), since
 
     running = {}
-    for name in names:
-        for seed in seeds:
+    for seed in seeds:  # seed-major: a seed's arms start together, so a study cut short keeps whole pairs
+        for name in names:
             running[(name, seed)] = start(name, seed)
             time.sleep(args.stagger)
     failed, retries = [], {}

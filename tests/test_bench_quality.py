@@ -247,6 +247,23 @@ def test_a_worker_that_ran_out_of_gpu_memory_is_resumed_and_other_failures_are_r
     assert not died_of_oom(str(tmp_path / "logs" / "missing.log"))
 
 
+def test_workers_start_seed_by_seed(tmp_path, monkeypatch):
+    """A study cut short by the device time keeps whole (full, DSV) pairs: the launcher starts every arm of a seed
+    before the next seed (arm by arm, run 15's last workers would all have been the DSV arm's)."""
+    import subprocess
+
+    starts, real_popen = [], subprocess.Popen
+
+    def fake_popen(cmd, stdout, stderr, env):
+        starts.append((cmd[cmd.index("--worker") + 1], int(cmd[cmd.index("--seed") + 1])))
+        return real_popen([sys.executable, "-c", "pass"])
+
+    monkeypatch.setattr(frontier_launch.subprocess, "Popen", fake_popen)
+    args = build_parser().parse_args(["--arm", "data=vizdoom", "--save-dir", str(tmp_path), "--stagger", "0"])
+    launch(["full", "dsv"], [0, 1, 2], [], args)
+    assert starts == [("full", 0), ("dsv", 0), ("full", 1), ("dsv", 1), ("full", 2), ("dsv", 2)]
+
+
 def test_timing_refuses_before_clocking_when_an_arm_has_no_trained_run(tmp_path):
     """--time checks every DSV arm's trained run first: run 7's timing clocked full attention for a minute of GPU
     time, then failed on an arm the study never trained. Full attention and the window need none: their steps do
