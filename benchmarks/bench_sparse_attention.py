@@ -585,8 +585,8 @@ def sweep(args, meta, t_start, argv=None):
     # lists other than random get their own file: a video-lists sweep beside a random one on the same day would
     # otherwise overwrite it (run 13 lost a random-lists table that way)
     name = "sparse_attention-sweep" + ("" if args.lists == "random" else f"-{args.lists}")
-    if packing_on():  # DSV_TOKEN_PACK=on: packed token lists get their own file too
-        name += "-packed"
+    if not packing_on() and args.granularity != "block":  # DSV_TOKEN_PACK=off: unpacked token lists, their own file
+        name += "-unpacked"
     rows = run_points(points, name, args, meta, t_start, on_written=on_written)
     print_sweep_table(rows)
     if rows:

@@ -112,13 +112,12 @@ class DSVConfig:
     in cubes, so the window keeps a shrinking share of a longer sequence's keys (with 4x4x8 cubes on 256x256 video:
     29 / 18 / 10 / 5% at 16K / 32K / 64K / 128K tokens, ``neighbourhood.kept_fraction``); where it would keep more
     than ``1 - sparsity_threshold`` (as dense as a stage-2 layer may be and still run sparse) stage 1 stays dense.
-    Measured on the H200 quality frontier (benchmarks/NOTES_quality.md runs 10-11: 4 layers of hidden 512, (2, 2, 1)
-    for 400 steps, then the capped lists; validation loss against full attention at equal steps, mean +- se over
-    seeds): ViZDoom 16K -2.04 +- 0.42% at 3000 steps (8 seeds, runs 10, 14, 15; the same schedule with a dense stage 1:
-    -0.20 +- 0.34%, 4 seeds), footage
-    16K -5.24 +- 4.42% (4 seeds: -4.1, +6.8, -13.0, -10.6%; unpaired -5.43 +- 3.38%), ViZDoom trained at 32K
-    -3.80 +- 0.66% at step 1750 (2 seeds), reaching full attention's loss in 0.47x its time at 32K. Unmeasured in
-    quality beyond 32K."""
+    Measured on the H200 / H100 quality frontier (benchmarks/NOTES_quality.md runs 10-16: 4 layers of hidden 512,
+    (2, 2, 1) for 400 steps, then the capped lists; validation loss against full attention at equal steps, mean +- se
+    over seeds): ViZDoom 16K -2.04 +- 0.42% at 3000 steps (8 seeds, runs 10, 14, 15; the same schedule with a dense
+    stage 1: -0.20 +- 0.34%, 4 seeds), footage 16K -6.95 +- 1.51% (5 seeds, 1024 training clips, run 16; with 256
+    clips -5.24 +- 4.42%, 4 seeds), ViZDoom trained at 32K -3.80 +- 0.66% at step 1750 (2 seeds), reaching full
+    attention's loss in 0.47x its time at 32K. Unmeasured in quality beyond 32K."""
 
     # ---- dispatcher ---------------------------------------------------------
     budget_rule: str = _knob(

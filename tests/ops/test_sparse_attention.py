@@ -89,8 +89,13 @@ def case_id(c):
     return f"B{B}-T{S}-H{H}{gqa}-D{D}-G{G}-{gran}-{str(dt)[6:]}"
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=case_id(c)) for c in CASES])
-def test_fwd_bwd_matches_naive(case):
+@pytest.mark.parametrize("case", [pytest.param(c, id=case_id(c)) for c in CASES] +
+                         [pytest.param(c + ("off",), id=case_id(c) + "-unpacked") for c in CASES if c[6] == 0])
+def test_fwd_bwd_matches_naive(case, monkeypatch):
+    """Token lists run packed in the backward by default (G < 128, ``DSV_TOKEN_PACK``); the unpacked kernels too."""
+    if len(case) == 9:
+        monkeypatch.setenv("DSV_TOKEN_PACK", case[8])
+        case = case[:8]
     B, H, Hkv, S, D, G, BS, dt = case
     tol = 1e-4 if dt == torch.float32 else 5e-3
     (ours, ref), cnt = run_both(B, H, Hkv, S, D, G, BS, dt, empty_head=0, full_head=H - 1)

@@ -102,9 +102,11 @@ def test_packing_kernels_over_several_compaction_steps_and_head_chunks():
 
 
 def test_pack_factor_and_bad_arguments(monkeypatch):
-    assert token_pack_factor(32, 0) == 1  # off by default
+    monkeypatch.delenv("DSV_TOKEN_PACK", raising=False)
+    assert [token_pack_factor(G, 0) for G in (16, 32, 64, 128)] == [8, 4, 2, 1]  # on by default
+    monkeypatch.setenv("DSV_TOKEN_PACK", "off")
+    assert token_pack_factor(32, 0) == 1
     monkeypatch.setenv("DSV_TOKEN_PACK", "on")
-    assert [token_pack_factor(G, 0) for G in (16, 32, 64, 128)] == [8, 4, 2, 1]
     assert token_pack_factor(32, 64) == 1  # block lists never pack
     monkeypatch.setenv("DSV_TOKEN_PACK", "4")
     with pytest.raises(ValueError, match="DSV_TOKEN_PACK must be one of"):

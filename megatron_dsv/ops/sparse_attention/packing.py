@@ -8,13 +8,22 @@ holds 1.41x one group's keys, of 2 groups of 64 1.16x), so packing P = 128 // G 
 their union runs 128-row tiles over 1.2-1.4x the keys and scatters each listed key's dK/dV once per packed
 group instead of once per group. Each entry of a packed list carries a P-bit mask of the groups that list
 it (bit p: group ``P * i + p``); the kernels give every other row of the tile zero probability there, so
-the result is the unpacked one up to summation order. Measured on an H100 (video-shaped lists, D=128, 64K,
-90%; ``sparse_attention-sweep-token-run15-video-packed-...``): the packed dq + dK/dV kernels take 50 / 40 ms
-against 110 / 61 ms unpacked at G = 32 / 64, while the packed forward gains nothing (19 / 16 ms against 20 / 11
-ms): so only the backward packs (``DSV_TOKEN_PACK=on``). Uniformly random lists share few keys (the union is
-~P times a list), where packing only adds work: it is off unless asked for. A row's zero probability still
-multiplies the packed group's values, so a non-finite key or value row (a diverged run) turns into NaN in every
-group of its pack, where unpacked it reaches only the groups that list it.
+the result is the unpacked one up to summation order.
+
+Measured on an H100 (D=128, 64K, 90% sparse, fwd + bwd against same-run cuDNN; run 16,
+``sparse_attention-sweep-token-run16-*-h100-80gb-hbm3-20261205.json``), packing on against off, the packer's own
+time included:
+
+- video-shaped lists (each cube's neighbourhood plus keys its neighbours keep, as DSV's lists): the backward
+  54 / 43 ms against 109 / 61 ms at G = 32 / 64, so **2.81x / 3.90x cuDNN against 1.65x / 3.00x**;
+- uniformly random lists (the union ~P times a list): 131 / 72 ms against 118 / 62 ms, 1.41x / 2.57x against
+  1.56x / 2.94x, 10-13% slower.
+
+DSV's lists are video-shaped, so token lists of G < 128 pack by default (``DSV_TOKEN_PACK``, ``on``; ``off``
+for lists without locality). The packed forward gained nothing in run 15 (19 / 16 ms against 20 / 11 ms): only
+the backward packs. A row's zero probability still multiplies the packed group's values, so a non-finite key
+or value row (a diverged run) turns into NaN in every group of its pack, where unpacked it reaches only the
+groups that list it.
 
 The union is built on the device by two Triton kernels, with no host sync: each group's keys set bits in its
 own row of a key bitmap (``atomic_or``), then each packed group ORs its members' rows and compacts the set keys
@@ -37,12 +46,12 @@ import triton.language as tl
 from .checks import group_counts
 
 PACK_ROWS = 128  # rows of a packed group: the kernels' widest query tile
-PACK_MODES = ("off", "on")
+PACK_MODES = ("on", "off")
 
 
 def packing_on() -> bool:
-    """``DSV_TOKEN_PACK`` in {off, on} (default off), validated."""
-    name = os.environ.get("DSV_TOKEN_PACK", "off").strip().lower() or "off"
+    """``DSV_TOKEN_PACK`` in {on, off} (default on), validated."""
+    name = os.environ.get("DSV_TOKEN_PACK", "on").strip().lower() or "on"
     if name not in PACK_MODES:
         raise ValueError(f"DSV_TOKEN_PACK must be one of {PACK_MODES}; got {name!r}")
     return name == "on"
