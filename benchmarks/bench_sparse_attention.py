@@ -196,6 +196,12 @@ def one_row(S, sparsity, BS, G, dense, with_flex, dim=D, heads=H, timer=bench_ms
                ms_fwd=fwd, ms_bwd=bwd, **dense)
     if row["token_pack"] > 1 and timer is not run_once:  # the packing alone (the backward packs once)
         row["ms_pack"] = timer(lambda: pack_token_lists(idx, cnt, G, row["token_pack"], S))
+        # the packed forward, its packing included (the library's forward runs unpacked: run 15 timed it no faster
+        # with the torch packer; this times it again with the Triton one)
+        scale = 1 / math.sqrt(dim)
+        with torch.no_grad():
+            row["ms_fwd_packed"] = timer(lambda: launch.sparse_fwd(q, k, v, idx, cnt, G, BS, scale,
+                                                                   pack=row["token_pack"]))
     if deterministic:  # its own failure (e.g. DSV_SPARSE_BWD=fused, which has no deterministic kernel) is recorded
         try:
             row["ms_bwd_deterministic"] = ours_deterministic_bwd_ms(q, k, v, idx, cnt, G, BS, timer)
@@ -514,7 +520,9 @@ def point_line(r, warm=False) -> str:
         flex = f" vs flex {r['speedup_vs_flex_fwd_bwd']:.2f}x"
     dense = (f"dense {r['ms_dense_fwd']:.1f}/{r['ms_dense_bwd']:.1f}) x{r['speedup_fwd_bwd']:.2f}"
              if "speedup_fwd_bwd" in r else f"no dense: {r.get('dense_error')})")
-    return f"{head} fwd {r['ms_fwd']:.2f} bwd {r['ms_bwd']:.2f} ms ({dense}{flex} [{r['s_wall']:.0f}s]"
+    packed = (f" packed: pack {r['ms_pack']:.2f} fwd {r['ms_fwd_packed']:.2f} (P={r['token_pack']})"
+              if "ms_fwd_packed" in r else "")
+    return f"{head} fwd {r['ms_fwd']:.2f} bwd {r['ms_bwd']:.2f} ms ({dense}{flex}{packed} [{r['s_wall']:.0f}s]"
 
 
 def _grid_argv(args) -> List[str]:
