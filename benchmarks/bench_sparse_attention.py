@@ -235,6 +235,22 @@ TUNE_SPACE = {
     "fwd_tok": [(128, 64, 4, 2), (128, 64, 4, 3), (128, 32, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2)],
     "bwd_q_tok": [(128, 64, 8, 2), (128, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2)],
 }
+# D > 128 (256): a [BM, 256] fp32 accumulator holds 2x the registers of D=128's, and 256-wide K/V tiles 2x the
+# shared memory per stage, so the candidates are half-size tiles, 8 warps where an accumulator is large, 1-2 stages
+# (pick_config's D=256 values, never tuned: the 3.7x cuDNN of 2026-11-30 is the figure to beat)
+TUNE_SPACE_BIG = {
+    "fwd": [(64, 64, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2), (128, 64, 8, 1),
+            (64, 128, 8, 2)],
+    "bwd_q": [(64, 64, 8, 1), (64, 64, 4, 1), (64, 32, 4, 2), (128, 64, 8, 1), (64, 64, 8, 2), (32, 64, 4, 2)],
+    "bwd_kv": [(32, 64, 8, 1), (64, 64, 8, 1), (32, 64, 4, 2), (64, 32, 4, 2), (32, 128, 8, 1), (64, 64, 4, 1)],
+    "fwd_tok": [(64, 64, 8, 2), (128, 64, 8, 2), (64, 32, 4, 2), (64, 64, 4, 2)],
+    "bwd_q_tok": [(64, 64, 8, 1), (128, 64, 8, 1), (64, 32, 4, 2), (64, 64, 4, 2)],
+}
+
+
+def tune_space(name: str, dim: int):
+    """The (BM, BN, warps, stages) candidates of one pass at head dim ``dim``."""
+    return (TUNE_SPACE_BIG if dim > 128 else TUNE_SPACE)[name]
 
 
 def _time_pass(kind, cfg, q, k, v, o, lse, do, idx, cnt, G, BS, scale):
@@ -262,7 +278,7 @@ def tune(S, G, sparsity=0.9, dim=D, heads=H):
         for name in passes:
             kind = name.replace("_tok", "")
             best = (float("inf"), None)
-            for BM, BN, w, st in TUNE_SPACE[name]:
+            for BM, BN, w, st in tune_space(name, dim):
                 cfg = dict(BM=min(BM, G), BN=BN, num_warps=w, num_stages=st)
                 try:
                     ms = _time_pass(kind, cfg, q, k, v, o, lse, do, idx, cnt, G, BS, scale)
