@@ -101,6 +101,23 @@ def test_packing_kernels_over_several_compaction_steps_and_head_chunks():
                  *pack_token_lists(idx, per_head, 128, 2, 4100))
 
 
+@pytest.mark.interpreter
+def test_packing_kernels_drop_keys_out_of_range():
+    """Lists that were never checked (DSV_SKIP_CHECKS, or the estimator's own lists) with a key outside [0, TK):
+    the marking pass sets no bit for it (before, it wrote past the bitmap), and the union holds the other keys."""
+    idx, cnt = _lists(1, 2, 96, 8, 0.2, seed=5)
+    bad = idx.clone()
+    bad[0, 0, 0, 0], bad[0, 1, 3, 1], bad[0, 1, 5, 0] = 96, -7, 1 << 20
+    kept = cnt.clone()
+    ref = idx.clone()  # the same lists with the bad entries left out (moved past the count)
+    for h, g, j in ((0, 0, 0), (1, 3, 1), (1, 5, 0)):
+        row = [x for i, x in enumerate(idx[0, h, g, :cnt[0, h, g]].tolist()) if i != j]
+        ref[0, h, g, :len(row)] = torch.tensor(row, dtype=torch.int32)
+        kept[0, h, g] = len(row)
+    got = pack_token_lists(bad, cnt, 8, 4, 96)
+    _check_union(ref, kept, 4, *got)
+
+
 def test_pack_factor_and_bad_arguments(monkeypatch):
     monkeypatch.delenv("DSV_TOKEN_PACK", raising=False)
     assert [token_pack_factor(G, 0) for G in (16, 32, 64, 128)] == [8, 4, 2, 1]  # on by default

@@ -65,7 +65,7 @@ for name, fn, extra in (("packed_fwd", sparse_attn_fwd_kernel, {}), ("packed_bwd
 from megatron_dsv.ops.sparse_attention.packing import _compact_kernel, _mark_kernel
 for name, fn, types, const in (
         ("pack_mark", _mark_kernel, dict(idx="*i32", cnt="*i32", bitmap="*i32", KM="i32", NG="i32", NW="i32",
-                                         NGP="i32"), dict(BLOCK=256)),
+                                         NGP="i32", TK="i32"), dict(BLOCK=256)),
         ("pack_compact", _compact_kernel, dict(bitmap="*i32", out_idx="*i32", out_bits="*i8", out_cnt="*i32",
                                                NW="i32", W="i32"), dict(P=4, WB=64))):
     names = list(inspect.signature(fn.fn).parameters)

@@ -130,13 +130,15 @@ COMPACT_WORDS = 64  # bitmap words (32 keys each) per step of the compaction: a 
 
 
 @triton.jit
-def _mark_kernel(idx, cnt, bitmap, KM, NG, NW, NGP, BLOCK: tl.constexpr):
+def _mark_kernel(idx, cnt, bitmap, KM, NG, NW, NGP, TK, BLOCK: tl.constexpr):
     """Program (row, chunk): list entries [chunk * BLOCK, +BLOCK) of group row = bh * NG + g set their keys'
-    bits in the bitmap's row bh * NGP + g (NGP = NP * P: a missing member of the last pack keeps a zero row)."""
+    bits in the bitmap's row bh * NGP + g (NGP = NP * P: a missing member of the last pack keeps a zero row).
+    A key outside [0, TK) sets nothing: unchecked lists (DSV_SKIP_CHECKS) never write outside the bitmap."""
     row = tl.program_id(0)
     o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = o < tl.load(cnt + row)
     key = tl.load(idx + row.to(tl.int64) * KM + o, mask=m, other=0)
+    m = m & (key >= 0) & (key < TK)
     out = (row // NG).to(tl.int64) * NGP + row % NG
     bit = tl.full([BLOCK], 1, tl.int32) << (key & 31)  # bit 31 is the int32 sign: an OR does not mind
     tl.atomic_or(bitmap + out * NW + (key >> 5), bit, mask=m, sem="relaxed")
@@ -200,7 +202,7 @@ def pack_token_lists(kv_indices: torch.Tensor, kv_counts: torch.Tensor, G: int, 
             marks = bitmap[:(h1 - h0) * NP * P * NW].zero_()
             if KM:
                 _mark_kernel[((h1 - h0) * NG, triton.cdiv(KM, MARK_BLOCK))](
-                    lists[h0:h1], counts[h0:h1], marks, KM, NG, NW, NP * P, BLOCK=MARK_BLOCK)
+                    lists[h0:h1], counts[h0:h1], marks, KM, NG, NW, NP * P, TK, BLOCK=MARK_BLOCK)
             _compact_kernel[((h1 - h0) * NP,)](marks, out_idx[h0 * NP:h1 * NP], out_bits[h0 * NP:h1 * NP],
                                                 out_cnt[h0 * NP:h1 * NP], NW, W, P=P, WB=COMPACT_WORDS)
     return out_idx.view(B, H, NP, W), out_bits.view(B, H, NP, W), out_cnt.view(B, H, NP)
