@@ -179,6 +179,41 @@ def test_packed_kernels_match_unpacked_and_reference(case):
 
 
 @pytest.mark.interpreter
+def test_packed_backward_in_row_chunks(monkeypatch):
+    """The backward packs a few (batch, head) rows at a time (``PACKED_LISTS_BYTES``): with a budget of one row per
+    chunk, per-group counts, GQA and two batches, dq is bit-identical to one chunk (no atomics), and dk / dv (fp32
+    atomics, other order) and the fixed-point dk / dv (order-free integer sums: bit-identical) agree."""
+    from megatron_dsv.ops.sparse_attention import packing
+
+    B, H, Hkv, S, D, G, P = 2, 4, 2, 96, 64, 16, 4
+    torch.manual_seed(3)
+    q = torch.randn(B, H, S, D)
+    k, v = (torch.randn(B, Hkv, S, D) for _ in range(2))
+    idx, cnt = _lists(B, H, S, G, 0.3, seed=9)
+    scale = 1 / math.sqrt(D)
+    o, lse = sparse_fwd(q, k, v, idx, cnt, G, 0, scale)
+    do = torch.randn_like(o)
+    NG, KM = idx.shape[2:]
+    assert len(packing.packed_row_chunks(B * H, NG, P, KM, S)) == 1
+    assert len(packing.packed_row_chunks(B * H, NG, P, KM, S, max_bytes=1)) == B * H
+    out = {}
+    for budget in (packing.PACKED_LISTS_BYTES, 1):
+        monkeypatch.setattr(packing, "PACKED_LISTS_BYTES", budget)
+        out[budget] = [sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, 0, scale, pack=P, atomic_kv=True),
+                       sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, 0, scale, pack=P, atomic_kv=False,
+                                  token_kv="fixed")]
+    (one_atomic, one_fixed), (rows_atomic, rows_fixed) = out.values()
+    assert torch.equal(rows_atomic[0], one_atomic[0]) and torch.equal(rows_fixed[0], one_fixed[0])
+    for a, b in zip(rows_atomic[1:], one_atomic[1:]):
+        assert rel_rmse(a, b) < 1e-6
+    for a, b in zip(rows_fixed[1:], one_fixed[1:]):
+        assert torch.equal(a, b)
+    ref = sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, 0, scale, pack=1, atomic_kv=True)
+    for a, b in zip(rows_atomic, ref):
+        assert rel_rmse(a, b) < 1e-5
+
+
+@pytest.mark.interpreter
 def test_packing_through_the_public_op(monkeypatch):
     """DSV_TOKEN_PACK=on reaches sparse_attention's backward (autograd): the lists are packed once, there (the
     forward runs them unpacked), with the same values as off."""

@@ -31,7 +31,7 @@ from megatron_dsv.ops.sparse_attention.triton_bwd import bwd_q_kernel
 names = list(inspect.signature(bwd_q_kernel.fn).parameters)
 ptr = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "o": "*bf16", "do": "*bf16", "lse": "*fp32", "delta": "*fp32",
        "dq": "*bf16", "idx": "*i32", "bits": "*i8", "cnt_ptr": "*i32", "fx_scale": "*fp32", "T": "i32", "TK": "i32", "NG": "i32",
-       "KMAX": "i32", "qk_scale": "fp32", "sm_scale": "fp32"}
+       "KMAX": "i32", "BH0": "i32", "qk_scale": "fp32", "sm_scale": "fp32"}
 out = {}
 for mode in (1, 2):
     acc = "*i64" if mode == 2 else "*fp32"

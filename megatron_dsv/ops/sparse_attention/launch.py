@@ -21,7 +21,7 @@ import torch
 import triton
 
 from .checks import group_counts
-from .packing import pack_token_lists, token_pack_factor
+from .packing import pack_token_lists, packed_row_chunks, token_pack_factor
 from .triton_bwd import bwd_delta_kernel, bwd_kv_kernel, bwd_q_kernel
 from .triton_fwd import LOG2E, sparse_attn_fwd_kernel
 
@@ -138,16 +138,25 @@ def _bd(D: int) -> int:
     return triton.next_power_of_2(D)
 
 
+def _pack_factor(pack: Optional[int], G: int, BS: int) -> int:
+    """``pack`` (None: 1) checked against the lists: only token lists pack, into a power-of-two number of groups
+    of at most 128 rows in all (the packed group is the kernels' query tile)."""
+    P = 1 if pack is None else int(pack)
+    if P <= 1:
+        return 1
+    if BS != 0:
+        raise ValueError(f"pack={P}: only token lists (block_size 0) pack, got block_size={BS}")
+    if P & (P - 1) or P * G > 128:
+        raise ValueError(f"pack={P}: must be a power of two with pack * group_size <= 128 (group_size={G})")
+    return P
+
+
 def _packed(kv_indices, kv_counts, G: int, BS: int, TK: int, pack: Optional[int]):
     """``(kv_indices, bits, kv_counts, G, GB)`` the kernels take: the lists as given (bits None, GB 0), or
     packed into groups of ``pack * G`` rows (:mod:`.packing`; pack None: 1)."""
-    P = 1 if pack is None else int(pack)
-    if P <= 1:
+    P = _pack_factor(pack, G, BS)
+    if P == 1:
         return kv_indices, None, kv_counts, G, 0
-    if BS != 0:
-        raise ValueError(f"pack={P}: only token lists (block_size 0) pack, got block_size={BS}")
-    if P & (P - 1) or P * G > 128:  # the packed group is the kernels' query tile: a power of two, <= 128 rows
-        raise ValueError(f"pack={P}: must be a power of two with pack * group_size <= 128 (group_size={G})")
     idx, bits, counts = pack_token_lists(kv_indices, kv_counts, G, P, TK)
     return idx, bits, counts, P * G, G
 
@@ -328,11 +337,8 @@ def sparse_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scal
     # o only feeds delta inside the dq kernel: its contiguous copy (if any) dies with that call
     # the dq kernel on packed lists (if asked) when it also scatters dK/dV; before the inverse walk, on the lists
     pack = (token_pack_factor(G, BS) if pack is None else pack) if (atomic_kv or fixed) else 1
-    q_idx, q_bits, q_cnt, q_G, q_GB = _packed(kv_indices, kv_counts, G, BS, TK, pack)
-    dq, delta, dk32, dv32 = sparse_bwd_q(do, q, k, v, o.contiguous(), lse, q_idx, q_cnt, q_G, BS, scale,
-                                         2 if fixed else int(bool(atomic_kv)), cfg_q, fx_scale=fx, bits=q_bits,
-                                         GB=q_GB)
-    del q_idx, q_bits, q_cnt
+    dq, delta, dk32, dv32 = sparse_bwd_q(do, q, k, v, o.contiguous(), lse, kv_indices, kv_counts, G, BS, scale,
+                                         2 if fixed else int(bool(atomic_kv)), cfg_q, fx_scale=fx, pack=pack)
     if atomic_kv:
         return dq, dk32.to(k.dtype), dv32.to(v.dtype)
     if fixed:  # int64 fixed point back to floats: times 1 / 2^e (NaN where an input was not finite)
@@ -400,18 +406,18 @@ def fixed_point_scales(q, k, v, do, sm_scale: float):
 
 
 def sparse_bwd_q(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scale: float, atomic_kv: int,
-                 cfg_q: Optional[Config] = None, fx_scale: Optional[torch.Tensor] = None,
-                 bits: Optional[torch.Tensor] = None, GB: int = 0):
+                 cfg_q: Optional[Config] = None, fx_scale: Optional[torch.Tensor] = None, pack: Optional[int] = None):
     """The split backward's first kernel alone (the tuning sweep also times it alone): ``(dq,
     delta [B, H, T] fp32, dk32, dv32)``; dk32/dv32 are the fp32 atomic dk/dv with ``atomic_kv`` 1 (or True),
     their int64 fixed point with 2 (``fx_scale`` from :func:`fixed_point_scales`), else placeholders the kernel
-    never touches. ``do`` must be contiguous. ``bits``/``GB``: packed token lists (:func:`_packed`; G is then
-    the packed group's rows)."""
+    never touches. ``do`` must be contiguous. ``pack``: token lists packed ``pack`` groups at a time
+    (:mod:`.packing`; None or 1: as given; ``cfg_q`` is then the packed group's), built and consumed a few
+    (batch, head) rows at a time so that the packed lists take at most :data:`.packing.PACKED_LISTS_BYTES`."""
     B, H, T, D = q.shape
     TK = k.shape[2]
-    NG = kv_indices.shape[2]
+    P = _pack_factor(pack, G, BS)
     delta = torch.empty(B, H, T, device=q.device, dtype=torch.float32)  # written by bwd_q_kernel
-    cfg_q = cfg_q or pick_config("bwd_q", D, G, BS)
+    cfg_q = cfg_q or pick_config("bwd_q", D, P * G, BS)
     dq = torch.empty_like(q)
     atomic_kv = int(atomic_kv)
     if atomic_kv == 2 and fx_scale is None:
@@ -422,13 +428,26 @@ def sparse_bwd_q(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, sc
         dv32 = torch.zeros(k.shape, device=k.device, dtype=acc)
     else:
         dk32 = dv32 = dq  # unused by the kernel when ATOMIC_KV is off
-    bwd_q_kernel[(NG * (G // cfg_q["BM"]), B * H)](
-        q, k, v, o, do, lse, delta, dq, dk32, dv32, kv_indices, kv_indices if bits is None else bits,
-        _kernel_counts(kv_counts, NG), dq if fx_scale is None else fx_scale,
-        T, TK, NG, kv_indices.shape[3], scale * LOG2E, scale,
-        H=H, HR=H // k.shape[1], K=D, BD=_bd(D), G=G, BS=BS,
-        BM=cfg_q["BM"], BN=cfg_q["BN"], EVEN_T=_even_keys(TK, BS), ATOMIC_KV=atomic_kv, GB=GB,
-        **_launch_opts(cfg_q))
+
+    def run(idx, bits, counts, bh0: int, rows: int, Gk: int, GB: int):
+        NG = idx.shape[-2]
+        bwd_q_kernel[(NG * (Gk // cfg_q["BM"]), rows)](
+            q, k, v, o, do, lse, delta, dq, dk32, dv32, idx, idx if bits is None else bits, counts,
+            dq if fx_scale is None else fx_scale, T, TK, NG, idx.shape[-1], bh0, scale * LOG2E, scale,
+            H=H, HR=H // k.shape[1], K=D, BD=_bd(D), G=Gk, BS=BS,
+            BM=cfg_q["BM"], BN=cfg_q["BN"], EVEN_T=_even_keys(TK, BS), ATOMIC_KV=atomic_kv, GB=GB,
+            **_launch_opts(cfg_q))
+
+    NG = kv_indices.shape[2]
+    if P == 1:
+        run(kv_indices, None, _kernel_counts(kv_counts, NG), 0, B * H, G, 0)
+        return dq, delta, dk32, dv32
+    lists = kv_indices.reshape(1, B * H, NG, kv_indices.shape[3])
+    counts = group_counts(kv_counts, NG).reshape(1, B * H, NG)
+    for bh0, bh1 in packed_row_chunks(B * H, NG, P, kv_indices.shape[3], TK):
+        idx, bits, cnt = pack_token_lists(lists[:, bh0:bh1], counts[:, bh0:bh1], G, P, TK)
+        run(idx, bits, cnt.contiguous(), bh0, bh1 - bh0, P * G, G)
+        del idx, bits, cnt  # the next chunk's packed lists reuse this memory
     return dq, delta, dk32, dv32
 
 

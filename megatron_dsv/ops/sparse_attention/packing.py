@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -123,6 +123,22 @@ def pack_token_lists_naive(kv_indices: torch.Tensor, kv_counts: torch.Tensor, G:
         del m, nz, pos
     return (out_idx[:, :U].reshape(B, H, NP, U).contiguous(), out_bits[:, :U].reshape(B, H, NP, U).contiguous(),
             union.reshape(B, H, NP))
+
+
+# the packed lists of one backward are built and consumed this many bytes at a time (a few (batch, head) rows per
+# chunk): their sync-free width makes them about as large as the unpacked lists (at 128K tokens, G = 32, 10% of the
+# keys and 16 heads, 4.3 GB against the lists' 3.4 GB), which the backward already holds
+PACKED_LISTS_BYTES = 512 << 20
+
+
+def packed_row_chunks(rows: int, NG: int, P: int, KM: int, TK: int, max_bytes: Optional[int] = None):
+    """``[(r0, r1), ...]``: consecutive ranges of the ``rows`` (batch * head) rows of ``[rows, NG, KM]`` lists whose
+    packed lists (:func:`pack_token_lists`: int32 keys, int8 masks, an int32 count per packed group) take at most
+    ``max_bytes`` (None: :data:`PACKED_LISTS_BYTES`) each; one row at least."""
+    budget = PACKED_LISTS_BYTES if max_bytes is None else max_bytes
+    NP, W = math.ceil(NG / P), max(1, min(TK, P * KM))
+    step = max(1, budget // max(1, NP * (W * 5 + 4)))
+    return [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
 
 
 MARK_BLOCK = 256  # list entries per program of the marking pass

@@ -36,13 +36,17 @@ from .triton_fwd import _load_kv_tile, _num_steps
 @triton.jit
 def bwd_q_kernel(
     q, k, v, o, do, lse, delta, dq, dk32, dv32, idx, bits, cnt_ptr, fx_scale,
-    T, TK, NG, KMAX, qk_scale, sm_scale,
+    T, TK, NG, KMAX, BH0, qk_scale, sm_scale,
     H: tl.constexpr, HR: tl.constexpr, K: tl.constexpr, BD: tl.constexpr,
     G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr,
     EVEN_T: tl.constexpr, ATOMIC_KV: tl.constexpr, GB: tl.constexpr = 0,
 ):
-    """GB > 0: packed token lists, as in the forward (rows an entry's mask leaves out get p = 0)."""
-    i_m, i_bh = tl.program_id(0), tl.program_id(1)
+    """GB > 0: packed token lists, as in the forward (rows an entry's mask leaves out get p = 0).
+    BH0: the launch covers (batch, head) rows BH0 + program_id(1) of q, k, v, o, do, lse, delta, dq, dk32,
+    dv32, while idx, bits and cnt_ptr hold only this launch's rows (row program_id(1)): the packed lists are
+    built and consumed a few heads at a time."""
+    i_m, i_bhl = tl.program_id(0), tl.program_id(1)
+    i_bh = i_bhl + BH0
     i_b, i_h = i_bh // H, i_bh % H
     i_g = i_m // (G // BM)
     p_kv_base = (i_b * (H // HR) + i_h // HR).to(tl.int64) * TK * K
@@ -63,8 +67,8 @@ def bwd_q_kernel(
     b_delta = tl.sum(b_o * b_do.to(tl.float32), 1)
     tl.store(delta + i_bh.to(tl.int64) * T + o_m, b_delta, mask=m_m)
 
-    cnt = tl.load(cnt_ptr + i_bh.to(tl.int64) * NG + i_g)  # [B, H, NG] counts
-    p_idx = idx + (i_bh.to(tl.int64) * NG + i_g) * KMAX
+    cnt = tl.load(cnt_ptr + i_bhl.to(tl.int64) * NG + i_g)  # [rows, NG] counts
+    p_idx = idx + (i_bhl.to(tl.int64) * NG + i_g) * KMAX
     n_it = _num_steps(cnt, BN, BS)
 
     if ATOMIC_KV == 2:  # [B * Hkv, 2]: 2^e of dk (softmax scale folded in) and of dv
@@ -72,7 +76,7 @@ def bwd_q_kernel(
         s_k = tl.load(p_fx) * sm_scale
         s_v = tl.load(p_fx + 1)
     if GB > 0:  # [BM]: each row's group within the packed group
-        p_bits = bits + (i_bh.to(tl.int64) * NG + i_g) * KMAX
+        p_bits = bits + (i_bhl.to(tl.int64) * NG + i_g) * KMAX
         o_sub = (o_m - i_g * G) // GB
     b_dq = tl.zeros([BM, BD], tl.float32)
     for i_it in range(n_it):
