@@ -179,10 +179,12 @@ def test_packed_kernels_match_unpacked_and_reference(case):
 
 
 @pytest.mark.interpreter
-def test_packed_backward_in_row_chunks(monkeypatch):
+@pytest.mark.parametrize("rows,per_head", [(1, False), (3, True)], ids=["1-row-chunks", "3-row-chunks-head-counts"])
+def test_packed_backward_in_row_chunks(monkeypatch, rows, per_head):
     """The backward packs a few (batch, head) rows at a time (``PACKED_LISTS_BYTES``): with a budget of one row per
-    chunk, per-group counts, GQA and two batches, dq is bit-identical to one chunk (no atomics), and dk / dv (fp32
-    atomics, other order) and the fixed-point dk / dv (order-free integer sums: bit-identical) agree."""
+    chunk (per-group counts), or three (chunk edges inside a batch; one count per head), GQA and two batches, dq is
+    bit-identical to one chunk (no atomics), and dk / dv (fp32 atomics, other order) and the fixed-point dk / dv
+    (order-free integer sums: bit-identical) agree."""
     from megatron_dsv.ops.sparse_attention import packing
 
     B, H, Hkv, S, D, G, P = 2, 4, 2, 96, 64, 16, 4
@@ -190,14 +192,18 @@ def test_packed_backward_in_row_chunks(monkeypatch):
     q = torch.randn(B, H, S, D)
     k, v = (torch.randn(B, Hkv, S, D) for _ in range(2))
     idx, cnt = _lists(B, H, S, G, 0.3, seed=9)
+    if per_head:  # [B, H]: every group of a head lists its head's smallest count of keys
+        cnt = cnt.amin(-1)
     scale = 1 / math.sqrt(D)
     o, lse = sparse_fwd(q, k, v, idx, cnt, G, 0, scale)
     do = torch.randn_like(o)
     NG, KM = idx.shape[2:]
+    per_row = math.ceil(NG / P) * (min(S, P * KM) * 5 + 4)  # bytes of one row's packed lists
     assert len(packing.packed_row_chunks(B * H, NG, P, KM, S)) == 1
-    assert len(packing.packed_row_chunks(B * H, NG, P, KM, S, max_bytes=1)) == B * H
+    assert packing.packed_row_chunks(B * H, NG, P, KM, S, max_bytes=rows * per_row) == \
+        [(r, min(B * H, r + rows)) for r in range(0, B * H, rows)]
     out = {}
-    for budget in (packing.PACKED_LISTS_BYTES, 1):
+    for budget in (packing.PACKED_LISTS_BYTES, rows * per_row):
         monkeypatch.setattr(packing, "PACKED_LISTS_BYTES", budget)
         out[budget] = [sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, 0, scale, pack=P, atomic_kv=True),
                        sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, 0, scale, pack=P, atomic_kv=False,

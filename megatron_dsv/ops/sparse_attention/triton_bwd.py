@@ -33,7 +33,7 @@ import triton.language as tl
 from .triton_fwd import _load_kv_tile, _num_steps
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["BH0"])  # a row offset: 0, then multiples of a chunk's rows (one compile for all)
 def bwd_q_kernel(
     q, k, v, o, do, lse, delta, dq, dk32, dv32, idx, bits, cnt_ptr, fx_scale,
     T, TK, NG, KMAX, BH0, qk_scale, sm_scale,
