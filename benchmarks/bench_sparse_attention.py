@@ -131,6 +131,24 @@ def ours_ms(q, k, v, idx, cnt, G, BS, timer=bench_ms):
     return fwd_bwd_ms(lambda: sparse_attention(q, k, v, idx, cnt, G, BS), q, k, v, timer)
 
 
+ROTATE = 8  # ROT of the rotated dq-kernel walk the token rows also time (``launch`` config key "ROT")
+
+
+def ours_rotated_bwd_ms(q, k, v, idx, cnt, G, BS, token_pack, timer=bench_ms):
+    """Our backward with the dq kernel's walk rotated per group (``ROT``: neighbouring groups scatter dK/dV into
+    different key rows at a time), beside the default walk: the atomics' contention on lists neighbours share."""
+    key = ("bwd_q", q.shape[3], G * token_pack, BS)
+    before = launch.CONFIG_OVERRIDES.get(key)
+    launch.CONFIG_OVERRIDES[key] = dict(before or launch.pick_config(*key), ROT=ROTATE)
+    try:
+        return ours_ms(q, k, v, idx, cnt, G, BS, timer)[1]
+    finally:
+        if before is None:
+            launch.CONFIG_OVERRIDES.pop(key, None)
+        else:
+            launch.CONFIG_OVERRIDES[key] = before
+
+
 def ours_deterministic_bwd_ms(q, k, v, idx, cnt, G, BS, timer=bench_ms, token_kv=None):
     """Our backward under ``torch.use_deterministic_algorithms(True)`` (token lists: dk/dv as ``token_kv``, None:
     the library's ``DSV_TOKEN_KV_BWD`` choice; block lists: the split backward), what a ``--deterministic-mode``
@@ -202,6 +220,8 @@ def one_row(S, sparsity, BS, G, dense, with_flex, dim=D, heads=H, timer=bench_ms
         with torch.no_grad():
             row["ms_fwd_packed"] = timer(lambda: launch.sparse_fwd(q, k, v, idx, cnt, G, BS, scale,
                                                                    pack=row["token_pack"]))
+    if BS == 0 and backend == "triton" and timer is not run_once:
+        row["ms_bwd_rotated"] = ours_rotated_bwd_ms(q, k, v, idx, cnt, G, BS, row["token_pack"], timer)
     if deterministic:  # its own failure (e.g. DSV_SPARSE_BWD=fused, which has no deterministic kernel) is recorded
         try:
             row["ms_bwd_deterministic"] = ours_deterministic_bwd_ms(q, k, v, idx, cnt, G, BS, timer)
@@ -538,6 +558,8 @@ def point_line(r, warm=False) -> str:
              if "speedup_fwd_bwd" in r else f"no dense: {r.get('dense_error')})")
     packed = (f" packed: pack {r['ms_pack']:.2f} fwd {r['ms_fwd_packed']:.2f} (P={r['token_pack']})"
               if "ms_fwd_packed" in r else "")
+    if "ms_bwd_rotated" in r:
+        packed += f" bwd rotated {r['ms_bwd_rotated']:.2f}"
     return f"{head} fwd {r['ms_fwd']:.2f} bwd {r['ms_bwd']:.2f} ms ({dense}{flex}{packed} [{r['s_wall']:.0f}s]"
 
 
