@@ -249,7 +249,7 @@ def test_a_worker_that_ran_out_of_gpu_memory_is_resumed_and_other_failures_are_r
 
 def test_workers_start_seed_by_seed(tmp_path, monkeypatch):
     """A study cut short by the device time keeps whole (full, DSV) pairs: the launcher starts every arm of a seed
-    before the next seed (arm by arm, run 15's last workers would all have been the DSV arm's)."""
+    before the next seed (arm by arm, a study cut short would leave the last arm's seeds unfinished, unpaired)."""
     import subprocess
 
     starts, real_popen = [], subprocess.Popen
