@@ -556,11 +556,11 @@ def point_line(r, warm=False) -> str:
         flex = f" vs flex {r['speedup_vs_flex_fwd_bwd']:.2f}x"
     dense = (f"dense {r['ms_dense_fwd']:.1f}/{r['ms_dense_bwd']:.1f}) x{r['speedup_fwd_bwd']:.2f}"
              if "speedup_fwd_bwd" in r else f"no dense: {r.get('dense_error')})")
-    packed = (f" packed: pack {r['ms_pack']:.2f} fwd {r['ms_fwd_packed']:.2f} (P={r['token_pack']})"
-              if "ms_fwd_packed" in r else "")
+    extra = (f" packed: pack {r['ms_pack']:.2f} fwd {r['ms_fwd_packed']:.2f} (P={r['token_pack']})"
+             if "ms_fwd_packed" in r else "")
     if "ms_bwd_rotated" in r:
-        packed += f" bwd rotated {r['ms_bwd_rotated']:.2f}"
-    return f"{head} fwd {r['ms_fwd']:.2f} bwd {r['ms_bwd']:.2f} ms ({dense}{flex}{packed} [{r['s_wall']:.0f}s]"
+        extra += f" bwd rotated {r['ms_bwd_rotated']:.2f}"
+    return f"{head} fwd {r['ms_fwd']:.2f} bwd {r['ms_bwd']:.2f} ms ({dense}{flex}{extra} [{r['s_wall']:.0f}s]"
 
 
 def _grid_argv(args) -> List[str]:

@@ -62,8 +62,9 @@ def died_of_oom(log_path: str, since: int = 0) -> bool:
 
 def launch(names: List[str], seeds: List[int], argv: List[str], args, script: str = BENCH_QUALITY) -> None:
     """One worker process per (arm, seed), seed by seed, at most ``--max-workers`` at once on the machine (every
-    launcher's workers counted); waits for all, then prints each log's tail. A worker that dies of CUDA out-of-memory (other
-    workers' peaks met its own) starts again from its last save when a slot is free, up to ``--oom-retries`` times;
+    launcher's workers counted); waits for all, then prints each log's tail. A worker that dies of CUDA
+    out-of-memory (other workers' peaks met its own) starts again from its last save when a slot is free, up to
+    ``--oom-retries`` times;
     any other failure is reported at the end. ``script``: the worker's program (``bench_quality.py``), run with
     ``argv`` less the phases plus ``--worker NAME --seed N``; the study's clips are rendered before (its caller)."""
     logs = os.path.join(args.save_dir, "logs")

@@ -51,7 +51,8 @@ for mode in (1, 2):
                      cubin=len(kernel.asm["cubin"]))
 # packed token lists (GB > 0): 128-row tiles of four 32-row groups, forward and dq kernel, on Hopper's wgmma
 from megatron_dsv.ops.sparse_attention.triton_fwd import sparse_attn_fwd_kernel
-for name, fn, extra in (("packed_fwd", sparse_attn_fwd_kernel, {}), ("packed_bwd_q", bwd_q_kernel, {"ATOMIC_KV": 1, "ROT": 0}),
+for name, fn, extra in (("packed_fwd", sparse_attn_fwd_kernel, {}),
+                        ("packed_bwd_q", bwd_q_kernel, {"ATOMIC_KV": 1, "ROT": 0}),
                         ("packed_bwd_q_rotated", bwd_q_kernel, {"ATOMIC_KV": 1, "ROT": 8})):
     names = list(inspect.signature(fn.fn).parameters)
     sig = {n: ptr.get(n, "*fp32" if n in ("dk32", "dv32") else "constexpr") for n in names}

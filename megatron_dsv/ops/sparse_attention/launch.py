@@ -446,7 +446,7 @@ def sparse_bwd_q(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, sc
     counts = group_counts(kv_counts, NG).reshape(1, B * H, NG)
     for bh0, bh1 in packed_row_chunks(B * H, NG, P, kv_indices.shape[3], TK):
         idx, bits, cnt = pack_token_lists(lists[:, bh0:bh1], counts[:, bh0:bh1], G, P, TK)
-        run(idx, bits, cnt.contiguous(), bh0, bh1 - bh0, P * G, G)
+        run(idx, bits, cnt, bh0, bh1 - bh0, P * G, G)
         del idx, bits, cnt  # the next chunk's packed lists reuse this memory
     return dq, delta, dk32, dv32
 

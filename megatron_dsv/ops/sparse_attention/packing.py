@@ -197,8 +197,8 @@ def pack_token_lists(kv_indices: torch.Tensor, kv_counts: torch.Tensor, G: int, 
     ``sparse_attention`` requires), kv_counts ``[B, H]`` or ``[B, H, NG]`` (entries past a group's count are
     never read). The width is a bound, not the largest union (that would take a host sync): the packed lists
     take about as much memory as the unpacked ones (``NP * W`` against ``NG * Kmax`` entries), where a width of
-    the largest union would take ~1.2-1.4 / P of it on video lists. ``max_bytes`` bounds the key bitmap (``NP * P * ceil(TK / 32)`` int32 words a head): heads are
-    packed a few at a time (one head at least)."""
+    the largest union would take ~1.2-1.4 / P of it on video lists. ``max_bytes`` bounds the key bitmap
+    (``NP * P * ceil(TK / 32)`` int32 words a head): heads are packed a few at a time (one head at least)."""
     if not 2 <= P <= 8:
         raise ValueError(f"pack_token_lists: P must be in [2, 8] (one int8 mask per entry), got {P}")
     B, H, NG, KM = kv_indices.shape
