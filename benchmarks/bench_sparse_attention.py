@@ -194,6 +194,9 @@ def add_speedups(row):
     return row
 
 
+TOKEN_FWD_W8 = dict(BN=64, num_warps=8, num_stages=2)  # a 128-row token forward tile without register spills
+
+
 def one_row(S, sparsity, BS, G, dense, with_flex, dim=D, heads=H, timer=bench_ms, deterministic=False,
             lists="random"):
     """Our op and (where it lowers) flex on the same lists (``lists``: ``make_lists``'s kind; the row records
@@ -222,6 +225,16 @@ def one_row(S, sparsity, BS, G, dense, with_flex, dim=D, heads=H, timer=bench_ms
                                                                    pack=row["token_pack"]))
     if BS == 0 and backend == "triton" and timer is not run_once:
         row["ms_bwd_rotated"] = ours_rotated_bwd_ms(q, k, v, idx, cnt, G, BS, row["token_pack"], timer)
+        # the 128-row token forward on 8 warps: the default's 4 warps spill on sm_90 (tools/kernel_resources.py,
+        # Triton 3.6: 116 bytes a thread at G = 128, 288 packed from G = 32), 8 warps do not
+        w8 = dict(BM=128, **TOKEN_FWD_W8)
+        scale = 1 / math.sqrt(dim)
+        with torch.no_grad():
+            if G == 128:
+                row["ms_fwd_w8"] = timer(lambda: launch.sparse_fwd(q, k, v, idx, cnt, G, BS, scale, cfg=w8))
+            if row["token_pack"] > 1:
+                row["ms_fwd_packed_w8"] = timer(lambda: launch.sparse_fwd(q, k, v, idx, cnt, G, BS, scale, cfg=w8,
+                                                                          pack=row["token_pack"]))
     if deterministic:  # its own failure (e.g. DSV_SPARSE_BWD=fused, which has no deterministic kernel) is recorded
         try:
             row["ms_bwd_deterministic"] = ours_deterministic_bwd_ms(q, k, v, idx, cnt, G, BS, timer)
@@ -256,15 +269,18 @@ TUNE_SPACE = {
     "bwd_q_tok": [(128, 64, 8, 2), (128, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2)],
 }
 # D > 128 (256): a [BM, 256] fp32 accumulator holds 2x the registers of D=128's, and 256-wide K/V tiles 2x the
-# shared memory per stage, so the candidates are half-size tiles, 8 warps where an accumulator is large, 1-2 stages
-# (pick_config's D=256 values, never tuned: the 3.7x cuDNN of 2026-11-30 is the figure to beat)
+# shared memory per stage. The candidates are those that fit an SM's shared memory and spill at most a few dozen
+# bytes a thread on sm_90 (tools/kernel_resources.py with the GPU's Triton 3.6), pick_config's D=256 values first
+# (chosen that way, never timed) and its earlier one-stage values beside them (they spill 72-808 bytes); the 3.7x
+# cuDNN of 2026-11-30 is the figure to beat. Token lists' dq kernel takes at most 64 query rows at D=256: 128 rows
+# need 288-336 KB of shared memory for its dK/dV scatter
 TUNE_SPACE_BIG = {
     "fwd": [(64, 64, 8, 2), (64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2), (128, 64, 8, 1),
-            (64, 128, 8, 2)],
-    "bwd_q": [(64, 64, 8, 1), (64, 64, 4, 1), (64, 32, 4, 2), (128, 64, 8, 1), (64, 64, 8, 2), (32, 64, 4, 2)],
-    "bwd_kv": [(32, 64, 8, 1), (64, 64, 8, 1), (32, 64, 4, 2), (64, 32, 4, 2), (32, 128, 8, 1), (64, 64, 4, 1)],
-    "fwd_tok": [(64, 64, 8, 2), (128, 64, 8, 2), (64, 32, 4, 2), (64, 64, 4, 2)],
-    "bwd_q_tok": [(64, 64, 8, 1), (128, 64, 8, 1), (64, 32, 4, 2), (64, 64, 4, 2)],
+            (64, 128, 8, 1)],
+    "bwd_q": [(64, 64, 8, 2), (64, 64, 8, 1), (64, 32, 8, 2), (128, 32, 8, 2), (32, 64, 8, 2), (128, 64, 8, 1)],
+    "bwd_kv": [(32, 64, 8, 2), (32, 64, 8, 1), (64, 32, 8, 2), (64, 32, 8, 1), (16, 64, 8, 2), (64, 64, 8, 2)],
+    "fwd_tok": [(64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2), (64, 64, 8, 3)],
+    "bwd_q_tok": [(64, 32, 8, 2), (64, 64, 8, 1), (64, 32, 8, 3), (32, 32, 8, 2)],
 }
 
 
@@ -560,6 +576,9 @@ def point_line(r, warm=False) -> str:
              if "ms_fwd_packed" in r else "")
     if "ms_bwd_rotated" in r:
         extra += f" bwd rotated {r['ms_bwd_rotated']:.2f}"
+    for key, what in (("ms_fwd_w8", "fwd 8 warps"), ("ms_fwd_packed_w8", "packed fwd 8 warps")):
+        if key in r:
+            extra += f" {what} {r[key]:.2f}"
     return f"{head} fwd {r['ms_fwd']:.2f} bwd {r['ms_bwd']:.2f} ms ({dense}{flex}{extra} [{r['s_wall']:.0f}s]"
 
 

@@ -47,7 +47,10 @@ def pick_config(kind: str, D: int, G: int, BS: int) -> Config:
     if (kind, D, G, BS) in CONFIG_OVERRIDES:
         return dict(CONFIG_OVERRIDES[(kind, D, G, BS)])
     big = D > 128  # 256 needs half-size tiles to fit registers and shared memory
-    # D <= 128 values: winners of the H200 sweep at S=64K, G=128, 90% sparsity (NOTES_sparse_attention.md)
+    # D <= 128 values: winners of the H200 sweep at S=64K, G=128, 90% sparsity (NOTES_sparse_attention.md).
+    # D = 256 values, not timed yet: the tiles that neither spill registers nor exceed an SM's shared memory on
+    # sm_90 (tools/kernel_resources.py, Triton 3.6): two stages where one spilled (the backward's 148 / 72 / 148
+    # bytes a thread for dq / dk-dv / fused with one), and the token dq kernel's key tile halved (808 bytes at 64)
     if kind == "fwd":
         if BS == 0:  # gathered rows: 4 warps won over 8
             cfg = dict(BM=min(G, 64 if big else 128), BN=64, num_warps=4 if not big else 8,
@@ -61,13 +64,11 @@ def pick_config(kind: str, D: int, G: int, BS: int) -> Config:
                        num_stages=2 if big else 3)
     elif kind == "bwd_q":
         if BS == 0:  # one program per group: every extra tile of a group repeats the atomics
-            cfg = dict(BM=min(G, 64 if big else 128), BN=64, num_warps=8, num_stages=1 if big else 3)
+            cfg = dict(BM=min(G, 64 if big else 128), BN=32 if big else 64, num_warps=8, num_stages=2 if big else 3)
         else:
-            cfg = dict(BM=min(G, 64 if big else 128), BN=64 if big else BS, num_warps=8,
-                       num_stages=1 if big else 2)
+            cfg = dict(BM=min(G, 64 if big else 128), BN=64 if big else BS, num_warps=8, num_stages=2)
     elif kind == "bwd_kv":
-        cfg = dict(BM=min(G, 32 if big else 64), BN=64, num_warps=4 if not big else 8,
-                   num_stages=1 if big else 2)
+        cfg = dict(BM=min(G, 32 if big else 64), BN=64, num_warps=4 if not big else 8, num_stages=2)
     elif kind == "bwd_kv_token":  # BN is fixed: the inverse map's key masks are BN bits (not tuned yet)
         cfg = dict(BM=min(G, 32 if big else 64), BN=TOKEN_TILE, num_warps=4 if not big else 8,
                    num_stages=1 if big else 2)
@@ -77,8 +78,8 @@ def pick_config(kind: str, D: int, G: int, BS: int) -> Config:
         # 128-row key tiles halve the dq atomics per FLOP (25.2 vs 42.3 ms at G=128, 64K);
         # TMA reduce-add measured no better than pointer atomics (26.2 vs 25.2)
         bn = 128 if BS >= 128 and not big else 64
-        cfg = dict(BM=min(G, 32 if big else 64), BN=bn, num_warps=8 if (big or bn == 128) else 4,
-                   num_stages=1 if big else 2, DQ=1)
+        cfg = dict(BM=min(G, 32 if big else 64), BN=bn, num_warps=8 if (big or bn == 128) else 4, num_stages=2,
+                   DQ=1)
     else:
         raise ValueError(f"unknown pass {kind!r}")
     return cfg
