@@ -225,8 +225,9 @@ def one_row(S, sparsity, BS, G, dense, with_flex, dim=D, heads=H, timer=bench_ms
                                                                    pack=row["token_pack"]))
     if BS == 0 and backend == "triton" and timer is not run_once:
         row["ms_bwd_rotated"] = ours_rotated_bwd_ms(q, k, v, idx, cnt, G, BS, row["token_pack"], timer)
-        # the 128-row token forward on 8 warps: the default's 4 warps spill on sm_90 (tools/kernel_resources.py,
-        # Triton 3.6: 116 bytes a thread at G = 128, 288 packed from G = 32), 8 warps do not
+        # the 128-row token forward on 8 warps: at D <= 128 the default's 4 warps spill on sm_90
+        # (tools/kernel_resources.py, Triton 3.6, D = 128: 116 bytes a thread at G = 128, 288 packed from G = 32),
+        # 8 warps do not (at D = 256 the default is 64 rows on 8 warps already)
         w8 = dict(BM=128, **TOKEN_FWD_W8)
         scale = 1 / math.sqrt(dim)
         with torch.no_grad():
@@ -266,7 +267,8 @@ TUNE_SPACE = {
     "bwd_kv": [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (32, 64, 4, 2), (64, 64, 8, 2),
                (128, 64, 4, 2), (64, 128, 8, 2)],
     "fwd_tok": [(128, 64, 4, 2), (128, 64, 4, 3), (128, 32, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2)],
-    "bwd_q_tok": [(128, 64, 8, 2), (128, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2)],
+    # (128, 128, 8, 2) left: 256 KB of shared memory, beyond an SM's 227 (tools/kernel_resources.py)
+    "bwd_q_tok": [(128, 64, 8, 2), (128, 64, 4, 2), (128, 64, 8, 3), (128, 32, 8, 2)],
 }
 # D > 128 (256): a [BM, 256] fp32 accumulator holds 2x the registers of D=128's, and 256-wide K/V tiles 2x the
 # shared memory per stage. The candidates are those that fit an SM's shared memory and spill at most a few dozen

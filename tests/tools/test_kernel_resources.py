@@ -24,13 +24,16 @@ except Exception as e:
     print(json.dumps({"skip": f"Triton's compiler API is not importable: {type(e).__name__}: {e}"})); sys.exit(0)
 sys.path.insert(0, "tools")
 import kernel_resources as kr
-try:
-    kr._ptxas()
-except FileNotFoundError as e:
-    print(json.dumps({"skip": str(e)})); sys.exit(0)
-out = {"defaults": kr.report_rows([64, 96, 128, 256], [32, 128], [0, 128], kr.PASSES, progress=False)}
-# packed token lists: 4 groups of 32 as one 128-row tile, forward and dq kernel
-out["packed"] = kr.report_rows([128], [32], [0], ("fwd", "bwd_q"), pack=4, progress=False)
+fn, const = kr.pass_kernel("fwd", 64, 32, 128, dict(BM=32, BN=64))
+probe = kr.resources(fn, const, 4, 2)
+if "ptxas" in probe.get("error", "").lower():
+    print(json.dumps({"skip": f"this Triton build cannot run ptxas: {probe['error']}"})); sys.exit(0)
+# every default, token lists' dq kernels packed as the library packs them, block lists also over uneven key lengths
+out = {"defaults": kr.report_rows([64, 96, 128, 256], [32, 128], [0, 128], kr.PASSES, uneven_keys=True,
+                                  progress=False)}
+# the packed forward (the sweep times it), and GQA (two query heads a kv head)
+out["packed"] = kr.report_rows([128], [32], [0], ("fwd",), pack=4, progress=False)
+out["gqa"] = kr.report_rows([128], [128], [128], ("bwd_kv",), hr=2, progress=False)
 # a tile known not to fit: D=256 token lists' dq kernel on 128 query rows (its dK/dV scatter: > 227 KB)
 fn, const = kr.pass_kernel("bwd_q", 256, 128, 0, dict(BM=128, BN=32))
 out["too_big"] = kr.resources(fn, const, 8, 2)
@@ -54,19 +57,27 @@ def report(tmp_path_factory):
 
 def test_every_default_config_compiles_and_fits_hopper_shared_memory(report):
     rows = report["defaults"]
-    # 4 head dims x 2 group sizes: token lists fwd, bwd_q, bwd_kv_token; block lists fwd, bwd_q, bwd_kv, bwd_fused
-    assert len(rows) == 4 * 2 * 7
-    assert {r["pass_"] for r in rows if r["block_size"] == 0} == {"fwd", "bwd_q", "bwd_kv_token"}
+    # 4 head dims x 2 group sizes: token lists fwd, bwd_q, bwd_q_fixed, bwd_kv_token; block lists fwd and bwd_q over
+    # even and uneven key lengths, bwd_kv, bwd_fused
+    assert len(rows) == 4 * 2 * (4 + 6)
+    assert {r["pass_"] for r in rows if r["block_size"] == 0} == {"fwd", "bwd_q", "bwd_q_fixed", "bwd_kv_token"}
     assert {r["pass_"] for r in rows if r["block_size"] == 128} == {"fwd", "bwd_q", "bwd_kv", "bwd_fused"}
-    for r in rows + report["packed"]:
+    assert {(r["pass_"], r["even_keys"]) for r in rows if r["block_size"] == 128 and not r["even_keys"]} == {
+        ("fwd", False), ("bwd_q", False)}
+    for r in rows + report["packed"] + report["gqa"]:
         assert "error" not in r, r
         assert r["fits"] and 0 < r["smem"] <= 227 * 1024, r
         assert 0 < r["regs"] <= 255 and r["spill_stores"] >= 0 and r["spill_loads"] >= 0, r
 
 
-def test_packed_rows_compile_the_128_row_tile(report):
-    assert [(r["pass_"], r["G"], r["pack"], r["BM"]) for r in report["packed"]] == [("fwd", 32, 4, 128),
-                                                                                     ("bwd_q", 32, 4, 128)]
+def test_token_dq_kernels_are_packed_as_the_library_runs_them(report):
+    token = [r for r in report["defaults"] if r["block_size"] == 0 and r["D"] == 128]
+    packs = {(r["pass_"], r["G"]): (r["pack"], r["BM"]) for r in token if r["pass_"] != "bwd_kv_token"}
+    # DSV_TOKEN_PACK on (the default): the dq kernels run 4 groups of 32 as one 128-row group; the forward never packs
+    assert packs == {("fwd", 32): (1, 32), ("bwd_q", 32): (4, 128), ("bwd_q_fixed", 32): (4, 128),
+                     ("fwd", 128): (1, 128), ("bwd_q", 128): (1, 128), ("bwd_q_fixed", 128): (1, 128)}
+    assert [(r["pass_"], r["G"], r["pack"], r["BM"]) for r in report["packed"]] == [("fwd", 32, 4, 128)]
+    assert [(r["pass_"], r["hr"]) for r in report["gqa"]] == [("bwd_kv", 2)]
 
 
 def test_a_tile_beyond_shared_memory_is_reported(report):
@@ -75,7 +86,7 @@ def test_a_tile_beyond_shared_memory_is_reported(report):
     assert r["fits"] is False and r["smem"] > 227 * 1024, r
 
 
-def test_bad_arguments_name_what_is_allowed():
+def test_bad_arguments_name_what_is_allowed(monkeypatch):
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     import kernel_resources as kr
 
@@ -86,7 +97,12 @@ def test_bad_arguments_name_what_is_allowed():
         kr.pass_kernel("fwd", 128, 32, 128, cfg, pack=4)
     with pytest.raises(ValueError, match="block_size must be 0"):
         kr.pass_kernel("bwd_kv_token", 128, 64, 128, cfg)
+    with pytest.raises(ValueError, match="block_size must be 64 or 128"):
+        kr.pass_kernel("bwd_kv", 128, 64, 0, cfg)
+    with pytest.raises(ValueError, match="DQ=2"):
+        kr.pass_kernel("bwd_fused", 128, 64, 128, dict(cfg, DQ=2))
     with pytest.raises(ValueError, match="space must be"):
         kr.configs("fwd", 128, 64, 0, "all")
-    with pytest.raises(SystemExit):  # under the interpreter Triton compiles for no GPU: the CLI says so
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # under the interpreter Triton compiles for no GPU: the CLI says so
+    with pytest.raises(SystemExit):
         kr.main(["--head-dim", "128"])

@@ -48,9 +48,10 @@ def pick_config(kind: str, D: int, G: int, BS: int) -> Config:
         return dict(CONFIG_OVERRIDES[(kind, D, G, BS)])
     big = D > 128  # 256 needs half-size tiles to fit registers and shared memory
     # D <= 128 values: winners of the H200 sweep at S=64K, G=128, 90% sparsity (NOTES_sparse_attention.md).
-    # D = 256 values, not timed yet: the tiles that neither spill registers nor exceed an SM's shared memory on
-    # sm_90 (tools/kernel_resources.py, Triton 3.6): two stages where one spilled (the backward's 148 / 72 / 148
-    # bytes a thread for dq / dk-dv / fused with one), and the token dq kernel's key tile halved (808 bytes at 64)
+    # D = 256 values, not timed yet: tiles that fit an SM's shared memory and spill little on sm_90
+    # (tools/kernel_resources.py, Triton 3.6): two stages where one spilled (the backward's 148 / 72 / 148 bytes a
+    # thread for dq / dk-dv / fused with one; 0 / 0 / 0-28 with two), and the token dq kernel's key tile halved
+    # (808 bytes at 64 keys, 40 at 32; packed from G = 32: 840 and 132)
     if kind == "fwd":
         if BS == 0:  # gathered rows: 4 warps won over 8
             cfg = dict(BM=min(G, 64 if big else 128), BN=64, num_warps=4 if not big else 8,
