@@ -215,11 +215,11 @@ def one_row(S, sparsity, BS, G, dense, with_flex, dim=D, heads=H, timer=bench_ms
                # ms_bwd (the forward never packs, nor the deterministic inverse walk: ms_bwd_deterministic)
                token_pack=token_pack_factor(G, BS) if backend == "triton" else 1,
                ms_fwd=fwd, ms_bwd=bwd, **dense)
+    scale = 1 / math.sqrt(dim)
     if row["token_pack"] > 1 and timer is not run_once:  # the packing alone (the backward packs once)
         row["ms_pack"] = timer(lambda: pack_token_lists(idx, cnt, G, row["token_pack"], S))
         # the packed forward, its packing included (the library's forward runs unpacked: run 15 timed it no faster
         # with the torch packer; this times it again with the Triton one)
-        scale = 1 / math.sqrt(dim)
         with torch.no_grad():
             row["ms_fwd_packed"] = timer(lambda: launch.sparse_fwd(q, k, v, idx, cnt, G, BS, scale,
                                                                    pack=row["token_pack"]))
@@ -229,7 +229,6 @@ def one_row(S, sparsity, BS, G, dense, with_flex, dim=D, heads=H, timer=bench_ms
         # (tools/kernel_resources.py, Triton 3.6, D = 128: 116 bytes a thread at G = 128, 288 packed from G = 32),
         # 8 warps do not (at D = 256 the default is 64 rows on 8 warps already)
         w8 = dict(BM=128, **TOKEN_FWD_W8)
-        scale = 1 / math.sqrt(dim)
         with torch.no_grad():
             if G == 128:
                 row["ms_fwd_w8"] = timer(lambda: launch.sparse_fwd(q, k, v, idx, cnt, G, BS, scale, cfg=w8))

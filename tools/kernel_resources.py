@@ -46,6 +46,8 @@ HOPPER_SMEM_BYTES = 227 * 1024  # the most shared memory one program may opt int
 PASSES = ("fwd", "bwd_q", "bwd_q_fixed", "bwd_kv", "bwd_kv_token", "bwd_fused")
 TOKEN_PASSES = ("bwd_q_fixed", "bwd_kv_token")  # token lists only
 BLOCK_PASSES = ("bwd_kv", "bwd_fused")  # block lists only
+DQ_PASSES = ("bwd_q", "bwd_q_fixed")  # the dq kernel, one config, two dK/dV scatters for token lists
+PACKING_PASSES = ("fwd",) + DQ_PASSES  # the kernels that take packed token lists
 # the kernels' non-constexpr integer arguments the JIT sees divisible by 16 at the lengths that matter (tokens,
 # groups, list widths); BH0 is never specialised, the scales are floats
 _DIVISIBLE_INTS = ("T", "TK", "NG", "KMAX", "NKB")
@@ -60,7 +62,7 @@ def default_pack(kind: str, G: int, BS: int) -> int:
     ``DSV_TOKEN_PACK``), the forward never does."""
     from megatron_dsv.ops.sparse_attention.packing import token_pack_factor
 
-    return token_pack_factor(G, BS) if kind in ("bwd_q", "bwd_q_fixed") else 1
+    return token_pack_factor(G, BS) if kind in DQ_PASSES else 1
 
 
 def pass_kernel(kind: str, D: int, G: int, BS: int, cfg: Dict[str, int], pack: int = 1, hr: int = 1,
@@ -74,7 +76,7 @@ def pass_kernel(kind: str, D: int, G: int, BS: int, cfg: Dict[str, int], pack: i
 
     if kind not in PASSES:
         raise ValueError(f"pass must be one of {PASSES}; got {kind!r}")
-    if pack > 1 and (BS != 0 or kind not in ("fwd", "bwd_q", "bwd_q_fixed")):
+    if pack > 1 and (BS != 0 or kind not in PACKING_PASSES):
         raise ValueError(f"--pack {pack}: only token lists' fwd and dq kernels pack (block_size 0); got {kind}, "
                          f"block_size {BS}")
     if kind in TOKEN_PASSES and BS != 0:
@@ -88,7 +90,7 @@ def pass_kernel(kind: str, D: int, G: int, BS: int, cfg: Dict[str, int], pack: i
     even = even_keys or BS == 0
     if kind == "fwd":
         return sparse_attn_fwd_kernel, dict(const, EVEN_T=even, GB=GB)
-    if kind in ("bwd_q", "bwd_q_fixed"):  # token lists scatter dK/dV here (fp32 atomics, or int64 fixed point)
+    if kind in DQ_PASSES:  # token lists scatter dK/dV here (fp32 atomics, or int64 fixed point)
         atomic = 2 if kind == "bwd_q_fixed" else int(BS == 0)
         return bwd_q_kernel, dict(const, EVEN_T=even, ATOMIC_KV=atomic, GB=GB, ROT=int(cfg.get("ROT", 0)))
     return bwd_kv_kernel, dict(const, BS=0 if kind == "bwd_kv_token" else BS,
@@ -96,10 +98,11 @@ def pass_kernel(kind: str, D: int, G: int, BS: int, cfg: Dict[str, int], pack: i
 
 
 def resources(fn, constexprs: Dict[str, object], num_warps: int, num_stages: int) -> Dict[str, object]:
-    """Compile ``fn`` (the constexprs of :func:`pass_kernel`) for sm_90a: ``{regs, spill_stores, spill_loads, smem, fits}`` (bytes per thread for the
-    spills, per program for smem; ``fits``: smem within :data:`HOPPER_SMEM_BYTES`), or ``{error}`` if it does not
-    compile."""
+    """Compile ``fn`` (the constexprs of :func:`pass_kernel`) for sm_90a: ``{regs, spill_stores, spill_loads, smem,
+    fits}`` (bytes per thread for the spills, per program for smem; ``fits``: smem within
+    :data:`HOPPER_SMEM_BYTES`), or ``{error}`` if it does not compile."""
     import triton
+    from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -113,8 +116,6 @@ def resources(fn, constexprs: Dict[str, object], num_warps: int, num_stages: int
              if sig[n].startswith("*") or n in _DIVISIBLE_INTS}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()},
                     attrs=attrs)
-    from triton import knobs
-
     saved = knobs.nvidia.dump_ptxas_log, knobs.compilation.always_compile
     log = io.StringIO()
     try:  # Triton prints its own ptxas run's -v report (its options: the registers and spills it builds with)
@@ -141,16 +142,14 @@ def configs(kind: str, D: int, G: int, BS: int, space: str) -> List[Dict[str, in
     (``tune``; ``bwd_fused`` and ``bwd_kv_token`` have none there: their default)."""
     from megatron_dsv.ops.sparse_attention.launch import pick_config
 
-    kind = "bwd_q" if kind == "bwd_q_fixed" else kind  # the same kernel and config, another scatter
-    if space == "defaults":
-        return [pick_config(kind, D, G, BS)]
-    if space != "tune":
+    kind = "bwd_q" if kind in DQ_PASSES else kind  # the same kernel and config, another scatter
+    if space not in ("defaults", "tune"):
         raise ValueError(f"space must be 'defaults' or 'tune'; got {space!r}")
+    if space == "defaults" or kind in ("bwd_fused", "bwd_kv_token"):
+        return [pick_config(kind, D, G, BS)]
     from benchmarks.bench_sparse_attention import tune_space
 
     name = {("fwd", True): "fwd_tok", ("bwd_q", True): "bwd_q_tok"}.get((kind, BS == 0), kind)
-    if kind in ("bwd_fused", "bwd_kv_token"):
-        return [pick_config(kind, D, G, BS)]
     return [dict(BM=min(BM, G), BN=BN, num_warps=w, num_stages=st) for BM, BN, w, st in tune_space(name, D)]
 
 
@@ -165,7 +164,7 @@ def report_rows(dims, groups, blocks, passes, space: str = "defaults", pack: Opt
         if (kind in TOKEN_PASSES and BS != 0) or (kind in BLOCK_PASSES and BS == 0):
             continue
         P = default_pack(kind, G, BS) if pack is None else pack
-        if P > 1 and (BS != 0 or kind not in ("fwd", "bwd_q", "bwd_q_fixed") or P * G > 128):
+        if P > 1 and (BS != 0 or kind not in PACKING_PASSES or P * G > 128):
             continue
         evens = (True, False) if uneven_keys and BS and kind in ("fwd", "bwd_q") else (True,)
         todo += [(D, G, BS, kind, P, even, cfg) for cfg in configs(kind, D, G * P, BS, space) for even in evens]
