@@ -131,24 +131,6 @@ def ours_ms(q, k, v, idx, cnt, G, BS, timer=bench_ms):
     return fwd_bwd_ms(lambda: sparse_attention(q, k, v, idx, cnt, G, BS), q, k, v, timer)
 
 
-ROTATE = 8  # ROT of the rotated dq-kernel walk the token rows also time (``launch`` config key "ROT")
-
-
-def ours_rotated_bwd_ms(q, k, v, idx, cnt, G, BS, token_pack, timer=bench_ms):
-    """Our backward with the dq kernel's walk rotated per group (``ROT``: neighbouring groups scatter dK/dV into
-    different key rows at a time), beside the default walk: the atomics' contention on lists neighbours share."""
-    key = ("bwd_q", q.shape[3], G * token_pack, BS)
-    before = launch.CONFIG_OVERRIDES.get(key)
-    launch.CONFIG_OVERRIDES[key] = dict(before or launch.pick_config(*key), ROT=ROTATE)
-    try:
-        return ours_ms(q, k, v, idx, cnt, G, BS, timer)[1]
-    finally:
-        if before is None:
-            launch.CONFIG_OVERRIDES.pop(key, None)
-        else:
-            launch.CONFIG_OVERRIDES[key] = before
-
-
 def ours_deterministic_bwd_ms(q, k, v, idx, cnt, G, BS, timer=bench_ms, token_kv=None):
     """Our backward under ``torch.use_deterministic_algorithms(True)`` (token lists: dk/dv as ``token_kv``, None:
     the library's ``DSV_TOKEN_KV_BWD`` choice; block lists: the split backward), what a ``--deterministic-mode``
@@ -194,9 +176,6 @@ def add_speedups(row):
     return row
 
 
-TOKEN_FWD_W8 = dict(BN=64, num_warps=8, num_stages=2)  # a 128-row token forward tile without register spills
-
-
 def one_row(S, sparsity, BS, G, dense, with_flex, dim=D, heads=H, timer=bench_ms, deterministic=False,
             lists="random"):
     """Our op and (where it lowers) flex on the same lists (``lists``: ``make_lists``'s kind; the row records
@@ -223,18 +202,6 @@ def one_row(S, sparsity, BS, G, dense, with_flex, dim=D, heads=H, timer=bench_ms
         with torch.no_grad():
             row["ms_fwd_packed"] = timer(lambda: launch.sparse_fwd(q, k, v, idx, cnt, G, BS, scale,
                                                                    pack=row["token_pack"]))
-    if BS == 0 and backend == "triton" and timer is not run_once:
-        row["ms_bwd_rotated"] = ours_rotated_bwd_ms(q, k, v, idx, cnt, G, BS, row["token_pack"], timer)
-        # the 128-row token forward on 8 warps: at D <= 128 the default's 4 warps spill on sm_90
-        # (tools/kernel_resources.py, Triton 3.6, D = 128: 116 bytes a thread at G = 128, 288 packed from G = 32),
-        # 8 warps do not (at D = 256 the default is 64 rows on 8 warps already)
-        w8 = dict(BM=128, **TOKEN_FWD_W8)
-        with torch.no_grad():
-            if G == 128:
-                row["ms_fwd_w8"] = timer(lambda: launch.sparse_fwd(q, k, v, idx, cnt, G, BS, scale, cfg=w8))
-            if row["token_pack"] > 1:
-                row["ms_fwd_packed_w8"] = timer(lambda: launch.sparse_fwd(q, k, v, idx, cnt, G, BS, scale, cfg=w8,
-                                                                          pack=row["token_pack"]))
     if deterministic:  # its own failure (e.g. DSV_SPARSE_BWD=fused, which has no deterministic kernel) is recorded
         try:
             row["ms_bwd_deterministic"] = ours_deterministic_bwd_ms(q, k, v, idx, cnt, G, BS, timer)
@@ -575,11 +542,6 @@ def point_line(r, warm=False) -> str:
              if "speedup_fwd_bwd" in r else f"no dense: {r.get('dense_error')})")
     extra = (f" packed: pack {r['ms_pack']:.2f} fwd {r['ms_fwd_packed']:.2f} (P={r['token_pack']})"
              if "ms_fwd_packed" in r else "")
-    if "ms_bwd_rotated" in r:
-        extra += f" bwd rotated {r['ms_bwd_rotated']:.2f}"
-    for key, what in (("ms_fwd_w8", "fwd 8 warps"), ("ms_fwd_packed_w8", "packed fwd 8 warps")):
-        if key in r:
-            extra += f" {what} {r[key]:.2f}"
     return f"{head} fwd {r['ms_fwd']:.2f} bwd {r['ms_bwd']:.2f} ms ({dense}{flex}{extra} [{r['s_wall']:.0f}s]"
 
 

@@ -92,7 +92,7 @@ def pass_kernel(kind: str, D: int, G: int, BS: int, cfg: Dict[str, int], pack: i
         return sparse_attn_fwd_kernel, dict(const, EVEN_T=even, GB=GB)
     if kind in DQ_PASSES:  # token lists scatter dK/dV here (fp32 atomics, or int64 fixed point)
         atomic = 2 if kind == "bwd_q_fixed" else int(BS == 0)
-        return bwd_q_kernel, dict(const, EVEN_T=even, ATOMIC_KV=atomic, GB=GB, ROT=int(cfg.get("ROT", 0)))
+        return bwd_q_kernel, dict(const, EVEN_T=even, ATOMIC_KV=atomic, GB=GB)
     return bwd_kv_kernel, dict(const, BS=0 if kind == "bwd_kv_token" else BS,
                                DQ=int(cfg.get("DQ", 1)) if kind == "bwd_fused" else 0)
 

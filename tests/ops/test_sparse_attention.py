@@ -662,32 +662,3 @@ def test_per_group_counts_match_naive_and_a_dense_reference(BS, G, D, dtype, mon
     cnt3 = cnt2[:, :, None].expand(B, H, NG).contiguous()
     torch.testing.assert_close(sparse_attention(q, k, v, idx2, cnt3, G, BS), sparse_attention(q, k, v, idx2, cnt2, G, BS),
                                rtol=0, atol=0)
-
-
-@pytest.mark.interpreter
-@pytest.mark.parametrize("pack", [1, 4], ids=["unpacked", "packed"])
-def test_rotated_dq_walk_gives_the_same_gradients(pack):
-    """ROT > 0 starts each group's dq-kernel walk at another tile of its list (dK/dV atomics of neighbouring groups
-    into different key rows at a time): the same gradients up to summation order, and the fixed-point dK/dV (integer
-    sums) bit for bit; tiles of 16 keys, so that every list spans several tiles and the rotation reorders them."""
-    from megatron_dsv.ops.sparse_attention.launch import pick_config
-
-    B, H, Hkv, S, D, G = 1, 2, 1, 300, 64, 16
-    torch.manual_seed(11)
-    q = torch.randn(B, H, S, D)
-    k, v = (torch.randn(B, Hkv, S, D) for _ in range(2))
-    idx, cnt = make_lists(B, H, S, G, 0, 0.3, seed=4)
-    o, lse = sparse_fwd(q, k, v, idx, cnt, G, 0, 0.125)
-    do = torch.randn_like(o)
-    base = dict(pick_config("bwd_q", D, G * pack, 0), BN=16)
-    out = {}
-    for rot in (0, 8):
-        cfg = dict(base, ROT=rot)
-        out[rot] = [sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, 0, 0.125, atomic_kv=True, cfg_q=cfg, pack=pack),
-                    sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, 0, 0.125, atomic_kv=False, token_kv="fixed",
-                               cfg_q=cfg, pack=pack)]
-    (atomic0, fixed0), (atomic8, fixed8) = out[0], out[8]
-    assert not torch.equal(atomic8[0], atomic0[0])  # dq summed in another order: the walk did rotate
-    for a, b in zip(atomic8, atomic0):
-        assert rel_rmse(a, b) < 1e-6
-    assert torch.equal(fixed8[1], fixed0[1]) and torch.equal(fixed8[2], fixed0[2])

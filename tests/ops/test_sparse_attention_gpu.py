@@ -110,7 +110,7 @@ def test_bf16_64k(BS, density):
     check_against_torch(1, 2, 1, 65536, 128, 128, BS, density)
 
 
-@pytest.mark.parametrize("pack", ["on", "off", "on-row-chunks", "on-rotated"])
+@pytest.mark.parametrize("pack", ["on", "off", "on-row-chunks"])
 @pytest.mark.parametrize("B,H,Hkv,S,D,G,density", [
     pytest.param(1, 2, 2, 1000, 128, 32, 0.2, id="B1-T1000-H2-D128-G32-P4"),
     pytest.param(2, 4, 2, 777, 64, 64, 0.15, id="B2-T777-H4-Hkv2-D64-G64-P2"),
@@ -119,18 +119,11 @@ def test_bf16_64k(BS, density):
 def test_bf16_packed_token_lists(monkeypatch, pack, B, H, Hkv, S, D, G, density):
     """DSV_TOKEN_PACK=on (the default: P = 128 // G groups as one 128-row group over their union, per-row bit
     masks) and off, the compiled sm_90 kernels under the same bound (random lists: the union is ~P lists); and
-    packed one (batch, head) row per chunk (the dq kernel's row offset BH0); and the dq kernel's walk rotated
-    (``ROT``: each packed group starts at another tile of its list)."""
+    packed one (batch, head) row per chunk (the dq kernel's row offset BH0)."""
     if pack == "on-row-chunks":
         from megatron_dsv.ops.sparse_attention import packing
 
         monkeypatch.setattr(packing, "PACKED_LISTS_BYTES", 1)
-        pack = "on"
-    if pack == "on-rotated":
-        from megatron_dsv.ops.sparse_attention import launch
-
-        key = ("bwd_q", D, 128, 0)  # the packed group's rows: P * G = 128
-        monkeypatch.setitem(launch.CONFIG_OVERRIDES, key, dict(launch.pick_config(*key), ROT=8))
         pack = "on"
     monkeypatch.setenv("DSV_TOKEN_PACK", pack)
     check_against_torch(B, H, Hkv, S, D, G, 0, density)

@@ -36,7 +36,7 @@ out = {}
 for mode in (1, 2):
     acc = "*i64" if mode == 2 else "*fp32"
     sig = {n: ptr.get(n, acc if n in ("dk32", "dv32") else "constexpr") for n in names}
-    const = dict(H=4, HR=2, K=128, BD=128, G=32, BM=32, BN=64, BS=0, EVEN_T=False, ATOMIC_KV=mode, GB=0, ROT=0)
+    const = dict(H=4, HR=2, K=128, BD=128, G=32, BM=32, BN=64, BS=0, EVEN_T=False, ATOMIC_KV=mode, GB=0)
     src = ASTSource(fn=bwd_q_kernel, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()})
     try:
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2))
@@ -52,8 +52,7 @@ for mode in (1, 2):
 # packed token lists (GB > 0): 128-row tiles of four 32-row groups, forward and dq kernel, on Hopper's wgmma
 from megatron_dsv.ops.sparse_attention.triton_fwd import sparse_attn_fwd_kernel
 for name, fn, extra in (("packed_fwd", sparse_attn_fwd_kernel, {}),
-                        ("packed_bwd_q", bwd_q_kernel, {"ATOMIC_KV": 1, "ROT": 0}),
-                        ("packed_bwd_q_rotated", bwd_q_kernel, {"ATOMIC_KV": 1, "ROT": 8})):
+                        ("packed_bwd_q", bwd_q_kernel, {"ATOMIC_KV": 1})):
     names = list(inspect.signature(fn.fn).parameters)
     sig = {n: ptr.get(n, "*fp32" if n in ("dk32", "dv32") else "constexpr") for n in names}
     const = dict(H=4, HR=2, K=128, BD=128, G=128, BM=128, BN=64, BS=0, EVEN_T=True, GB=32, **extra)
@@ -94,7 +93,7 @@ def test_fixed_point_scatter_compiles_for_sm90(tmp_path):
     assert fp32["f32"] > 0 and fp32["u64"] == 0, fp32  # the fp32 atomics: float reductions only
     assert fixed["u64"] > 0 and fixed["f32"] == 0, fixed  # fixed point: integer reductions, no float atomics
     assert fixed["rounding"] > 0, fixed  # floor(x * 2^e + 1/2) lowers to a round-down conversion
-    for name in ("packed_fwd", "packed_bwd_q", "packed_bwd_q_rotated"):  # packed lists compile to Hopper's wgmma
+    for name in ("packed_fwd", "packed_bwd_q"):  # packed lists compile to Hopper's wgmma
         assert result[name]["cubin"] > 0 and result[name]["wgmma"] > 0, result[name]
     assert result["pack_mark"]["cubin"] > 0 and result["pack_mark"]["atom_or"] > 0, result["pack_mark"]
     assert result["pack_compact"]["cubin"] > 0, result["pack_compact"]

@@ -438,7 +438,7 @@ def sparse_bwd_q(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, sc
             dq if fx_scale is None else fx_scale, T, TK, NG, idx.shape[-1], bh0, scale * LOG2E, scale,
             H=H, HR=H // k.shape[1], K=D, BD=_bd(D), G=Gk, BS=BS,
             BM=cfg_q["BM"], BN=cfg_q["BN"], EVEN_T=_even_keys(TK, BS), ATOMIC_KV=atomic_kv, GB=GB,
-            ROT=int(cfg_q.get("ROT", 0)), **_launch_opts(cfg_q))
+            **_launch_opts(cfg_q))
 
     NG = kv_indices.shape[2]
     if P == 1:

@@ -39,12 +39,9 @@ def bwd_q_kernel(
     T, TK, NG, KMAX, BH0, qk_scale, sm_scale,
     H: tl.constexpr, HR: tl.constexpr, K: tl.constexpr, BD: tl.constexpr,
     G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr,
-    EVEN_T: tl.constexpr, ATOMIC_KV: tl.constexpr, GB: tl.constexpr = 0, ROT: tl.constexpr = 0,
+    EVEN_T: tl.constexpr, ATOMIC_KV: tl.constexpr, GB: tl.constexpr = 0,
 ):
     """GB > 0: packed token lists, as in the forward (rows an entry's mask leaves out get p = 0).
-    ROT > 0: group g starts its walk ``(g % ROT) / ROT`` of the way into its list (and wraps around), so that
-    neighbouring groups, which run side by side and list mostly the same keys in the same order, scatter their
-    dK/dV atomics into different key rows at a time (the fused block backward rotates its dq atomics alike).
     BH0: the launch covers (batch, head) rows BH0 + program_id(1) of q, k, v, o, do, lse, delta, dq, dk32,
     dv32, while idx, bits and cnt_ptr hold only this launch's rows (row program_id(1)): the packed lists are
     built and consumed a few heads at a time."""
@@ -82,14 +79,7 @@ def bwd_q_kernel(
         p_bits = bits + (i_bhl.to(tl.int64) * NG + i_g) * KMAX
         o_sub = (o_m - i_g * G) // GB
     b_dq = tl.zeros([BM, BD], tl.float32)
-    if ROT > 0:
-        shift = ((i_g % ROT) * n_it) // ROT
-    for i_step in range(n_it):
-        if ROT > 0:
-            i_it = i_step + shift
-            i_it = tl.where(i_it >= n_it, i_it - n_it, i_it)
-        else:
-            i_it = i_step
+    for i_it in range(n_it):
         o_n, m_n, m_ld = _load_kv_tile(i_it, cnt, p_idx, TK, K, BD, BN, BS, EVEN_T)
         p_rows = p_kv_base + o_n[:, None] * K + o_d[None, :]
         # [BN, BD]
