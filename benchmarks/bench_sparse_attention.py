@@ -176,6 +176,11 @@ def add_speedups(row):
     return row
 
 
+# the forward with keys as the MMA's rows (``launch`` cfg ``KT=1``), timed beside the default where query tiles are
+# under 128 rows: a 32-row tile runs mma.sync in the row-major kernel, wgmma here (Triton 3.6, sm_90: no spills)
+KT_FWD_CONFIGS = {"kt64": dict(BN=64, num_warps=4, num_stages=2), "kt128": dict(BN=128, num_warps=8, num_stages=2)}
+
+
 def one_row(S, sparsity, BS, G, dense, with_flex, dim=D, heads=H, timer=bench_ms, deterministic=False,
             lists="random"):
     """Our op and (where it lowers) flex on the same lists (``lists``: ``make_lists``'s kind; the row records
@@ -202,6 +207,11 @@ def one_row(S, sparsity, BS, G, dense, with_flex, dim=D, heads=H, timer=bench_ms
         with torch.no_grad():
             row["ms_fwd_packed"] = timer(lambda: launch.sparse_fwd(q, k, v, idx, cnt, G, BS, scale,
                                                                    pack=row["token_pack"]))
+    if G < 128 and dim <= 128 and backend == "triton" and timer is not run_once:
+        with torch.no_grad():
+            for name, kt in KT_FWD_CONFIGS.items():
+                row[f"ms_fwd_{name}"] = timer(lambda: launch.sparse_fwd(q, k, v, idx, cnt, G, BS, scale,
+                                                                        cfg=dict(kt, BM=G, KT=1)))
     if deterministic:  # its own failure (e.g. DSV_SPARSE_BWD=fused, which has no deterministic kernel) is recorded
         try:
             row["ms_bwd_deterministic"] = ours_deterministic_bwd_ms(q, k, v, idx, cnt, G, BS, timer)
@@ -542,6 +552,7 @@ def point_line(r, warm=False) -> str:
              if "speedup_fwd_bwd" in r else f"no dense: {r.get('dense_error')})")
     extra = (f" packed: pack {r['ms_pack']:.2f} fwd {r['ms_fwd_packed']:.2f} (P={r['token_pack']})"
              if "ms_fwd_packed" in r else "")
+    extra += "".join(f" fwd {name} {r['ms_fwd_' + name]:.2f}" for name in KT_FWD_CONFIGS if "ms_fwd_" + name in r)
     return f"{head} fwd {r['ms_fwd']:.2f} bwd {r['ms_bwd']:.2f} ms ({dense}{flex}{extra} [{r['s_wall']:.0f}s]"
 
 

@@ -186,6 +186,33 @@ def test_fused_equals_split_with_big_key_tiles(dq):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("B,H,Hkv,S,D,G,BS,BN,dtype", [
+    pytest.param(1, 3, 3, 200, 96, 32, 0, 64, torch.float32, id="T200-D96-G32-tok"),
+    pytest.param(2, 4, 2, 163, 64, 32, 0, 128, torch.float16, id="B2-T163-Hkv2-D64-G32-tok-BN128"),
+    pytest.param(1, 3, 1, 300, 128, 16, 0, 64, torch.float32, id="T300-D128-G16-tok"),
+    pytest.param(1, 3, 3, 300, 64, 32, 128, 64, torch.float32, id="T300-D64-G32-blk128"),
+    pytest.param(1, 3, 3, 300, 64, 32, 64, 128, torch.float16, id="T300-D64-G32-blk64-BN128"),
+])
+def test_keys_as_rows_forward_matches_naive(B, H, Hkv, S, D, G, BS, BN, dtype):
+    """The forward with keys as the MMA's rows (cfg KT=1, for query tiles under 64 rows): the naive twin's output
+    and the row-major kernel's log-sum-exp, which the backward reads, over odd lengths (partial last group and
+    key block), padded D = 96, GQA, an empty and a full list."""
+    torch.manual_seed(7)
+    q = torch.randn(B, H, S, D, dtype=dtype)
+    k, v = (torch.randn(B, Hkv, S, D, dtype=dtype) for _ in range(2))
+    idx, cnt = make_lists(B, H, S, G, BS, 0.3, seed=3, empty_head=0, full_head=H - 1)
+    cfg = dict(BM=G, BN=BN, num_warps=4, num_stages=2, KT=1)
+    o, lse = sparse_fwd(q, k, v, idx, cnt, G, BS, D ** -0.5, cfg=cfg)
+    o_rm, lse_rm = sparse_fwd(q, k, v, idx, cnt, G, BS, D ** -0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert rel_rmse(o, sparse_attention_naive(q, k, v, idx, cnt, G, BS)) < tol
+    assert o[:, 0].abs().max() == 0  # an empty list: zero output
+    assert torch.allclose(lse[:, 1:], lse_rm[:, 1:], atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="KT=1"):
+        sparse_fwd(q, k, v, idx, cnt, G, 0, D ** -0.5, cfg=dict(cfg, BM=128), pack=4)
+
+
+@pytest.mark.interpreter
 def test_paired_blocks_per_step():
     """BN = 2 x block size: one inner step covers two listed 64-blocks (odd counts, partial last block)."""
     B, H, Hkv, S, D, G, BS = 1, 2, 1, 300, 64, 64, 64

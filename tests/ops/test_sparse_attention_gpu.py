@@ -129,6 +129,22 @@ def test_bf16_packed_token_lists(monkeypatch, pack, B, H, Hkv, S, D, G, density)
     check_against_torch(B, H, Hkv, S, D, G, 0, density)
 
 
+@pytest.mark.parametrize("BN,warps", [(64, 4), (128, 8)])
+@pytest.mark.parametrize("B,H,Hkv,S,D,G,BS,density", [
+    pytest.param(1, 2, 2, 1000, 128, 32, 0, 0.2, id="B1-T1000-H2-D128-G32-tok"),
+    pytest.param(2, 4, 2, 777, 96, 32, 128, 0.3, id="B2-T777-H4-Hkv2-D96-G32-blk128"),
+    pytest.param(1, 2, 1, 65536, 128, 32, 0, 0.05, id="T65536-D128-G32-tok"),
+])
+def test_bf16_keys_as_rows_forward(monkeypatch, BN, warps, B, H, Hkv, S, D, G, BS, density):
+    """The forward with keys as the MMA's rows (cfg KT=1: wgmma for 32-row query tiles), compiled for sm_90, as the
+    op's forward, with the default backward reading its o and lse."""
+    from megatron_dsv.ops.sparse_attention import launch
+
+    monkeypatch.setitem(launch.CONFIG_OVERRIDES, ("fwd", D, G, BS), dict(BM=G, BN=BN, num_warps=warps,
+                                                                         num_stages=2, KT=1))
+    check_against_torch(B, H, Hkv, S, D, G, BS, density)
+
+
 @pytest.mark.parametrize("dq", [pytest.param(1, id="atomics"), pytest.param(2, id="tma")])
 @pytest.mark.parametrize("B,H,Hkv,S,D,G,BS,BN,density", [
     pytest.param(1, 2, 2, 1000, 128, 128, 128, 128, 0.3, id="B1-T1000-H2-D128-G128-blk128-BN128"),

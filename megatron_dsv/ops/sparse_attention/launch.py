@@ -23,7 +23,7 @@ import triton
 from .checks import group_counts
 from .packing import pack_token_lists, packed_row_chunks, token_pack_factor
 from .triton_bwd import bwd_delta_kernel, bwd_kv_kernel, bwd_q_kernel
-from .triton_fwd import LOG2E, sparse_attn_fwd_kernel
+from .triton_fwd import LOG2E, sparse_attn_fwd_kernel, sparse_attn_fwd_kt_kernel
 
 Config = Dict[str, int]
 
@@ -176,6 +176,14 @@ def sparse_fwd(q, k, v, kv_indices, kv_counts, G: int, BS: int, scale: float,
     o = torch.empty_like(q)
     lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
     grid = (NG * (G // cfg["BM"]), B * H)
+    if cfg.get("KT"):  # keys as the MMA's rows (query tiles under 64 rows): no packed lists
+        if GB:
+            raise ValueError(f"cfg KT=1 (keys as the MMA's rows) takes unpacked lists; got pack={pack}")
+        sparse_attn_fwd_kt_kernel[grid](
+            q, k, v, o, lse, kv_indices, _kernel_counts(kv_counts, NG), T, TK, NG, kv_indices.shape[3],
+            scale * LOG2E, H=H, HR=H // k.shape[1], K=D, BD=_bd(D), G=G, BM=cfg["BM"], BN=cfg["BN"], BS=BS,
+            EVEN_T=_even_keys(TK, BS), **_launch_opts(cfg))
+        return o, lse
     sparse_attn_fwd_kernel[grid](
         q, k, v, o, lse, kv_indices, kv_indices if bits is None else bits, _kernel_counts(kv_counts, NG),
         T, TK, NG, kv_indices.shape[3], scale * LOG2E,

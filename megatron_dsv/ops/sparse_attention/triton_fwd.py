@@ -131,3 +131,66 @@ def sparse_attn_fwd_kernel(
     b_lse = tl.where(b_has, b_m + tl.log2(tl.where(b_has, b_l, 1.)), 0.)
     tl.store(o + p_q_base + o_m[:, None] * K + o_d[None, :], b_o.to(o.dtype.element_ty), mask=m_q)
     tl.store(lse + i_bh.to(tl.int64) * T + o_m, b_lse, mask=m_m)
+
+
+@triton.jit
+def sparse_attn_fwd_kt_kernel(
+    q, k, v, o, lse, idx, cnt_ptr,
+    T, TK, NG, KMAX, qk_scale,
+    H: tl.constexpr, HR: tl.constexpr, K: tl.constexpr, BD: tl.constexpr,
+    G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr,
+    EVEN_T: tl.constexpr,
+):
+    """The forward with keys as the MMA's rows, for query tiles of fewer than 64 rows (G = 32).
+
+    Hopper's wgmma takes 64 rows a warpgroup: ``sparse_attn_fwd_kernel`` on a 32-row query tile runs the
+    older mma.sync instead. Here both matmuls put a 64- or 128-row operand first: scores transposed,
+    ``S^T = K Q^T`` [BN, BM] (keys x queries), and ``O^T += V^T P^T`` [BD, BM], so the query tile is the
+    MMA's narrow N side (wgmma takes N = 8..256). The online softmax runs down the columns. Same inputs,
+    outputs and masks as ``sparse_attn_fwd_kernel`` (no packed lists).
+    """
+    i_m, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_g = i_m // (G // BM)
+    i_bhkv = (i_b * (H // HR) + i_h // HR).to(tl.int64)
+    p_kv_base = i_bhkv * TK * K
+    p_q_base = i_bh.to(tl.int64) * T * K
+
+    o_m = i_g * G + (i_m % (G // BM)) * BM + tl.arange(0, BM)
+    o_d = tl.arange(0, BD)
+    m_m = o_m < T
+    m_qt = (o_d[:, None] < K) & m_m[None, :]
+    p_qt = p_q_base + o_m[None, :] * K + o_d[:, None]
+    # [BD, BM]: the query tile transposed
+    b_qt = tl.load(q + p_qt, mask=m_qt, other=0.)
+
+    cnt = tl.load(cnt_ptr + i_bh.to(tl.int64) * NG + i_g)
+    p_idx = idx + (i_bh.to(tl.int64) * NG + i_g) * KMAX
+    n_it = _num_steps(cnt, BN, BS)
+
+    b_m = tl.full([BM], float("-inf"), tl.float32)
+    b_l = tl.zeros([BM], tl.float32)
+    b_acc = tl.zeros([BD, BM], tl.float32)
+    for i_it in range(n_it):
+        o_n, m_n, m_ld = _load_kv_tile(i_it, cnt, p_idx, TK, K, BD, BN, BS, EVEN_T)
+        p_rows = p_kv_base + o_n[:, None] * K + o_d[None, :]
+        # [BN, BD]
+        b_k = tl.load(k + p_rows, mask=m_ld, other=0.)
+        b_v = tl.load(v + p_rows, mask=m_ld, other=0.)
+        # [BN, BM] raw scores, keys down the rows
+        b_st = tl.dot(b_k, b_qt)
+        if BS == 0 or BN > BS or not EVEN_T:
+            b_st = tl.where(m_n[:, None], b_st, float("-inf"))
+        # every step has >= 1 valid key, so b_m_new is finite and no NaN appears
+        b_m_new = tl.maximum(b_m, tl.max(b_st, 0) * qk_scale)
+        b_alpha = tl.exp2(b_m - b_m_new)
+        b_pt = tl.exp2(b_st * qk_scale - b_m_new[None, :])
+        b_l = b_l * b_alpha + tl.sum(b_pt, 0)
+        b_acc = tl.dot(tl.trans(b_v), b_pt.to(b_v.dtype), b_acc * b_alpha[None, :])
+        b_m = b_m_new
+
+    b_has = b_l > 0
+    b_ot = b_acc / tl.where(b_has, b_l, 1.)[None, :]
+    b_lse = tl.where(b_has, b_m + tl.log2(tl.where(b_has, b_l, 1.)), 0.)
+    tl.store(o + p_qt, b_ot.to(o.dtype.element_ty), mask=m_qt)
+    tl.store(lse + i_bh.to(tl.int64) * T + o_m, b_lse, mask=m_m)
