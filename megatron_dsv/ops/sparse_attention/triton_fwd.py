@@ -65,6 +65,23 @@ def _num_steps(cnt, BN: tl.constexpr, BS: tl.constexpr):
 
 
 @triton.jit
+def _group_tile(idx, cnt_ptr, T, TK, NG, KMAX, H: tl.constexpr, HR: tl.constexpr, K: tl.constexpr,
+                G: tl.constexpr, BM: tl.constexpr):
+    """This program's query tile (program ids: tile of a group, batch*head): the int64 bases of its head's q/o
+    and k/v rows (B*H*T*K overflows int32 past ~2^31 elements), its query rows and their mask, its group's
+    index and list (count, first entry)."""
+    i_m, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_g = i_m // (G // BM)
+    p_kv_base = (i_b * (H // HR) + i_h // HR).to(tl.int64) * TK * K
+    p_q_base = i_bh.to(tl.int64) * T * K
+    o_m = i_g * G + (i_m % (G // BM)) * BM + tl.arange(0, BM)
+    cnt = tl.load(cnt_ptr + i_bh.to(tl.int64) * NG + i_g)  # [B, H, NG] counts
+    p_idx = idx + (i_bh.to(tl.int64) * NG + i_g) * KMAX
+    return i_bh, i_g, p_kv_base, p_q_base, o_m, o_m < T, cnt, p_idx
+
+
+@triton.jit
 def sparse_attn_fwd_kernel(
     q, k, v, o, lse, idx, bits, cnt_ptr,
     T, TK, NG, KMAX, qk_scale,
@@ -74,23 +91,11 @@ def sparse_attn_fwd_kernel(
 ):
     """GB > 0: packed token lists (``packing.py``): a group of G rows is G // GB groups of GB rows, and
     bits[entry] says which of them list the entry's key (the others give it zero probability)."""
-    i_m, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    i_g = i_m // (G // BM)
-    # int64 bases: B*H*T*K overflows int32 past ~2^31 elements
-    i_bhkv = (i_b * (H // HR) + i_h // HR).to(tl.int64)
-    p_kv_base = i_bhkv * TK * K
-    p_q_base = i_bh.to(tl.int64) * T * K
-
-    o_m = i_g * G + (i_m % (G // BM)) * BM + tl.arange(0, BM)
+    i_bh, i_g, p_kv_base, p_q_base, o_m, m_m, cnt, p_idx = _group_tile(idx, cnt_ptr, T, TK, NG, KMAX, H, HR, K, G, BM)
     o_d = tl.arange(0, BD)
-    m_m = o_m < T
     m_q = m_m[:, None] & (o_d[None, :] < K)
     # [BM, BD]
     b_q = tl.load(q + p_q_base + o_m[:, None] * K + o_d[None, :], mask=m_q, other=0.)
-
-    cnt = tl.load(cnt_ptr + i_bh.to(tl.int64) * NG + i_g)  # [B, H, NG] counts
-    p_idx = idx + (i_bh.to(tl.int64) * NG + i_g) * KMAX
     n_it = _num_steps(cnt, BN, BS)
 
     if GB > 0:  # [BM]: each row's group within the packed group (its bit in an entry's mask)
@@ -149,23 +154,12 @@ def sparse_attn_fwd_kt_kernel(
     MMA's narrow N side (wgmma takes N = 8..256). The online softmax runs down the columns. Same inputs,
     outputs and masks as ``sparse_attn_fwd_kernel`` (no packed lists).
     """
-    i_m, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
-    i_g = i_m // (G // BM)
-    i_bhkv = (i_b * (H // HR) + i_h // HR).to(tl.int64)
-    p_kv_base = i_bhkv * TK * K
-    p_q_base = i_bh.to(tl.int64) * T * K
-
-    o_m = i_g * G + (i_m % (G // BM)) * BM + tl.arange(0, BM)
+    i_bh, _, p_kv_base, p_q_base, o_m, m_m, cnt, p_idx = _group_tile(idx, cnt_ptr, T, TK, NG, KMAX, H, HR, K, G, BM)
     o_d = tl.arange(0, BD)
-    m_m = o_m < T
     m_qt = (o_d[:, None] < K) & m_m[None, :]
     p_qt = p_q_base + o_m[None, :] * K + o_d[:, None]
     # [BD, BM]: the query tile transposed
     b_qt = tl.load(q + p_qt, mask=m_qt, other=0.)
-
-    cnt = tl.load(cnt_ptr + i_bh.to(tl.int64) * NG + i_g)
-    p_idx = idx + (i_bh.to(tl.int64) * NG + i_g) * KMAX
     n_it = _num_steps(cnt, BN, BS)
 
     b_m = tl.full([BM], float("-inf"), tl.float32)
