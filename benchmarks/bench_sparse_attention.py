@@ -178,7 +178,10 @@ def add_speedups(row):
 
 # the forward with keys as the MMA's rows (``launch`` cfg ``KT=1``), timed beside the default where query tiles are
 # under 128 rows: a 32-row tile runs mma.sync in the row-major kernel, wgmma here (Triton 3.6, sm_90: no spills)
-KT_FWD_CONFIGS = {"kt64": dict(BN=64, num_warps=4, num_stages=2), "kt128": dict(BN=128, num_warps=8, num_stages=2)}
+# (and with the softmax's sum reduced once at the end, LAZY_L: one cross-warp reduction a step instead of two)
+KT_FWD_CONFIGS = {"kt64": dict(BN=64, num_warps=4, num_stages=2), "kt128": dict(BN=128, num_warps=8, num_stages=2),
+                  "kt64l": dict(BN=64, num_warps=4, num_stages=2, LAZY_L=1),
+                  "kt128l": dict(BN=128, num_warps=8, num_stages=2, LAZY_L=1)}
 
 
 def one_row(S, sparsity, BS, G, dense, with_flex, dim=D, heads=H, timer=bench_ms, deterministic=False,

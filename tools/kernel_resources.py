@@ -21,9 +21,10 @@ packed as ``DSV_TOKEN_PACK`` packs them, as they run); ``bwd_q_fixed`` (token li
 int64 fixed point: the deterministic backward's ``fixed``); ``bwd_kv`` (block lists' inverse-map dK/dV);
 ``bwd_kv_token`` (token lists' deterministic inverse walk) and ``bwd_fused`` (pointer atomics; the TMA variant,
 ``DQ=2``, is not reported). ``--space tune`` takes the candidates of ``bench_sparse_attention.tune_space`` instead
-of the defaults; ``--uneven-keys`` adds block lists over key lengths that are not a multiple of the block (their
-masked loads take more shared memory); ``--query-heads-per-kv`` compiles for GQA. Needs Triton's compiler API and
-a ptxas in its build; runs without ``TRITON_INTERPRET``.
+of the defaults (for forwards of fewer than 128 query rows also the keys-as-rows forward, cfg ``KT=1``, that the
+sweep times beside the default); ``--uneven-keys`` adds block lists over key lengths that are not a multiple of the
+block (their masked loads take more shared memory); ``--query-heads-per-kv`` compiles for GQA. Needs Triton's
+compiler API and a ptxas in its build; runs without ``TRITON_INTERPRET``.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def pass_kernel(kind: str, D: int, G: int, BS: int, cfg: Dict[str, int], pack: i
     ``even_keys`` False: block lists over a key length that is not a multiple of the block (``EVEN_T``)."""
     from megatron_dsv.ops.sparse_attention.launch import _bd
     from megatron_dsv.ops.sparse_attention.triton_bwd import bwd_kv_kernel, bwd_q_kernel
-    from megatron_dsv.ops.sparse_attention.triton_fwd import sparse_attn_fwd_kernel
+    from megatron_dsv.ops.sparse_attention.triton_fwd import sparse_attn_fwd_kernel, sparse_attn_fwd_kt_kernel
 
     if kind not in PASSES:
         raise ValueError(f"pass must be one of {PASSES}; got {kind!r}")
@@ -88,6 +89,10 @@ def pass_kernel(kind: str, D: int, G: int, BS: int, cfg: Dict[str, int], pack: i
     Gk, GB = (pack * G, G) if pack > 1 else (G, 0)
     const = dict(H=16, HR=hr, K=D, BD=_bd(D), G=Gk, BS=BS, BM=cfg["BM"], BN=cfg["BN"])
     even = even_keys or BS == 0
+    if kind == "fwd" and cfg.get("KT"):  # keys as the MMA's rows (launch.sparse_fwd's cfg KT=1; never packed)
+        if GB:
+            raise ValueError("cfg KT=1 (keys as the MMA's rows) takes unpacked lists: --pack must be 1")
+        return sparse_attn_fwd_kt_kernel, dict(const, EVEN_T=even, LAZY_L=int(cfg.get("LAZY_L", 0)))
     if kind == "fwd":
         return sparse_attn_fwd_kernel, dict(const, EVEN_T=even, GB=GB)
     if kind in DQ_PASSES:  # token lists scatter dK/dV here (fp32 atomics, or int64 fixed point)
@@ -150,7 +155,12 @@ def configs(kind: str, D: int, G: int, BS: int, space: str) -> List[Dict[str, in
     from benchmarks.bench_sparse_attention import tune_space
 
     name = {("fwd", True): "fwd_tok", ("bwd_q", True): "bwd_q_tok"}.get((kind, BS == 0), kind)
-    return [dict(BM=min(BM, G), BN=BN, num_warps=w, num_stages=st) for BM, BN, w, st in tune_space(name, D)]
+    out = [dict(BM=min(BM, G), BN=BN, num_warps=w, num_stages=st) for BM, BN, w, st in tune_space(name, D)]
+    if kind == "fwd" and G < 128 and D <= 128:  # the keys-as-rows forward the sweep times beside the default
+        from benchmarks.bench_sparse_attention import KT_FWD_CONFIGS
+
+        out += [dict(cfg, BM=G, KT=1) for cfg in KT_FWD_CONFIGS.values()]
+    return out
 
 
 def report_rows(dims, groups, blocks, passes, space: str = "defaults", pack: Optional[int] = None, hr: int = 1,
@@ -182,6 +192,7 @@ def report_rows(dims, groups, blocks, passes, space: str = "defaults", pack: Opt
 def format_row(r: Dict[str, object]) -> str:
     extra = (f" pack={r['pack']}" if r.get("pack", 1) > 1 else "") + (f" hr={r['hr']}" if r.get("hr", 1) > 1 else "")
     extra += "" if r.get("even_keys", True) else " uneven"
+    extra += (" keys-as-rows" + (" lazy-sum" if r.get("LAZY_L") else "")) if r.get("KT") else ""
     head = (f"D={r['D']:3d} G={r['G']:3d} block={r['block_size']:3d}{extra} "
             f"{r['pass_']:12s} BM={r['BM']:3d} BN={r['BN']:3d} w={r['num_warps']} s={r['num_stages']}")
     if "error" in r:

@@ -193,15 +193,16 @@ def test_fused_equals_split_with_big_key_tiles(dq):
     pytest.param(1, 3, 3, 300, 64, 32, 128, 64, torch.float32, id="T300-D64-G32-blk128"),
     pytest.param(1, 3, 3, 300, 64, 32, 64, 128, torch.float16, id="T300-D64-G32-blk64-BN128"),
 ])
-def test_keys_as_rows_forward_matches_naive(B, H, Hkv, S, D, G, BS, BN, dtype):
+@pytest.mark.parametrize("lazy", [0, 1], ids=["sum-each-step", "sum-at-end"])
+def test_keys_as_rows_forward_matches_naive(B, H, Hkv, S, D, G, BS, BN, dtype, lazy):
     """The forward with keys as the MMA's rows (cfg KT=1, for query tiles under 64 rows): the naive twin's output
     and the row-major kernel's log-sum-exp, which the backward reads, over odd lengths (partial last group and
-    key block), padded D = 96, GQA, an empty and a full list."""
+    key block), padded D = 96, GQA, an empty and a full list; the softmax's sum reduced each step or once (LAZY_L)."""
     torch.manual_seed(7)
     q = torch.randn(B, H, S, D, dtype=dtype)
     k, v = (torch.randn(B, Hkv, S, D, dtype=dtype) for _ in range(2))
     idx, cnt = make_lists(B, H, S, G, BS, 0.3, seed=3, empty_head=0, full_head=H - 1)
-    cfg = dict(BM=G, BN=BN, num_warps=4, num_stages=2, KT=1)
+    cfg = dict(BM=G, BN=BN, num_warps=4, num_stages=2, KT=1, LAZY_L=lazy)
     o, lse = sparse_fwd(q, k, v, idx, cnt, G, BS, D ** -0.5, cfg=cfg)
     o_rm, lse_rm = sparse_fwd(q, k, v, idx, cnt, G, BS, D ** -0.5)
     tol = 1e-5 if dtype == torch.float32 else 2e-3

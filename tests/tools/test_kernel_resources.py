@@ -34,6 +34,8 @@ out = {"defaults": kr.report_rows([64, 96, 128, 256], [32, 128], [0, 128], kr.PA
 # the packed forward (the sweep times it), and GQA (two query heads a kv head)
 out["packed"] = kr.report_rows([128], [32], [0], ("fwd",), pack=4, progress=False)
 out["gqa"] = kr.report_rows([128], [128], [128], ("bwd_kv",), hr=2, progress=False)
+# the keys-as-rows forward the sweep times at G = 32 (cfg KT=1: wgmma, not mma.sync, on 32-row query tiles)
+out["kt"] = [r for r in kr.report_rows([128], [32], [0], ("fwd",), space="tune", progress=False) if r.get("KT")]
 # a tile known not to fit: D=256 token lists' dq kernel on 128 query rows (its dK/dV scatter: > 227 KB)
 fn, const = kr.pass_kernel("bwd_q", 256, 128, 0, dict(BM=128, BN=32))
 out["too_big"] = kr.resources(fn, const, 8, 2)
@@ -64,7 +66,7 @@ def test_every_default_config_compiles_and_fits_hopper_shared_memory(report):
     assert {r["pass_"] for r in rows if r["block_size"] == 128} == {"fwd", "bwd_q", "bwd_kv", "bwd_fused"}
     assert {(r["pass_"], r["even_keys"]) for r in rows if r["block_size"] == 128 and not r["even_keys"]} == {
         ("fwd", False), ("bwd_q", False)}
-    for r in rows + report["packed"] + report["gqa"]:
+    for r in rows + report["packed"] + report["gqa"] + report["kt"]:
         assert "error" not in r, r
         assert r["fits"] and 0 < r["smem"] <= 227 * 1024, r
         assert 0 < r["regs"] <= 255 and r["spill_stores"] >= 0 and r["spill_loads"] >= 0, r
@@ -106,3 +108,10 @@ def test_bad_arguments_name_what_is_allowed(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # under the interpreter Triton compiles for no GPU: the CLI says so
     with pytest.raises(SystemExit):
         kr.main(["--head-dim", "128"])
+
+
+def test_keys_as_rows_forward_is_reported_with_the_sweeps_candidates(report):
+    kt = report["kt"]
+    assert len(kt) == 4 and {(r["BN"], r["num_warps"], r.get("LAZY_L", 0)) for r in kt} == {
+        (64, 4, 0), (128, 8, 0), (64, 4, 1), (128, 8, 1)}
+    assert all(r["BM"] == 32 and r["pass_"] == "fwd" for r in kt)

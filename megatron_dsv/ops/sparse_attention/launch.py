@@ -182,7 +182,7 @@ def sparse_fwd(q, k, v, kv_indices, kv_counts, G: int, BS: int, scale: float,
         sparse_attn_fwd_kt_kernel[grid](
             q, k, v, o, lse, kv_indices, _kernel_counts(kv_counts, NG), T, TK, NG, kv_indices.shape[3],
             scale * LOG2E, H=H, HR=H // k.shape[1], K=D, BD=_bd(D), G=G, BM=cfg["BM"], BN=cfg["BN"], BS=BS,
-            EVEN_T=_even_keys(TK, BS), **_launch_opts(cfg))
+            EVEN_T=_even_keys(TK, BS), LAZY_L=int(cfg.get("LAZY_L", 0)), **_launch_opts(cfg))
         return o, lse
     sparse_attn_fwd_kernel[grid](
         q, k, v, o, lse, kv_indices, kv_indices if bits is None else bits, _kernel_counts(kv_counts, NG),

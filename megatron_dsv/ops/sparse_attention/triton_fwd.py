@@ -144,15 +144,17 @@ def sparse_attn_fwd_kt_kernel(
     T, TK, NG, KMAX, qk_scale,
     H: tl.constexpr, HR: tl.constexpr, K: tl.constexpr, BD: tl.constexpr,
     G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr,
-    EVEN_T: tl.constexpr,
+    EVEN_T: tl.constexpr, LAZY_L: tl.constexpr = 0,
 ):
     """The forward with keys as the MMA's rows, for query tiles of fewer than 64 rows (G = 32).
 
     Hopper's wgmma takes 64 rows a warpgroup: ``sparse_attn_fwd_kernel`` on a 32-row query tile runs the
     older mma.sync instead. Here both matmuls put a 64- or 128-row operand first: scores transposed,
     ``S^T = K Q^T`` [BN, BM] (keys x queries), and ``O^T += V^T P^T`` [BD, BM], so the query tile is the
-    MMA's narrow N side (wgmma takes N = 8..256). The online softmax runs down the columns. Same inputs,
-    outputs and masks as ``sparse_attn_fwd_kernel`` (no packed lists).
+    MMA's narrow N side (wgmma takes N = 8..256). The online softmax runs down the columns, so its max and sum
+    reduce across warps each step; LAZY_L = 1 keeps the sum as a [BN, BM] tile instead, rescaled with the output
+    and reduced once at the end (one cross-warp reduction a step instead of two). Same inputs, outputs and masks as
+    ``sparse_attn_fwd_kernel`` (no packed lists).
     """
     i_bh, _, p_kv_base, p_q_base, o_m, m_m, cnt, p_idx = _group_tile(idx, cnt_ptr, T, TK, NG, KMAX, H, HR, K, G, BM)
     o_d = tl.arange(0, BD)
@@ -164,6 +166,8 @@ def sparse_attn_fwd_kt_kernel(
 
     b_m = tl.full([BM], float("-inf"), tl.float32)
     b_l = tl.zeros([BM], tl.float32)
+    if LAZY_L:
+        b_l2 = tl.zeros([BN, BM], tl.float32)
     b_acc = tl.zeros([BD, BM], tl.float32)
     for i_it in range(n_it):
         o_n, m_n, m_ld = _load_kv_tile(i_it, cnt, p_idx, TK, K, BD, BN, BS, EVEN_T)
@@ -179,10 +183,15 @@ def sparse_attn_fwd_kt_kernel(
         b_m_new = tl.maximum(b_m, tl.max(b_st, 0) * qk_scale)
         b_alpha = tl.exp2(b_m - b_m_new)
         b_pt = tl.exp2(b_st * qk_scale - b_m_new[None, :])
-        b_l = b_l * b_alpha + tl.sum(b_pt, 0)
+        if LAZY_L:
+            b_l2 = b_l2 * b_alpha[None, :] + b_pt
+        else:
+            b_l = b_l * b_alpha + tl.sum(b_pt, 0)
         b_acc = tl.dot(tl.trans(b_v), b_pt.to(b_v.dtype), b_acc * b_alpha[None, :])
         b_m = b_m_new
 
+    if LAZY_L:
+        b_l = tl.sum(b_l2, 0)
     b_has = b_l > 0
     b_ot = b_acc / tl.where(b_has, b_l, 1.)[None, :]
     b_lse = tl.where(b_has, b_m + tl.log2(tl.where(b_has, b_l, 1.)), 0.)
