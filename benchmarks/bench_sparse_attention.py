@@ -212,9 +212,13 @@ def one_row(S, sparsity, BS, G, dense, with_flex, dim=D, heads=H, timer=bench_ms
                                                                    pack=row["token_pack"]))
     if G < 128 and dim <= 128 and backend == "triton" and timer is not run_once:
         with torch.no_grad():
-            for name, kt in KT_FWD_CONFIGS.items():
-                row[f"ms_fwd_{name}"] = timer(lambda: launch.sparse_fwd(q, k, v, idx, cnt, G, BS, scale,
-                                                                        cfg=dict(kt, BM=G, KT=1)))
+            for name, kt in KT_FWD_CONFIGS.items():  # a variant's failure is recorded, the row kept
+                try:
+                    row[f"ms_fwd_{name}"] = timer(lambda: launch.sparse_fwd(q, k, v, idx, cnt, G, BS, scale,
+                                                                            cfg=dict(kt, BM=G, KT=1)))
+                except Exception as e:
+                    row[f"fwd_{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                    print(f"  fwd {name} failed: {row[f'fwd_{name}_error']}", flush=True)
     if deterministic:  # its own failure (e.g. DSV_SPARSE_BWD=fused, which has no deterministic kernel) is recorded
         try:
             row["ms_bwd_deterministic"] = ours_deterministic_bwd_ms(q, k, v, idx, cnt, G, BS, timer)
