@@ -205,6 +205,8 @@ def one_row(S, sparsity, BS, G, dense, with_flex, dim=D, heads=H, timer=bench_ms
     scale = 1 / math.sqrt(dim)
     if row["token_pack"] > 1 and timer is not run_once:  # the packing alone (the backward packs once)
         row["ms_pack"] = timer(lambda: pack_token_lists(idx, cnt, G, row["token_pack"], S))
+        # the marking pass with one atomic add per run of entries in a bitmap word instead of one atomic_or per entry
+        row["ms_pack_runs"] = timer(lambda: pack_token_lists(idx, cnt, G, row["token_pack"], S, mark="runs"))
         # the packed forward, its packing included (the library's forward runs unpacked: run 15 timed it no faster
         # with the torch packer; this times it again with the Triton one)
         with torch.no_grad():
@@ -557,8 +559,8 @@ def point_line(r, warm=False) -> str:
         flex = f" vs flex {r['speedup_vs_flex_fwd_bwd']:.2f}x"
     dense = (f"dense {r['ms_dense_fwd']:.1f}/{r['ms_dense_bwd']:.1f}) x{r['speedup_fwd_bwd']:.2f}"
              if "speedup_fwd_bwd" in r else f"no dense: {r.get('dense_error')})")
-    extra = (f" packed: pack {r['ms_pack']:.2f} fwd {r['ms_fwd_packed']:.2f} (P={r['token_pack']})"
-             if "ms_fwd_packed" in r else "")
+    extra = (f" packed: pack {r['ms_pack']:.2f} (runs {r.get('ms_pack_runs', float('nan')):.2f}) fwd "
+             f"{r['ms_fwd_packed']:.2f} (P={r['token_pack']})" if "ms_fwd_packed" in r else "")
     extra += "".join(f" fwd {name} {r['ms_fwd_' + name]:.2f}" for name in KT_FWD_CONFIGS if "ms_fwd_" + name in r)
     return f"{head} fwd {r['ms_fwd']:.2f} bwd {r['ms_bwd']:.2f} ms ({dense}{flex}{extra} [{r['s_wall']:.0f}s]"
 

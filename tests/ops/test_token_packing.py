@@ -11,7 +11,8 @@ import torch
 
 from megatron_dsv.ops.sparse_attention import sparse_attention, sparse_attention_naive
 from megatron_dsv.ops.sparse_attention.launch import sparse_bwd, sparse_fwd
-from megatron_dsv.ops.sparse_attention.packing import pack_token_lists, pack_token_lists_naive, token_pack_factor
+from megatron_dsv.ops.sparse_attention.packing import (MARK_MODES, pack_token_lists, pack_token_lists_naive,
+                                                      token_pack_factor)
 from tests.ops.test_sparse_attention import rel_rmse
 
 
@@ -70,15 +71,17 @@ def test_naive_packed_lists_are_the_union_with_each_groups_bit(P):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("mark", MARK_MODES)
 @pytest.mark.parametrize("P,S,G,density", [(2, 150, 8, 0.2), (4, 200, 16, 0.3), (8, 100, 12, 0.25), (4, 70, 8, 0.9),
-                                           (2, 1000, 32, 0.05)])
-def test_packing_kernels_match_the_twin(P, S, G, density):
-    """The two Triton passes (bitmap by atomic_or, compaction by prefix sums over 2048 keys: S = 1000 crosses
-    none, S > 2048 below) against the union and against the PyTorch twin's counts; width min(TK, P * Kmax),
-    with no host sync. Keys 31 mod 32 set the bitmap word's sign bit."""
+                                           (2, 1000, 32, 0.05), (2, 1500, 64, 0.6)])
+def test_packing_kernels_match_the_twin(P, S, G, density, mark):
+    """The two Triton passes (the bitmap by one atomic_or per entry, or one atomic add per run of entries in a
+    word; compaction by prefix sums over 2048 keys: S <= 1500 crosses none, S > 2048 below) against the union and
+    against the PyTorch twin's counts; width min(TK, P * Kmax), with no host sync. Keys 31 mod 32 set the bitmap
+    word's sign bit; lists of up to 900 keys cross the marking's 256-entry blocks inside runs."""
     B, H = 2, 3
     idx, cnt = _lists(B, H, S, G, density, seed=P + S)
-    pidx, pbits, pcnt = pack_token_lists(idx, cnt, G, P, S)
+    pidx, pbits, pcnt = pack_token_lists(idx, cnt, G, P, S, mark=mark)
     _check_union(idx, cnt, P, pidx, pbits, pcnt)
     assert torch.equal(pcnt, pack_token_lists_naive(idx, cnt, G, P, S)[2])
     assert pidx.shape[3] == min(S, P * idx.shape[3])
@@ -86,23 +89,25 @@ def test_packing_kernels_match_the_twin(P, S, G, density):
 
 
 @pytest.mark.interpreter
-def test_packing_kernels_over_several_compaction_steps_and_head_chunks():
+@pytest.mark.parametrize("mark", MARK_MODES)
+def test_packing_kernels_over_several_compaction_steps_and_head_chunks(mark):
     """4100 keys: three 2048-key compaction steps, the last partial; a one-head bitmap budget packs head by
     head with the same result; per-head counts ([B, H]) as the op takes them."""
     idx, cnt = _lists(1, 2, 4100, 128, 0.02, seed=5)
-    full = pack_token_lists(idx, cnt, 128, 2, 4100)
+    full = pack_token_lists(idx, cnt, 128, 2, 4100, mark=mark)
     _check_union(idx, cnt, 2, *full)
-    chunked = pack_token_lists(idx, cnt, 128, 2, 4100, max_bytes=1)
+    chunked = pack_token_lists(idx, cnt, 128, 2, 4100, max_bytes=1, mark=mark)
     for a, b in zip(full, chunked):
         n = full[2][..., None] > torch.arange(full[0].shape[3])
         assert torch.equal(a[n], b[n]) if a.dim() == 4 else torch.equal(a, b)
     per_head = cnt.amin(-1)  # every group's first entries are real keys
     _check_union(idx, per_head[..., None].expand(1, 2, idx.shape[2]).contiguous(), 2,
-                 *pack_token_lists(idx, per_head, 128, 2, 4100))
+                 *pack_token_lists(idx, per_head, 128, 2, 4100, mark=mark))
 
 
 @pytest.mark.interpreter
-def test_packing_kernels_drop_keys_out_of_range():
+@pytest.mark.parametrize("mark", MARK_MODES)
+def test_packing_kernels_drop_keys_out_of_range(mark):
     """Lists that were never checked (DSV_SKIP_CHECKS, or the estimator's own lists) with a key outside [0, TK):
     the marking pass sets no bit for it (before, it wrote past the bitmap), and the union holds the other keys."""
     idx, cnt = _lists(1, 2, 96, 8, 0.2, seed=5)
@@ -114,7 +119,7 @@ def test_packing_kernels_drop_keys_out_of_range():
         row = [x for i, x in enumerate(idx[0, h, g, :cnt[0, h, g]].tolist()) if i != j]
         ref[0, h, g, :len(row)] = torch.tensor(row, dtype=torch.int32)
         kept[0, h, g] = len(row)
-    got = pack_token_lists(bad, cnt, 8, 4, 96)
+    got = pack_token_lists(bad, cnt, 8, 4, 96, mark=mark)
     _check_union(ref, kept, 4, *got)
 
 
@@ -131,6 +136,8 @@ def test_pack_factor_and_bad_arguments(monkeypatch):
     idx, cnt = _lists(1, 1, 40, 8, 0.2, seed=0)
     with pytest.raises(ValueError, match="P must be in"):
         pack_token_lists(idx, cnt, 8, 16, 40)
+    with pytest.raises(ValueError, match="mark must be one of"):
+        pack_token_lists(idx, cnt, 8, 4, 40, mark="scan")
 
 
 CASES = [  # B, H, Hkv, S, D, G, P, dtype

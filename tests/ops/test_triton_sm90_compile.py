@@ -62,11 +62,12 @@ for name, fn, extra in (("packed_fwd", sparse_attn_fwd_kernel, {}),
     out[name] = dict(cubin=len(kernel.asm["cubin"]), wgmma=sum("wgmma.mma_async" in l for l in ptx),
                      bits_loads=sum("ld.global" in l and ".b8" in l or "ld.global.u8" in l or "ld.global.s8" in l
                                     for l in ptx))
-# the packing passes (packing.py): atomic_or on the key bitmap, prefix sums over 2048 keys
-from megatron_dsv.ops.sparse_attention.packing import _compact_kernel, _mark_kernel
+# the packing passes (packing.py): atomic_or on the key bitmap (or an atomic add per run), prefix sums over 2048 keys
+from megatron_dsv.ops.sparse_attention.packing import _compact_kernel, _mark_kernel, _mark_runs_kernel
+mark_types = dict(idx="*i32", cnt="*i32", bitmap="*i32", KM="i32", NG="i32", NW="i32", NGP="i32", TK="i32")
 for name, fn, types, const in (
-        ("pack_mark", _mark_kernel, dict(idx="*i32", cnt="*i32", bitmap="*i32", KM="i32", NG="i32", NW="i32",
-                                         NGP="i32", TK="i32"), dict(BLOCK=256)),
+        ("pack_mark", _mark_kernel, mark_types, dict(BLOCK=256)),
+        ("pack_mark_runs", _mark_runs_kernel, mark_types, dict(BLOCK=256)),
         ("pack_compact", _compact_kernel, dict(bitmap="*i32", out_idx="*i32", out_bits="*i8", out_cnt="*i32",
                                                NW="i32", W="i32"), dict(P=4, WB=64))):
     names = list(inspect.signature(fn.fn).parameters)
@@ -74,8 +75,9 @@ for name, fn, types, const in (
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=1))
     ptx = kernel.asm["ptx"].splitlines()
-    out[name] = dict(cubin=len(kernel.asm["cubin"]), atom_or=sum(("atom" in l or "red" in l) and ".or." in l
-                                                                 for l in ptx))
+    atomics = [l for l in ptx if "atom." in l or "red." in l]
+    out[name] = dict(cubin=len(kernel.asm["cubin"]), atom_or=sum(".or." in l for l in atomics),
+                     atom_add=sum(".add." in l for l in atomics))
 print(json.dumps(out))
 """
 
@@ -96,4 +98,6 @@ def test_fixed_point_scatter_compiles_for_sm90(tmp_path):
     for name in ("packed_fwd", "packed_bwd_q"):  # packed lists compile to Hopper's wgmma
         assert result[name]["cubin"] > 0 and result[name]["wgmma"] > 0, result[name]
     assert result["pack_mark"]["cubin"] > 0 and result["pack_mark"]["atom_or"] > 0, result["pack_mark"]
+    runs = result["pack_mark_runs"]  # integer adds at run boundaries, no atomic_or
+    assert runs["cubin"] > 0 and runs["atom_add"] > 0 and runs["atom_or"] == 0, runs
     assert result["pack_compact"]["cubin"] > 0, result["pack_compact"]

@@ -161,6 +161,38 @@ def _mark_kernel(idx, cnt, bitmap, KM, NG, NW, NGP, TK, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _mark_runs_kernel(idx, cnt, bitmap, KM, NG, NW, NGP, TK, BLOCK: tl.constexpr):
+    """:func:`_mark_kernel`'s bitmap with one atomic per run of entries in one 32-key word instead of one per
+    entry. A group's keys ascend and are distinct, so the OR of a word's bits is their sum, and a run's sum is the
+    difference of two inclusive prefix sums (int32, wrapping: bit 31 is the sign, and differences mod 2^32 stay
+    exact): the run's last entry adds the prefix at its place, its first entry subtracts the prefix before it (one
+    lane does both for a run of one). A run cut by the block's edge or by a key outside [0, TK) adds in pieces whose
+    sum is the same. Lists that are not ascending and distinct (unchecked: DSV_SKIP_CHECKS) get wrong masks here
+    but never a write outside the bitmap."""
+    row = tl.program_id(0)
+    o0 = tl.program_id(1) * BLOCK
+    o = o0 + tl.arange(0, BLOCK)
+    n = tl.load(cnt + row)
+    p_row = idx + row.to(tl.int64) * KM
+    key = tl.load(p_row + o, mask=o < n, other=0)
+    m = (o < n) & (key >= 0) & (key < TK)
+    word = key >> 5
+    # the neighbours in this block: a run ends at the block's edges (loads past the block are masked off)
+    prv = tl.load(p_row + o - 1, mask=(o > o0) & (o - 1 < n), other=-1)
+    nxt = tl.load(p_row + o + 1, mask=(o + 1 < o0 + BLOCK) & (o + 1 < n), other=-1)
+    first = m & ~((prv >= 0) & (prv < TK) & ((prv >> 5) == word))
+    last = m & ~((nxt >= 0) & (nxt < TK) & ((nxt >> 5) == word))
+    bit = tl.where(m, tl.full([BLOCK], 1, tl.int32) << (key & 31), 0)
+    incl = tl.cumsum(bit, axis=0)
+    add = tl.where(last, incl, 0) - tl.where(first, incl - bit, 0)
+    out = (row // NG).to(tl.int64) * NGP + row % NG
+    tl.atomic_add(bitmap + out * NW + word, add, mask=first | last, sem="relaxed")
+
+
+MARK_MODES = ("atomic", "runs")  # pack_token_lists' marking pass: _mark_kernel, _mark_runs_kernel
+
+
+@triton.jit
 def _compact_kernel(bitmap, out_idx, out_bits, out_cnt, NW, W, P: tl.constexpr, WB: tl.constexpr):
     """Program pg (packed group bh * NP + i): the OR of its P members' bitmap rows, compacted in key order into
     out_idx[pg, :count] with each key's member mask in out_bits; count into out_cnt[pg]."""
@@ -186,7 +218,8 @@ def _compact_kernel(bitmap, out_idx, out_bits, out_cnt, NW, W, P: tl.constexpr, 
 
 
 def pack_token_lists(kv_indices: torch.Tensor, kv_counts: torch.Tensor, G: int, P: int, TK: int,
-                     max_bytes: int = 512 << 20) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     max_bytes: int = 512 << 20,
+                     mark: str = "atomic") -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(indices int32 [B, H, NP, W], bits int8 [B, H, NP, W], counts int32 [B, H, NP])`` with
     ``NP = ceil(NG / P)`` and ``W = max(1, min(TK, P * Kmax))``: packed group i lists, ascending, every key
     some group ``P * i + p`` lists (its first ``counts`` entries; the rest is unspecified and never read), and
@@ -198,7 +231,11 @@ def pack_token_lists(kv_indices: torch.Tensor, kv_counts: torch.Tensor, G: int, 
     never read). The width is a bound, not the largest union (that would take a host sync): the packed lists
     take about as much memory as the unpacked ones (``NP * W`` against ``NG * Kmax`` entries), where a width of
     the largest union would take ~1.2-1.4 / P of it on video lists. ``max_bytes`` bounds the key bitmap
-    (``NP * P * ceil(TK / 32)`` int32 words a head): heads are packed a few at a time (one head at least)."""
+    (``NP * P * ceil(TK / 32)`` int32 words a head): heads are packed a few at a time (one head at least).
+    ``mark``: the marking pass, one ``atomic_or`` per entry (``atomic``) or one atomic add per run of entries in
+    one bitmap word (``runs``, not yet timed)."""
+    if mark not in MARK_MODES:
+        raise ValueError(f"pack_token_lists: mark must be one of {MARK_MODES}, got {mark!r}")
     if not 2 <= P <= 8:
         raise ValueError(f"pack_token_lists: P must be in [2, 8] (one int8 mask per entry), got {P}")
     B, H, NG, KM = kv_indices.shape
@@ -217,7 +254,8 @@ def pack_token_lists(kv_indices: torch.Tensor, kv_counts: torch.Tensor, G: int, 
             h1 = min(BH, h0 + heads)
             marks = bitmap[:(h1 - h0) * NP * P * NW].zero_()
             if KM:
-                _mark_kernel[((h1 - h0) * NG, triton.cdiv(KM, MARK_BLOCK))](
+                marker = _mark_kernel if mark == "atomic" else _mark_runs_kernel
+                marker[((h1 - h0) * NG, triton.cdiv(KM, MARK_BLOCK))](
                     lists[h0:h1], counts[h0:h1], marks, KM, NG, NW, NP * P, TK, BLOCK=MARK_BLOCK)
             _compact_kernel[((h1 - h0) * NP,)](marks, out_idx[h0 * NP:h1 * NP], out_bits[h0 * NP:h1 * NP],
                                                 out_cnt[h0 * NP:h1 * NP], NW, W, P=P, WB=COMPACT_WORDS)
