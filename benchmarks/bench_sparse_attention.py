@@ -185,7 +185,7 @@ KT_FWD_CONFIGS = {"kt64": dict(BN=64, num_warps=4, num_stages=2), "kt128": dict(
 
 
 def one_row(S, sparsity, BS, G, dense, with_flex, dim=D, heads=H, timer=bench_ms, deterministic=False,
-            lists="random"):
+            lists="random", candidates=False):
     """Our op and (where it lowers) flex on the same lists (``lists``: ``make_lists``'s kind; the row records
     it and how much neighbouring groups' lists overlap); ``timer=run_once`` only compiles;
     ``deterministic``: also our backward under deterministic algorithms (``ms_bwd_deterministic``)."""
@@ -205,15 +205,16 @@ def one_row(S, sparsity, BS, G, dense, with_flex, dim=D, heads=H, timer=bench_ms
     scale = 1 / math.sqrt(dim)
     if row["token_pack"] > 1 and timer is not run_once:  # the packing alone (the backward packs once)
         row["ms_pack"] = timer(lambda: pack_token_lists(idx, cnt, G, row["token_pack"], S))
-        # the marking pass with one atomic add per run of entries in a bitmap word instead of one atomic_or per entry
-        row["ms_pack_runs"] = timer(lambda: pack_token_lists(idx, cnt, G, row["token_pack"], S, mark="runs"))
+        if candidates:  # the marking pass with an atomic add per run of entries in a bitmap word, not per entry
+            row["ms_pack_runs"] = timer(lambda: pack_token_lists(idx, cnt, G, row["token_pack"], S, mark="runs"))
         # the packed forward, its packing included (the library's forward runs unpacked: run 15 timed it no faster
         # with the torch packer; this times it again with the Triton one)
         with torch.no_grad():
             row["ms_fwd_packed"] = timer(lambda: launch.sparse_fwd(q, k, v, idx, cnt, G, BS, scale,
                                                                    pack=row["token_pack"]))
-    if G < 128 and dim <= 128 and backend == "triton" and timer is not run_once:
-        with torch.no_grad():
+    if candidates and G < 128 and dim <= 128 and backend == "triton" and timer is not run_once:
+        with torch.no_grad():  # the default forward timed as the variants are: the launch alone, no autograd
+            row["ms_fwd_rowmajor"] = timer(lambda: launch.sparse_fwd(q, k, v, idx, cnt, G, BS, scale))
             for name, kt in KT_FWD_CONFIGS.items():  # a variant's failure is recorded, the row kept
                 try:
                     row[f"ms_fwd_{name}"] = timer(lambda: launch.sparse_fwd(q, k, v, idx, cnt, G, BS, scale,
@@ -531,7 +532,7 @@ def run_points(points, bench, args, meta, t_start, timer=bench_ms, on_row=None, 
                 row = one_row(S, p["sparsity"], p["block_size"], p["G"], dense_cache[(S, dim, heads)],
                               not args.no_flex, dim=dim, heads=heads, timer=timer,
                               deterministic=getattr(args, "deterministic_bwd", False),
-                              lists=getattr(args, "lists", "random"))
+                              lists=getattr(args, "lists", "random"), candidates=getattr(args, "candidates", False))
             except Exception as e:  # out of memory, out of shared memory, ...: record and go on
                 row = dict(keys, error=_error(e, 240))
             torch.cuda.empty_cache()
@@ -559,9 +560,11 @@ def point_line(r, warm=False) -> str:
         flex = f" vs flex {r['speedup_vs_flex_fwd_bwd']:.2f}x"
     dense = (f"dense {r['ms_dense_fwd']:.1f}/{r['ms_dense_bwd']:.1f}) x{r['speedup_fwd_bwd']:.2f}"
              if "speedup_fwd_bwd" in r else f"no dense: {r.get('dense_error')})")
-    extra = (f" packed: pack {r['ms_pack']:.2f} (runs {r.get('ms_pack_runs', float('nan')):.2f}) fwd "
-             f"{r['ms_fwd_packed']:.2f} (P={r['token_pack']})" if "ms_fwd_packed" in r else "")
-    extra += "".join(f" fwd {name} {r['ms_fwd_' + name]:.2f}" for name in KT_FWD_CONFIGS if "ms_fwd_" + name in r)
+    extra = (f" packed: pack {r['ms_pack']:.2f} fwd {r['ms_fwd_packed']:.2f} (P={r['token_pack']})"
+             if "ms_fwd_packed" in r else "")
+    extra += f" pack by runs {r['ms_pack_runs']:.2f}" if "ms_pack_runs" in r else ""
+    extra += f" fwd alone {r['ms_fwd_rowmajor']:.2f}" if "ms_fwd_rowmajor" in r else ""
+    extra += "".join(f" {name} {r['ms_fwd_' + name]:.2f}" for name in KT_FWD_CONFIGS if "ms_fwd_" + name in r)
     return f"{head} fwd {r['ms_fwd']:.2f} bwd {r['ms_bwd']:.2f} ms ({dense}{flex}{extra} [{r['s_wall']:.0f}s]"
 
 
@@ -689,6 +692,10 @@ def main(argv=None):
     ap.add_argument("--lists", choices=LIST_KINDS, default="random",
                     help="the sweep's lists: random (uniform draws, the default) or video (a video DiT's shape: "
                          "benchmarks/list_shapes.py); rows record it and list_overlap")
+    ap.add_argument("--candidates", action="store_true",
+                    help="also time the kernel variants waiting for a decision (G < 128, D <= 128): the keys-as-rows "
+                         "forward (ms_fwd_kt*, beside ms_fwd_rowmajor: the default forward timed the same way) and "
+                         "the packer's runs marking (ms_pack_runs)")
     ap.add_argument("--deterministic-bwd", action="store_true",
                     help="also time our backward under torch.use_deterministic_algorithms(True): ms_bwd_deterministic "
                          "and deterministic_bwd_cost (its ratio to the default backward)")

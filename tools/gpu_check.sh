@@ -10,8 +10,9 @@
 #   topkkeys (the Triton top-k's method "keys", its "auto" for block lists: its tests on the GPU, then beside the
 #   CUDA kernel at every S, G=32 / block 64 and G=128 / block 128, and "search" at 16K in the same run)
 #   smallg (the G = 32 / 64 kernel variants waiting for a decision, ~3 min: their GPU tests, then the token sweep at
-#   D = 128, 64K, 90%, G = 32 / 64 on video and random lists and the G = 32 block point: ms_fwd_kt* beside ms_fwd,
-#   ms_pack_runs beside ms_pack), d256tune (bench_sparse_attention.py --tune at D = 256, G = 128, then its 64K point)
+#   D = 128, 64K, 90%, G = 32 / 64 on video and random lists and G = 32 over 64- and 128-key blocks (--candidates:
+#   ms_fwd_kt* beside ms_fwd_rowmajor, ms_pack_runs beside ms_pack)), d256tune (bench_sparse_attention.py --tune
+#   at D = 256, G = 128, then its 64K point)
 #   models (every test of tests/models and the local-list tests on the GPU host, not only the gpu-marked ones:
 #   with GPU_WHEEL_DIRS=".whl-mc019 .whl-wan" it checks megatron-core 0.19.2 and the Wan bf16 test against
 #   diffusers; .whl-mc019 = megatron-core 0.19.2, .whl-wan = diffusers 0.42.1 and its pure-Python deps)
@@ -70,9 +71,9 @@ for s in $stages; do
              --out "$out" ;;
     smallg) run smallg 240 sh -c "python3 -m pytest -q -p no:cacheprovider tests/ops/test_sparse_attention_gpu.py \
               -k 'keys_as_rows or packing_by_runs'; b='python3 benchmarks/bench_sparse_attention.py --sweep \
-              --seq-lens 64K --sparsities 0.9 --no-flex --head-dim 128'; for l in video random; do \
+              --seq-lens 64K --sparsities 0.9 --no-flex --head-dim 128 --candidates'; for l in video random; do \
               \$b --granularity token --group-size 32,64 --lists \$l --out '$out/smallg-'\$l; done; \
-              \$b --granularity block --group-size 32 --out '$out/smallg-block'" ;;
+              \$b --granularity block --group-size 32 --block-sizes 64,128 --out '$out/smallg-block'" ;;
     d256tune) run d256tune 540 python3 benchmarks/bench_sparse_attention.py --tune --head-dim 256 --group-size 128 \
                 --seq-lens 64K --sparsities 0.9 --no-flex --time-budget-s 480 --out "$out/d256tune" ;;
     *) echo "unknown stage $s (build tests train recall predictor topk e2e e2etok topksample topkkeys models sweep" \

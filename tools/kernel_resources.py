@@ -177,7 +177,8 @@ def report_rows(dims, groups, blocks, passes, space: str = "defaults", pack: Opt
         if P > 1 and (BS != 0 or kind not in PACKING_PASSES or P * G > 128):
             continue
         evens = (True, False) if uneven_keys and BS and kind in ("fwd", "bwd_q") else (True,)
-        todo += [(D, G, BS, kind, P, even, cfg) for cfg in configs(kind, D, G * P, BS, space) for even in evens]
+        cfgs = [c for c in configs(kind, D, G * P, BS, space) if P == 1 or not c.get("KT")]  # KT: unpacked only
+        todo += [(D, G, BS, kind, P, even, cfg) for cfg in cfgs for even in evens]
     rows = []
     for i, (D, G, BS, kind, P, even, cfg) in enumerate(todo):
         fn, const = pass_kernel(kind, D, G, BS, cfg, P, hr, even)

@@ -36,6 +36,9 @@ out["packed"] = kr.report_rows([128], [32], [0], ("fwd",), pack=4, progress=Fals
 out["gqa"] = kr.report_rows([128], [128], [128], ("bwd_kv",), hr=2, progress=False)
 # the keys-as-rows forward the sweep times at G = 32 (cfg KT=1: wgmma, not mma.sync, on 32-row query tiles)
 out["kt"] = [r for r in kr.report_rows([128], [32], [0], ("fwd",), space="tune", progress=False) if r.get("KT")]
+# ... and never packed: at G = 16 packed 4 at a time (64 rows) the tune space leaves it out instead of failing
+out["kt_packed"] = [r.get("KT", 0) for r in kr.report_rows([128], [16], [0], ("fwd",), space="tune", pack=4,
+                                                            progress=False)]
 # a tile known not to fit: D=256 token lists' dq kernel on 128 query rows (its dK/dV scatter: > 227 KB)
 fn, const = kr.pass_kernel("bwd_q", 256, 128, 0, dict(BM=128, BN=32))
 out["too_big"] = kr.resources(fn, const, 8, 2)
@@ -115,3 +118,4 @@ def test_keys_as_rows_forward_is_reported_with_the_sweeps_candidates(report):
     assert len(kt) == 4 and {(r["BN"], r["num_warps"], r.get("LAZY_L", 0)) for r in kt} == {
         (64, 4, 0), (128, 8, 0), (64, 4, 1), (128, 8, 1)}
     assert all(r["BM"] == 32 and r["pass_"] == "fwd" for r in kt)
+    assert report["kt_packed"] and not any(report["kt_packed"])

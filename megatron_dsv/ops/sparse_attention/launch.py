@@ -170,15 +170,15 @@ def sparse_fwd(q, k, v, kv_indices, kv_counts, G: int, BS: int, scale: float,
     not packed (the packed forward measured no faster: only the backward packs, :mod:`.packing`)."""
     B, H, T, D = q.shape
     TK = k.shape[2]
+    if cfg and cfg.get("KT") and _pack_factor(pack, G, BS) > 1:
+        raise ValueError(f"cfg KT=1 (keys as the MMA's rows) takes unpacked lists; got pack={pack}")
     kv_indices, bits, kv_counts, G, GB = _packed(kv_indices, kv_counts, G, BS, TK, pack)
     NG = kv_indices.shape[2]
     cfg = cfg or pick_config("fwd", D, G, BS)
     o = torch.empty_like(q)
     lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
     grid = (NG * (G // cfg["BM"]), B * H)
-    if cfg.get("KT"):  # keys as the MMA's rows (query tiles under 64 rows): no packed lists
-        if GB:
-            raise ValueError(f"cfg KT=1 (keys as the MMA's rows) takes unpacked lists; got pack={pack}")
+    if cfg.get("KT"):  # keys as the MMA's rows (query tiles under 64 rows; unpacked lists, checked above)
         sparse_attn_fwd_kt_kernel[grid](
             q, k, v, o, lse, kv_indices, _kernel_counts(kv_counts, NG), T, TK, NG, kv_indices.shape[3],
             scale * LOG2E, H=H, HR=H // k.shape[1], K=D, BD=_bd(D), G=G, BM=cfg["BM"], BN=cfg["BN"], BS=BS,
