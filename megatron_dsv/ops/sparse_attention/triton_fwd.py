@@ -53,6 +53,15 @@ def _load_kv_tile(i_it, cnt, p_idx, TK, K: tl.constexpr, BD: tl.constexpr,
 
 
 @triton.jit
+def _load_kv(k, v, p_kv_base, i_it, cnt, p_idx, TK, K: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr,
+             BS: tl.constexpr, EVEN_T: tl.constexpr):
+    """The forwards' K and V rows [BN, BD] of inner step i_it (:func:`_load_kv_tile`) and their validity [BN]."""
+    o_n, m_n, m_ld = _load_kv_tile(i_it, cnt, p_idx, TK, K, BD, BN, BS, EVEN_T)
+    p_rows = p_kv_base + o_n[:, None] * K + tl.arange(0, BD)[None, :]
+    return tl.load(k + p_rows, mask=m_ld, other=0.), tl.load(v + p_rows, mask=m_ld, other=0.), m_n
+
+
+@triton.jit
 def _num_steps(cnt, BN: tl.constexpr, BS: tl.constexpr):
     """Inner steps over a list of cnt entries (tokens or blocks)."""
     if BS == 0:
@@ -105,11 +114,8 @@ def sparse_attn_fwd_kernel(
     b_l = tl.zeros([BM], tl.float32)
     b_acc = tl.zeros([BM, BD], tl.float32)
     for i_it in range(n_it):
-        o_n, m_n, m_ld = _load_kv_tile(i_it, cnt, p_idx, TK, K, BD, BN, BS, EVEN_T)
-        p_rows = p_kv_base + o_n[:, None] * K + o_d[None, :]
         # [BN, BD]
-        b_k = tl.load(k + p_rows, mask=m_ld, other=0.)
-        b_v = tl.load(v + p_rows, mask=m_ld, other=0.)
+        b_k, b_v, m_n = _load_kv(k, v, p_kv_base, i_it, cnt, p_idx, TK, K, BD, BN, BS, EVEN_T)
         # [BM, BN] raw scores; scaled into log2 units inside one FMA below (exp2 is native)
         b_s = tl.dot(b_q, tl.trans(b_k))
         if BS == 0 or BN > BS or not EVEN_T:
@@ -170,11 +176,8 @@ def sparse_attn_fwd_kt_kernel(
         b_l2 = tl.zeros([BN, BM], tl.float32)
     b_acc = tl.zeros([BD, BM], tl.float32)
     for i_it in range(n_it):
-        o_n, m_n, m_ld = _load_kv_tile(i_it, cnt, p_idx, TK, K, BD, BN, BS, EVEN_T)
-        p_rows = p_kv_base + o_n[:, None] * K + o_d[None, :]
         # [BN, BD]
-        b_k = tl.load(k + p_rows, mask=m_ld, other=0.)
-        b_v = tl.load(v + p_rows, mask=m_ld, other=0.)
+        b_k, b_v, m_n = _load_kv(k, v, p_kv_base, i_it, cnt, p_idx, TK, K, BD, BN, BS, EVEN_T)
         # [BN, BM] raw scores, keys down the rows
         b_st = tl.dot(b_k, b_qt)
         if BS == 0 or BN > BS or not EVEN_T:
