@@ -122,8 +122,8 @@ def test_methods_agree_and_validate():
 
 def test_sample_plan():
     F, nsv, cap = sample_plan(65536, 6656)
-    assert (F, nsv) == (64, 1024) and 6656 < cap < 2.5 * 6656
-    assert sample_plan(500, 50) == (1, 500, 96)  # exact sample: K + ties slack
+    assert (F, nsv) == (64, 1024) and 1024 < cap < 1.25 * 6656  # the window around the K-th key
+    assert sample_plan(500, 50) == (1, 500, 500)  # exact sample: the buffer holds the sample
     assert sample_plan(100, 100)[2] == 100  # never more than the items
 
 

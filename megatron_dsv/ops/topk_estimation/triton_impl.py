@@ -6,9 +6,10 @@ items at or above 16 probes), plus the number of items strictly above it.
 ``_tk_write``: one ordered pass writing items above the threshold and the first
 (K - above) items equal to it, lower index first; lists come out ascending.
 Scores are recomputed in every pass (r is tiny), so memory is the output alone.
-Method "sample" (``_tk_sample``, see its docstring): a sampled threshold window, one scoring pass
-over all items into a per-group candidate buffer, exact selection on the buffer; groups whose window
-missed are redone by the two kernels above (flagged groups only, no host sync). Method "keys"
+Method "sample" (``_tk_sample``, see its docstring): each group's threshold from a sampled window, one
+scoring pass over all items that counts the items above the window and keeps the window's keys, and an
+exact search on those; groups whose window missed are redone by ``_tk_threshold`` (flagged groups only, no
+host sync); then ``_tk_write``'s ordered pass, as "search". Method "keys"
 (``_tk_keys``): one scoring pass writing every item's key, then the selection kernel
 (``select_kernel._select_rows``, one launch per chunk of groups; its torch twin ``_select_from_keys``, a
 ``torch.topk`` on packed (key, index) values, for rows past ``select_kernel.MAX_ITEMS`` items); method "gemm":
@@ -95,7 +96,7 @@ def _scores_at(Pb, Kb, offs_g, mask_g, items, valid, S,
         p0 = tl.load(Pb + offs_g * R, mask=mask_g, other=0.0).to(tl.float32)
         k0 = tl.load(Kb + items * R, mask=valid, other=0.0).to(tl.float32)
         s = p0[:, None] * k0[None, :]
-        for d in tl.static_range(1, R):
+        for d in range(1, R):  # a loop, not unrolled: one column of keys live at a time
             pd = tl.load(Pb + offs_g * R + d, mask=mask_g, other=0.0).to(tl.float32)
             kd = tl.load(Kb + items * R + d, mask=valid, other=0.0).to(tl.float32)
             s = tl.fma(tl.broadcast_to(pd[:, None], (BG, BN)), tl.broadcast_to(kd[None, :], (BG, BN)), s)
@@ -105,7 +106,7 @@ def _scores_at(Pb, Kb, offs_g, mask_g, items, valid, S,
         p0 = tl.load(Pb + offs_g * R, mask=mask_g, other=0.0).to(tl.float32)
         k0 = tl.load(Kb + toks * R, mask=tval, other=0.0).to(tl.float32)
         s3 = p0[:, None, None] * k0[None, :, :]  # [BG, BN, BS]
-        for d in tl.static_range(1, R):
+        for d in range(1, R):  # a loop, not unrolled (as above)
             pd = tl.load(Pb + offs_g * R + d, mask=mask_g, other=0.0).to(tl.float32)
             kd = tl.load(Kb + toks * R + d, mask=tval, other=0.0).to(tl.float32)
             s3 = tl.fma(tl.broadcast_to(pd[:, None, None], (BG, BN, BS)), tl.broadcast_to(kd[None, :, :], (BG, BN, BS)), s3)
@@ -123,48 +124,68 @@ def _scores_at(Pb, Kb, offs_g, mask_g, items, valid, S,
 
 
 @triton.jit
-def _tk_threshold(P, Kp, Counts, Tout, GTout, Flags, S, n_items, NG,
-                  R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr,
-                  NPROBE: tl.constexpr, NPASS: tl.constexpr, HAS_FLAGS: tl.constexpr):
-    pid_g = tl.program_id(0)
-    bh = tl.program_id(1)
-    K = tl.load(Counts + bh)
-    offs_g = pid_g * BG + tl.arange(0, BG)
-    mask_g = offs_g < NG
-    n_loop = n_items
-    if HAS_FLAGS:  # fallback of method "sample": only the flagged groups; a tile without any skips the passes
-        fl = tl.load(Flags + bh * NG + offs_g, mask=mask_g, other=0)
-        mask_g = mask_g & (fl != 0)
-        n_loop = tl.where(tl.max(fl, axis=0) != 0, n_items, 0)
-    Pb = P + bh.to(tl.int64) * NG * R
-    Kb = Kp + bh.to(tl.int64) * S * R
-    # invariant: count(key >= lo) >= K > count(key >= hi) = c_hi
-    lo = tl.full([BG], -2147483648, tl.int64)
-    hi = tl.full([BG], 2147483648, tl.int64)
-    c_hi = tl.zeros([BG], tl.int32)
-    m = (tl.arange(0, NPROBE) + 1).to(tl.int64)
-    for _ in range(NPASS):
-        probes = lo[:, None] + ((hi - lo)[:, None] * m[None, :]) // (NPROBE + 1)  # [BG, NPROBE]
-        cnt = tl.zeros([BG, NPROBE], tl.int32)
-        for it0 in range(0, n_loop, BN):
-            key, items, valid = _item_scores(Pb, Kb, offs_g, mask_g, it0, S, n_items, R, BG, BN, BS, LSE)
-            ge = (key.to(tl.int64)[:, :, None] >= probes[:, None, :]) & valid[None, :, None]  # [BG, BN, NPROBE]
-            cnt += tl.sum(ge.to(tl.int32), axis=1)
-        ok = cnt >= K
-        new_lo = tl.max(tl.where(ok, probes, lo[:, None]), axis=1)
-        new_hi = tl.min(tl.where(ok, hi[:, None], probes), axis=1)
-        c_new = tl.max(tl.where(ok, -1, cnt), axis=1)
-        c_hi = tl.where(new_hi < hi, c_new, c_hi)
-        lo = new_lo
-        hi = new_hi
-    tl.store(Tout + bh * NG + offs_g, lo.to(tl.int32), mask=mask_g)
-    tl.store(GTout + bh * NG + offs_g, c_hi, mask=mask_g)
+def _probe_counts(key, ok, lo, hi, cnt, NPROBE: tl.constexpr):
+    """``cnt`` [BG, NPROBE] plus, per row, the ``ok`` keys (int32 [BG, BN]) at or above each probe of
+    :func:`_probes` (lo, hi int64 [BG]); one probe at a time, so no [BG, BN, NPROBE] tensor (that one spilled:
+    Triton 3.6, sm_90a, 4.6 KB of spill loads a thread). A probe lies in [lo, hi) with lo >= -2^31 and
+    hi <= 2^31, so it fits int32 and the compares run on int32."""
+    pcol = tl.arange(0, NPROBE)[None, :]
+    for p in tl.static_range(NPROBE):
+        pr = (lo + ((hi - lo) * (p + 1)) // (NPROBE + 1)).to(tl.int32)
+        c = tl.sum(((key >= pr[:, None]) & ok).to(tl.int32), axis=1)
+        cnt += tl.where(pcol == p, c[:, None], 0)
+    return cnt
 
 
 @triton.jit
-def _tk_write(P, Kp, Counts, Tin, GTin, Out, Flags, S, n_items, NG, KMAX,
-              R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr,
-              HAS_FLAGS: tl.constexpr):
+def _probes(lo, hi, NPROBE: tl.constexpr):
+    """The NPROBE probes [BG, NPROBE] (int64) of the search step between lo and hi, as :func:`_probe_counts`."""
+    m = (tl.arange(0, NPROBE) + 1).to(tl.int64)
+    return lo[:, None] + ((hi - lo)[:, None] * m[None, :]) // (NPROBE + 1)
+
+
+@triton.jit
+def _narrow(lo, hi, c_hi, cnt, K, NPROBE: tl.constexpr):
+    """One step of the K-th search: keep count(key >= lo) >= K > count(key >= hi) = c_hi (K [BG, 1] or a
+    scalar); cnt [BG, NPROBE]: the counts at :func:`_probes` (lo, hi)."""
+    probes = _probes(lo, hi, NPROBE)
+    ok = cnt >= K
+    new_lo = tl.max(tl.where(ok, probes, lo[:, None]), axis=1)
+    new_hi = tl.min(tl.where(ok, hi[:, None], probes), axis=1)
+    c_new = tl.max(tl.where(ok, -1, cnt), axis=1)
+    c_hi = tl.where(new_hi < hi, c_new, c_hi)
+    return new_lo, new_hi, c_hi
+
+
+@triton.jit
+def _kth_in_buffer(Buf, b_rows, n_c, lo, hi, c_hi, rank, BN: tl.constexpr, NPROBE: tl.constexpr):
+    """The ``rank``-th best key (int64 [BG]) among each row's first ``n_c`` [BG] keys in the buffer
+    (row r at ``Buf + b_rows[r]``), and the count of keys above it, by 16-probe steps that keep
+    count(key >= lo) >= rank > count(key >= hi) = c_hi (``rank`` [BG, 1]) until hi = lo + 1; a row starts
+    from any (lo, hi, c_hi) that holds it, or with hi = lo + 1 to be left alone."""
+    n_max = tl.max(n_c, axis=0)
+    while tl.max(hi - lo, axis=0) > 1:
+        cnt = tl.zeros([lo.shape[0], NPROBE], tl.int32)
+        for c0 in range(0, n_max, BN):
+            cp = c0 + tl.arange(0, BN)
+            cv = cp[None, :] < n_c[:, None]
+            key = tl.load(Buf + b_rows[:, None] + cp[None, :], mask=cv, other=0)
+            cnt = _probe_counts(key, cv, lo, hi, cnt, NPROBE)
+        live = (hi - lo) > 1
+        n_lo, n_hi, n_ch = _narrow(lo, hi, c_hi, cnt, rank, NPROBE)
+        lo = tl.where(live, n_lo, lo)
+        hi = tl.where(live, n_hi, hi)
+        c_hi = tl.where(live, n_ch, c_hi)
+    return lo, c_hi
+
+
+@triton.jit
+def _tk_threshold(P, Kp, Counts, Tout, GTout, Flags, S, n_items, NG,
+                  R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr,
+                  NPROBE: tl.constexpr, NPASS: tl.constexpr, HAS_FLAGS: tl.constexpr):
+    """Per query group: the K-th best key (``Tout``) and the count of keys above it (``GTout``), by a
+    16-probe search over the int32 key range, NPASS passes over every item (scores recomputed in each).
+    With HAS_FLAGS only the groups flagged by method "sample" (a tile without any skips the passes)."""
     pid_g = tl.program_id(0)
     bh = tl.program_id(1)
     K = tl.load(Counts + bh)
@@ -177,11 +198,38 @@ def _tk_write(P, Kp, Counts, Tin, GTin, Out, Flags, S, n_items, NG, KMAX,
         n_loop = tl.where(tl.max(fl, axis=0) != 0, n_items, 0)
     Pb = P + bh.to(tl.int64) * NG * R
     Kb = Kp + bh.to(tl.int64) * S * R
+    # invariant: count(key >= lo) >= K > count(key >= hi) = c_hi
+    lo = tl.full([BG], -2147483648, tl.int64)
+    hi = tl.full([BG], 2147483648, tl.int64)
+    c_hi = tl.zeros([BG], tl.int32)
+    for _ in range(NPASS):
+        cnt = tl.zeros([BG, NPROBE], tl.int32)
+        for it0 in range(0, n_loop, BN):
+            key, items, valid = _item_scores(Pb, Kb, offs_g, mask_g, it0, S, n_items, R, BG, BN, BS, LSE)
+            cnt = _probe_counts(key, valid[None, :], lo, hi, cnt, NPROBE)
+        lo, hi, c_hi = _narrow(lo, hi, c_hi, cnt, K, NPROBE)
+    tl.store(Tout + bh * NG + offs_g, lo.to(tl.int32), mask=mask_g)
+    tl.store(GTout + bh * NG + offs_g, c_hi, mask=mask_g)
+
+
+@triton.jit
+def _tk_write(P, Kp, Counts, Tin, GTin, Out, S, n_items, NG, KMAX,
+              R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr):
+    """One ordered pass per query group: the items above the threshold ``Tin`` and the first
+    (K - ``GTin``) equal to it, lower index first, so the lists come out ascending."""
+    pid_g = tl.program_id(0)
+    bh = tl.program_id(1)
+    K = tl.load(Counts + bh)
+    offs_g = pid_g * BG + tl.arange(0, BG)
+    mask_g = offs_g < NG
+    Pb = P + bh.to(tl.int64) * NG * R
+    Kb = Kp + bh.to(tl.int64) * S * R
     t = tl.load(Tin + bh * NG + offs_g, mask=mask_g, other=0)
     need_eq = K - tl.load(GTin + bh * NG + offs_g, mask=mask_g, other=0)
     o_rows = Out + (bh.to(tl.int64) * NG + offs_g) * KMAX  # [BG]
     run_sel = tl.zeros([BG], tl.int32)
     run_eq = tl.zeros([BG], tl.int32)
+    n_loop = tl.where(K > 0, n_items, 0)
     for it0 in range(0, n_loop, BN):
         key, items, valid = _item_scores(Pb, Kb, offs_g, mask_g, it0, S, n_items, R, BG, BN, BS, LSE)
         ok = valid[None, :] & mask_g[:, None]
@@ -196,49 +244,48 @@ def _tk_write(P, Kp, Counts, Tin, GTin, Out, Flags, S, n_items, NG, KMAX,
 
 
 @triton.jit
-def _narrow(lo, hi, c_hi, probes, cnt, K):
-    """One step of the k-th search: keep count(key >= lo) >= K > count(key >= hi) = c_hi (K scalar
-    or [BG]); probes [BG, NPROBE] int64 strictly inside (lo, hi), cnt their counts."""
-    ok = cnt >= K
-    new_lo = tl.max(tl.where(ok, probes, lo[:, None]), axis=1)
-    new_hi = tl.min(tl.where(ok, hi[:, None], probes), axis=1)
-    c_new = tl.max(tl.where(ok, -1, cnt), axis=1)
-    c_hi = tl.where(new_hi < hi, c_new, c_hi)
-    return new_lo, new_hi, c_hi
-
-
-@triton.jit
-def _tk_sample(P, Kp, Counts, Out, Bidx, Bkey, Flags, S, n_items, NG, KMAX, CAP, F, NSV, Z,
+def _tk_sample(P, Kp, Counts, Tout, GTout, Flags, Buf, S, n_items, NG, CAP, F, NSV, Z,
                R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr,
                NPROBE: tl.constexpr, NPASS: tl.constexpr):
-    """Method "sample", one program = (b, h, BG query groups):
-    1. thresholds from a stratified sample (item j*F + hash(j) % F of stratum j, NSV strata): the
-       sampled keys of rank m_lo ~ Texp + Z sqrt(Texp) (t_lo) and m_hi ~ Texp - Z sqrt(Texp) (t_hi),
-       Texp = K * NSV / n_items sampled items expected at or above the K-th best (16-probe search
-       over the sample, scores recomputed per pass: NSV << n_items);
-    2. ONE pass over all items: (index, key) of every item with key >= t_lo appended, in item order,
-       to the group's buffer (capacity CAP), and the exact count of items with key > t_hi;
-    3. the K-th best key t among the candidates (16-probe search on the buffer, started from
-       [t_lo, t_hi + 1] when fewer than K items are above t_hi), then the buffer rewritten to the
-       output rows: key > t, and the first (K - count(key > t)) items with key == t (lower index);
-    4. groups with fewer than K candidates, or more than CAP, get Flags = 1 and no output: the host
-       runs the exact search kernels on those groups only (no host sync).
-    """
+    """Method "sample", one program = (b, h, BG query groups): each group's threshold for :func:`_tk_write`
+    (the K-th best key ``Tout`` and the count above it ``GTout``) from ONE pass over the items.
+    1. sample: the keys of item j*F + hash(j) % F of each stratum j (NSV strata) into the group's buffer
+       row, then on them (no rescoring) the sampled keys of rank m_lo ~ Texp + Z sqrt(Texp) (t_lo) and
+       m_hi ~ Texp - Z sqrt(Texp) (t_hi), Texp = K * NSV / n_items sampled items expected at or above the
+       K-th best (16-probe searches, one after the other, on the buffered keys);
+    2. ONE pass over all items: the exact count a_hi of keys above t_hi, and the keys of the window
+       [t_lo, t_hi] appended to the buffer row (capacity CAP);
+    3. the K-th best key overall is the (K - a_hi)-th best of the window: a 16-probe search on the buffer
+       between t_lo and t_hi + 1;
+    4. groups whose window missed (a_hi >= K, fewer than K items at or above t_lo, or more than CAP in the
+       window) get Flags = 1: :func:`_tk_threshold` redoes those groups alone (no host sync). Groups with
+       K = 0 or K >= n_items get thresholds that select nothing or everything."""
     pid_g = tl.program_id(0)
     bh = tl.program_id(1)
     K = tl.load(Counts + bh)
     offs_g = pid_g * BG + tl.arange(0, BG)
     mask_g = offs_g < NG
     rows = bh.to(tl.int64) * NG + offs_g  # [BG]
-    o_rows = Out + rows * KMAX
-    if K >= n_items:  # every item, in order
-        for j0 in range(0, K, BN):
-            j = j0 + tl.arange(0, BN)
-            tl.store(o_rows[:, None] + j[None, :], j[None, :], mask=mask_g[:, None] & (j < K)[None, :])
+    b_rows = rows * CAP
+    t_out = tl.full([BG], 2147483647, tl.int32)  # K = 0: nothing is above or equal
+    gt_out = tl.zeros([BG], tl.int32)
+    bad = offs_g < 0
+    if K >= n_items:  # every item: nothing equals the lowest key, all are above it
+        t_out = tl.full([BG], -2147483648, tl.int32)
     elif K > 0:
         Pb = P + bh.to(tl.int64) * NG * R
         Kb = Kp + bh.to(tl.int64) * S * R
-        # ---- 1. sample ranks and thresholds
+        # ---- 1. the sample's keys into the buffer rows, then the two sampled thresholds from them
+        for j0 in range(0, NSV, BN):
+            js = j0 + tl.arange(0, BN)
+            jv = js < NSV
+            start = js.to(tl.int64) * F
+            ln = tl.maximum(tl.minimum(n_items - start, F), 1)
+            hsh = ((js.to(tl.int64) * 1779033703) & 0x7FFFFFFF) >> 7  # scatter within the stratum
+            items = tl.where(jv, start + hsh % ln, 0)
+            key = _scores_at(Pb, Kb, offs_g, mask_g, items, jv, S, R, BG, BN, BS, LSE)
+            tl.store(Buf + b_rows[:, None] + js[None, :], key, mask=mask_g[:, None] & jv[None, :])
+        tl.debug_barrier()  # the buffer rows written above are read back by other threads below
         texp = K.to(tl.float32) * NSV / n_items
         marg = Z * tl.sqrt(texp)
         if F == 1:  # the sample is every item: exact ranks
@@ -247,88 +294,39 @@ def _tk_sample(P, Kp, Counts, Out, Bidx, Bkey, Flags, S, n_items, NG, KMAX, CAP,
         else:
             m_lo = tl.minimum((texp + marg).to(tl.int32) + 2, NSV)
             m_hi = tl.maximum((texp - marg).to(tl.int32) - 1, 0)
-        lo_l = tl.full([BG], -2147483648, tl.int64)
-        hi_l = tl.full([BG], 2147483648, tl.int64)
-        c_l = tl.zeros([BG], tl.int32)
-        lo_h = tl.full([BG], -2147483648, tl.int64)
-        hi_h = tl.full([BG], 2147483648, tl.int64)
-        c_h = tl.zeros([BG], tl.int32)
-        m = (tl.arange(0, NPROBE) + 1).to(tl.int64)
-        for _ in range(NPASS):
-            pr_l = lo_l[:, None] + ((hi_l - lo_l)[:, None] * m[None, :]) // (NPROBE + 1)
-            pr_h = lo_h[:, None] + ((hi_h - lo_h)[:, None] * m[None, :]) // (NPROBE + 1)
-            cnt_l = tl.zeros([BG, NPROBE], tl.int32)
-            cnt_h = tl.zeros([BG, NPROBE], tl.int32)
-            for j0 in range(0, NSV, BN):
-                js = j0 + tl.arange(0, BN)
-                jv = js < NSV
-                start = js.to(tl.int64) * F
-                ln = tl.maximum(tl.minimum(n_items - start, F), 1)
-                hsh = ((js.to(tl.int64) * 1779033703) & 0x7FFFFFFF) >> 7  # scatter within the stratum
-                items = tl.where(jv, start + hsh % ln, 0)
-                key = _scores_at(Pb, Kb, offs_g, mask_g, items, jv, S, R, BG, BN, BS, LSE).to(tl.int64)
-                cnt_l += tl.sum(((key[:, :, None] >= pr_l[:, None, :]) & jv[None, :, None]).to(tl.int32), axis=1)
-                cnt_h += tl.sum(((key[:, :, None] >= pr_h[:, None, :]) & jv[None, :, None]).to(tl.int32), axis=1)
-            lo_l, hi_l, c_l = _narrow(lo_l, hi_l, c_l, pr_l, cnt_l, m_lo)
-            lo_h, hi_h, c_h = _narrow(lo_h, hi_h, c_h, pr_h, cnt_h, m_hi)
+        n_s = tl.where(mask_g, NSV, 0)
+        full_lo = tl.full([BG], -2147483648, tl.int64)
+        full_hi = tl.full([BG], 2147483648, tl.int64)
+        none = tl.zeros([BG], tl.int32)
+        lo_l, _ = _kth_in_buffer(Buf, b_rows, n_s, full_lo, full_hi, none, none[:, None] + m_lo, BN, NPROBE)
+        lo_h, _ = _kth_in_buffer(Buf, b_rows, n_s, full_lo, full_hi, none, none[:, None] + m_hi, BN, NPROBE)
         t_lo = lo_l.to(tl.int32)  # m_lo-th best sampled key
-        t_hi = lo_h  # m_hi-th best sampled key (2^31 - 1 when m_hi == 0), int64
-        # ---- 2. the one full pass: candidates >= t_lo into the buffer, exact count above t_hi
-        b_rows = rows * CAP
+        t_hi = lo_h.to(tl.int32)  # m_hi-th best sampled key (2^31 - 1 when m_hi == 0)
+        tl.debug_barrier()  # every sampled key is read before the window overwrites the rows
+        # ---- 2. the one full pass: the exact count above t_hi, the window [t_lo, t_hi] into the buffer
         run = tl.zeros([BG], tl.int32)
         a_hi = tl.zeros([BG], tl.int32)
         for it0 in range(0, n_items, BN):
             key, items, valid = _item_scores(Pb, Kb, offs_g, mask_g, it0, S, n_items, R, BG, BN, BS, LSE)
             ok = valid[None, :] & mask_g[:, None]
-            cand = (key >= t_lo[:, None]) & ok
+            a_hi += tl.sum(((key > t_hi[:, None]) & ok).to(tl.int32), axis=1)
+            cand = (key >= t_lo[:, None]) & (key <= t_hi[:, None]) & ok
             pos = run[:, None] + tl.cumsum(cand.to(tl.int32), axis=1) - 1
-            st = cand & (pos < CAP)
-            tl.store(Bidx + b_rows[:, None] + pos, tl.broadcast_to(items[None, :], (BG, BN)), mask=st)
-            tl.store(Bkey + b_rows[:, None] + pos, key, mask=st)
+            tl.store(Buf + b_rows[:, None] + pos, key, mask=cand & (pos < CAP))
             run += tl.sum(cand.to(tl.int32), axis=1)
-            a_hi += tl.sum(((key.to(tl.int64) > t_hi[:, None]) & ok).to(tl.int32), axis=1)
-        good = mask_g & (run >= K) & (run <= CAP)
-        tl.store(Flags + rows, (mask_g & ~good).to(tl.int32), mask=mask_g)
-        tl.debug_barrier()  # the buffer rows written above are read back by other threads below
-        # ---- 3. exact K-th key among the candidates: count(>= lo) >= K > count(>= hi) = c_hi
-        n_c = tl.where(good, run, 0)
-        n_max = tl.max(n_c, axis=0)
+        good = mask_g & (a_hi < K) & (a_hi + run >= K) & (run <= CAP)
+        bad = mask_g & ~good
+        tl.debug_barrier()  # the window written above is read back by other threads below
+        # ---- 3. the (K - a_hi)-th best window key: count(>= lo) >= K - a_hi > count(>= hi) = c_hi
         lo = t_lo.to(tl.int64)
-        use_hi = a_hi < K
-        hi = tl.where(use_hi, t_hi + 1, 2147483648)
-        c_hi = tl.where(use_hi, a_hi, 0)
-        hi = tl.where(good, hi, lo + 1)  # failed groups: nothing to search
-        while tl.max(hi - lo, axis=0) > 1:
-            probes = lo[:, None] + ((hi - lo)[:, None] * m[None, :]) // (NPROBE + 1)
-            cnt = tl.zeros([BG, NPROBE], tl.int32)
-            for c0 in range(0, n_max, BN):
-                cp = c0 + tl.arange(0, BN)
-                cv = cp[None, :] < n_c[:, None]
-                key = tl.load(Bkey + b_rows[:, None] + cp[None, :], mask=cv, other=0).to(tl.int64)
-                cnt += tl.sum(((key[:, :, None] >= probes[:, None, :]) & cv[:, :, None]).to(tl.int32), axis=1)
-            live = (hi - lo) > 1
-            n_lo, n_hi, n_ch = _narrow(lo, hi, c_hi, probes, cnt, K)
-            lo = tl.where(live, n_lo, lo)
-            hi = tl.where(live, n_hi, hi)
-            c_hi = tl.where(live, n_ch, c_hi)
-        # ---- 4. write: candidates are in item order, so the lists come out ascending
-        t = lo.to(tl.int32)
-        need_eq = K - c_hi
-        run_sel = tl.zeros([BG], tl.int32)
-        run_eq = tl.zeros([BG], tl.int32)
-        for c0 in range(0, n_max, BN):
-            cp = c0 + tl.arange(0, BN)
-            cv = cp[None, :] < n_c[:, None]
-            key = tl.load(Bkey + b_rows[:, None] + cp[None, :], mask=cv, other=0)
-            idx = tl.load(Bidx + b_rows[:, None] + cp[None, :], mask=cv, other=0)
-            gt = (key > t[:, None]) & cv
-            eq = (key == t[:, None]) & cv
-            eq_rank = run_eq[:, None] + tl.cumsum(eq.to(tl.int32), axis=1)
-            sel = gt | (eq & (eq_rank <= need_eq[:, None]))
-            pos = run_sel[:, None] + tl.cumsum(sel.to(tl.int32), axis=1) - 1
-            tl.store(o_rows[:, None] + pos, idx, mask=sel)
-            run_sel += tl.sum(sel.to(tl.int32), axis=1)
-            run_eq += tl.sum(eq.to(tl.int32), axis=1)
+        hi = tl.where(good, t_hi.to(tl.int64) + 1, lo + 1)  # failed groups: nothing to search
+        lo, c_hi = _kth_in_buffer(Buf, b_rows, tl.where(good, run, 0), lo, hi, tl.zeros([BG], tl.int32),
+                                  (K - a_hi)[:, None], BN, NPROBE)
+        t_out = lo.to(tl.int32)
+        gt_out = a_hi + c_hi
+    tl.store(Tout + rows, t_out, mask=mask_g & ~bad)
+    tl.store(GTout + rows, gt_out, mask=mask_g & ~bad)
+    tl.store(Flags + rows, bad.to(tl.int32), mask=mask_g)
 
 
 @triton.jit(do_not_specialize=["g0", "n_g"])  # one compile for every chunk of the loop
@@ -495,18 +493,19 @@ def resolve_method(method: str, block_size: int) -> str:
 
 
 def sample_plan(n_items: int, kmax: int, sample_size: int = 1024, z: float = 4.0):
-    """(F, NSV, CAP) of method "sample": stratum length F, strata (sampled items) NSV, candidate
-    buffer capacity per group CAP (expected candidates at kmax plus z standard deviations)."""
+    """(F, NSV, CAP) of method "sample": stratum length F, strata (sampled items) NSV, buffer capacity per
+    group CAP: the sample itself, or the window between the sampled ranks m_hi and m_lo at kmax (their
+    sampled items times F, plus z standard deviations), whichever is larger."""
     F = max(1, -(-n_items // sample_size))
     nsv = -(-n_items // F)
-    if F == 1:
-        cap = kmax + int(z * math.sqrt(kmax)) + 16  # exact threshold: the slack is for ties only
-    else:
+    cap = nsv
+    if F > 1:
         texp = kmax * nsv / n_items
         m_lo = min(nsv, int(texp + z * math.sqrt(texp)) + 2)
-        cap = int((m_lo + z * math.sqrt(m_lo) + 2) * F)
-    cap = -(-cap // 16) * 16
-    return F, nsv, max(kmax, min(n_items, cap))
+        m_hi = max(0, int(texp - z * math.sqrt(texp)) - 1)
+        w = m_lo - m_hi + 1
+        cap = max(cap, int((w + z * math.sqrt(w) + 2) * F))
+    return F, nsv, min(n_items, -(-cap // 16) * 16)
 
 
 def sample_positions(n_items: int, sample_size: int = 1024) -> torch.Tensor:
@@ -527,9 +526,10 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     q_lr [B, H, Sq, r], k_lr [B, H, Sk, r]: Sk may differ from Sq.
 
     ``method``: "search" (two kernels: 16-probe search, 9 passes over all items, then the ordered
-    write pass), "sample" (:func:`_tk_sample`: a sampled threshold window, one pass over all items
-    into a per-group candidate buffer, exact selection on the buffer; groups whose window missed
-    fall back to the search kernels, on those groups only, without a host sync), "keys" (:func:`_tk_keys`:
+    write pass), "sample" (:func:`_tk_sample`: a sampled threshold window, one pass over all items that
+    counts those above the window and keeps the window's keys in a per-group buffer, the exact threshold
+    from the buffer; groups whose window missed fall back to the search kernel, on those groups only,
+    without a host sync; then the ordered write pass of "search"), "keys" (:func:`_tk_keys`:
     ONE scoring pass writing every item's ordered key, ``chunk_elems`` keys at a time (but at least one
     group of every batch and head), then one selection launch per chunk (:func:`select_kernel.select_rows_into`;
     rows past ``select_kernel.MAX_ITEMS`` items: one int64 ``torch.topk``, :func:`_select_from_keys`, about 12
@@ -547,7 +547,8 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     naive lists ("gemm" up to near-exact ties).
     "sample" knobs: ``sample_size`` (items scored to place the window), ``z`` (window half-width in
     standard deviations), ``capacity`` (candidate buffer per group; 0 = :func:`sample_plan`'s, a
-    smaller value forces overflow in tests). Extra memory of "sample": B*H*NG*capacity*8 bytes.
+    smaller value forces overflow in tests; at least the sample). Extra memory of "sample":
+    B*H*NG*capacity*4 bytes (64K tokens, G=32, H=16, 90% sparse: capacity 7936, 1.0 GB).
     ``stats``: a dict that receives ``fallback_groups`` (a host sync; for tests and benchmarks).
     ``forced`` [NG, F] (local + predicted lists): items ranked first in their group; methods "keys" and
     "gemm" (their keys buffer takes the top key); "auto" then picks "gemm" for token lists too. ``forced_extra``
@@ -582,29 +583,29 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     proxies = group_proxies(q_lr, group_size, proxy, kernel=True).contiguous()  # [B, H, NG, r]
     k = k_lr.contiguous()
     counts = P.counts.contiguous()
-    BN = BN or (64 if block_size == 0 else 16)
-    meta = dict(R=P.r, BG=BG, BN=BN, BS=block_size, LSE=block_score == "lse")
+    # tiles of BG x BN items (x block_size tokens) that 8 warps hold without spilling (Triton 3.6, sm_90a: BG 16 x
+    # BN 64 tokens, or 512 tokens of blocks; 4 warps spilled in "sample", 16 x 16 x 128 block tiles in every kernel)
+    BN = BN or (64 if block_size == 0 else 1 << (max(1, 512 // block_size).bit_length() - 1))
+    meta = dict(R=P.r, BG=BG, BN=BN, BS=block_size, LSE=block_score == "lse", num_warps=8)
     if method in ("keys", "gemm"):
         _lists_by_keys(method, P, proxies, k, out, group_counts if forced_extra else None, forced, chunk_elems, meta)
         return out, (group_counts if forced_extra else counts)
     grid = (triton.cdiv(P.num_groups, BG), P.B * P.H)
     thr = torch.empty(P.B, P.H, P.num_groups, dtype=torch.int32, device=q_lr.device)
     above = torch.empty_like(thr)
+    fb = method == "sample"
     flags = thr  # unused by "search"
-    if method == "sample":
+    if fb:
         F, nsv, cap = sample_plan(P.num_items, P.kmax, sample_size, z)
-        cap = capacity or cap
+        cap = max(capacity or cap, nsv)  # the buffer holds the sample first
         flags = torch.zeros(P.B, P.H, P.num_groups, dtype=torch.int32, device=q_lr.device)
-        bidx = torch.empty(P.B * P.H * P.num_groups * cap, dtype=torch.int32, device=q_lr.device)
-        bkey = torch.empty_like(bidx)
-        _tk_sample[grid](proxies, k, counts, out, bidx, bkey, flags, P.Sk, P.num_items, P.num_groups, P.kmax,
-                         cap, F, nsv, float(z), NPROBE=_NPROBE, NPASS=_NPASS, **meta)
-        del bidx, bkey
+        buf = torch.empty(P.B * P.H * P.num_groups * cap, dtype=torch.int32, device=q_lr.device)
+        _tk_sample[grid](proxies, k, counts, thr, above, flags, buf, P.Sk, P.num_items, P.num_groups, cap, F, nsv,
+                         float(z), NPROBE=_NPROBE, NPASS=_NPASS, **meta)
+        del buf
         if stats is not None:
             stats["fallback_groups"] = int(flags.sum())
-    fb = method == "sample"
     _tk_threshold[grid](proxies, k, counts, thr, above, flags, P.Sk, P.num_items, P.num_groups,
                         NPROBE=_NPROBE, NPASS=_NPASS, HAS_FLAGS=fb, **meta)
-    _tk_write[grid](proxies, k, counts, thr, above, out, flags, P.Sk, P.num_items, P.num_groups, P.kmax,
-                    HAS_FLAGS=fb, **meta)
+    _tk_write[grid](proxies, k, counts, thr, above, out, P.Sk, P.num_items, P.num_groups, P.kmax, **meta)
     return out, counts
