@@ -23,8 +23,9 @@ int64 fixed point: the deterministic backward's ``fixed``); ``bwd_kv`` (block li
 ``DQ=2``, is not reported). ``--space tune`` takes the candidates of ``bench_sparse_attention.tune_space`` instead
 of the defaults (for forwards of fewer than 128 query rows also the keys-as-rows forward, cfg ``KT=1``, that the
 sweep times beside the default); ``--uneven-keys`` adds block lists over key lengths that are not a multiple of the
-block (their masked loads take more shared memory); ``--query-heads-per-kv`` compiles for GQA. Needs Triton's
-compiler API and a ptxas in its build; runs without ``TRITON_INTERPRET``.
+block (their masked loads take more shared memory); ``--query-heads-per-kv`` compiles for GQA; ``--topk`` reports
+the Triton top-k's kernels (``topk_estimation.triton_impl``) instead. Needs Triton's compiler API and a ptxas in its
+build; runs without ``TRITON_INTERPRET``.
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ def pass_kernel(kind: str, D: int, G: int, BS: int, cfg: Dict[str, int], pack: i
                                DQ=int(cfg.get("DQ", 1)) if kind == "bwd_fused" else 0)
 
 
-def resources(fn, constexprs: Dict[str, object], num_warps: int, num_stages: int) -> Dict[str, object]:
+def resources(fn, constexprs: Dict[str, object], num_warps: int, num_stages: int,
+              arg_types: Optional[Dict[str, str]] = None) -> Dict[str, object]:
     """Compile ``fn`` (the constexprs of :func:`pass_kernel`) for sm_90a: ``{regs, spill_stores, spill_loads, smem,
     fits}`` (bytes per thread for the spills, per program for smem; ``fits``: smem within
     :data:`HOPPER_SMEM_BYTES`), or ``{error}`` if it does not compile."""
@@ -112,10 +114,11 @@ def resources(fn, constexprs: Dict[str, object], num_warps: int, num_stages: int
     from triton.compiler import ASTSource
 
     names = list(inspect.signature(fn.fn).parameters)
-    missing = [n for n in names if n not in constexprs and n not in _ARG_TYPES and not n.islower()]
+    missing = [n for n in names if n not in constexprs and n not in (arg_types or _ARG_TYPES) and not n.islower()]
     if missing:
         raise ValueError(f"{fn.fn.__name__}: no value for constexpr arguments {missing}")
-    types = dict(_ARG_TYPES, **({"dk32": "*i64", "dv32": "*i64"} if constexprs.get("ATOMIC_KV") == 2 else {}))
+    types = dict(arg_types or _ARG_TYPES,
+                 **({"dk32": "*i64", "dv32": "*i64"} if constexprs.get("ATOMIC_KV") == 2 else {}))
     sig = {n: "constexpr" if n in constexprs else types.get(n, "*bf16") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if sig[n].startswith("*") or n in _DIVISIBLE_INTS}
@@ -140,6 +143,34 @@ def resources(fn, constexprs: Dict[str, object], num_warps: int, num_stages: int
     smem = int(kernel.metadata.shared)
     return dict(regs=int(regs.group(1)), spill_stores=int(spill.group(1)), spill_loads=int(spill.group(2)),
                 smem=smem, fits=smem <= HOPPER_SMEM_BYTES)
+
+
+TOPK_KERNELS = ("threshold", "threshold_flags", "sample", "write", "keys")  # the Triton top-k's (topk_estimation)
+_TOPK_ARG_TYPES = {"P": "*fp32", "Kp": "*bf16", "Counts": "*i32", "Tout": "*i32", "GTout": "*i32", "Flags": "*i32",
+                   "Tin": "*i32", "GTin": "*i32", "Out": "*i32", "Buf": "*i32", "Keys": "*i32", "S": "i32",
+                   "n_items": "i32", "NG": "i32", "KMAX": "i32", "CAP": "i32", "F": "i32", "NSV": "i32", "Z": "fp32",
+                   "g0": "i32", "n_g": "i32"}
+
+
+def topk_rows(block_sizes, r: int = 16) -> List[Dict[str, object]]:
+    """Registers, spills and shared memory of the Triton top-k's kernels as ``estimate_topk_triton`` launches them
+    (``triton_impl.kernel_meta``; bf16 keys, ``r`` ranks), per list kind (block size, 0: token lists)."""
+    from megatron_dsv.ops.topk_estimation import triton_impl as ti
+
+    kernels = {"threshold": (ti._tk_threshold, dict(NPROBE=ti._NPROBE, NPASS=ti._NPASS, HAS_FLAGS=False)),
+               "threshold_flags": (ti._tk_threshold, dict(NPROBE=ti._NPROBE, NPASS=ti._NPASS, HAS_FLAGS=True)),
+               "sample": (ti._tk_sample, dict(NPROBE=ti._NPROBE, NPASS=ti._NPASS)),
+               "write": (ti._tk_write, {}), "keys": (ti._tk_keys, {})}
+    rows = []
+    for bs in block_sizes:
+        meta = ti.kernel_meta(r, bs)
+        warps = meta.pop("num_warps")
+        for name in TOPK_KERNELS:
+            fn, extra = kernels[name]
+            row = dict(kernel=name, block_size=bs, BG=meta["BG"], BN=meta["BN"], num_warps=warps)
+            row.update(resources(fn, dict(meta, **extra), warps, 3, _TOPK_ARG_TYPES))
+            rows.append(row)
+    return rows
 
 
 def configs(kind: str, D: int, G: int, BS: int, space: str) -> List[Dict[str, int]]:
@@ -220,6 +251,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--query-heads-per-kv", type=int, default=1, help="GQA: query heads sharing a kv head")
     ap.add_argument("--uneven-keys", action="store_true",
                     help="block lists' fwd and dq kernel also over a key length not a multiple of the block")
+    ap.add_argument("--topk", action="store_true",
+                    help="the Triton top-k's kernels instead (token lists and --block-size's block lists)")
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -231,8 +264,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     import triton
 
     print(f"Triton {triton.__version__}, sm_90a, shared memory limit {HOPPER_SMEM_BYTES // 1024} KB", flush=True)
-    rows = report_rows(args.head_dim, args.group_size, args.block_size, passes, args.space, args.pack,
-                       args.query_heads_per_kv, args.uneven_keys)
+    if args.topk:
+        rows = topk_rows(sorted(set([0] + args.block_size)))
+        for r in rows:
+            print(f"topk {r['kernel']:>15s}  block {r['block_size']:3d}  BG {r['BG']} BN {r['BN']:2d} "
+                  f"warps {r['num_warps']}  " + (r["error"] if "error" in r else
+                                                  f"regs {r['regs']:3d}  spills {r['spill_stores']} B"), flush=True)
+    else:
+        rows = report_rows(args.head_dim, args.group_size, args.block_size, passes, args.space, args.pack,
+                           args.query_heads_per_kv, args.uneven_keys)
     spilled = [r for r in rows if r.get("spill_stores")]
     too_big = [r for r in rows if r.get("fits") is False]
     failed = [r for r in rows if "error" in r]

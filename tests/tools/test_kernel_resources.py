@@ -42,6 +42,8 @@ out["kt_packed"] = [r.get("KT", 0) for r in kr.report_rows([128], [16], [0], ("f
 # a tile known not to fit: D=256 token lists' dq kernel on 128 query rows (its dK/dV scatter: > 227 KB)
 fn, const = kr.pass_kernel("bwd_q", 256, 128, 0, dict(BM=128, BN=32))
 out["too_big"] = kr.resources(fn, const, 8, 2)
+# the Triton top-k's kernels as estimate_topk_triton launches them, token lists and blocks of 64 and 128
+out["topk"] = kr.topk_rows([0, 64, 128])
 print(json.dumps(out))
 """
 
@@ -119,3 +121,16 @@ def test_keys_as_rows_forward_is_reported_with_the_sweeps_candidates(report):
         (64, 4, 0), (128, 8, 0), (64, 4, 1), (128, 8, 1)}
     assert all(r["BM"] == 32 and r["pass_"] == "fwd" for r in kt)
     assert report["kt_packed"] and not any(report["kt_packed"])
+
+
+def test_topk_kernels_compile_without_spilling(report):
+    """The Triton top-k's search, sample, write and keys kernels at the library's tiles (``kernel_meta``): the
+    token lists' kernels spill nothing, block lists' at most a few words (before its rewrite the search kernel
+    spilled 4.6 KB a thread and "sample" 18.9 KB, Triton 3.6). This machine's Triton may not be the GPU's."""
+    rows = report["topk"]
+    assert {(r["kernel"], r["block_size"]) for r in rows} == {(k, b) for k in ("threshold", "threshold_flags",
+                                                              "sample", "write", "keys") for b in (0, 64, 128)}
+    assert not [r for r in rows if "error" in r], rows
+    assert all(r["spill_stores"] == 0 and r["spill_loads"] == 0 for r in rows if r["block_size"] == 0), rows
+    assert all(r["spill_loads"] <= 64 for r in rows), rows
+    assert all(r["num_warps"] == 8 and r["BN"] * max(1, r["block_size"]) <= 512 for r in rows), rows

@@ -32,7 +32,7 @@ from .common import check_forced, check_problem, forced_mask, forced_union
 from .naive import group_proxies
 from .select_kernel import fits, select_rows_into
 
-__all__ = ["estimate_topk_triton", "resolve_method", "sample_plan", "sample_positions", "METHODS"]
+__all__ = ["estimate_topk_triton", "kernel_meta", "resolve_method", "sample_plan", "sample_positions", "METHODS"]
 
 _NPROBE = 16
 _NPASS = 9  # (17-way split) 8 passes shrink 2^32 to 1; one spare
@@ -518,6 +518,15 @@ def sample_positions(n_items: int, sample_size: int = 1024) -> torch.Tensor:
     return start + (((js * 1779033703) & 0x7FFFFFFF) >> 7) % ln
 
 
+def kernel_meta(r: int, block_size: int, block_score: str = "max", BG: int = 16, BN: int = 0) -> dict:
+    """The launch settings of the search, sample, write and keys kernels (constexprs and ``num_warps``): tiles
+    of BG groups x BN items (BN 0: 64 tokens, or blocks of 512 tokens in all) that 8 warps hold without
+    spilling (Triton 3.6 and 3.9, sm_90a, ``tools/kernel_resources.py --topk``; 4 warps spilled in "sample",
+    16 x 16 x 128 block tiles in every kernel)."""
+    BN = BN or (64 if block_size == 0 else 1 << (max(1, 512 // block_size).bit_length() - 1))
+    return dict(R=r, BG=BG, BN=BN, BS=block_size, LSE=block_score == "lse", num_warps=8)
+
+
 def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="mean", block_score="max",
                          BG: int = 16, BN: int = 0, method: str = "auto", *, sample_size: int = 1024,
                          z: float = 4.0, capacity: int = 0, stats: dict | None = None, chunk_elems: int = 1 << 25,
@@ -583,10 +592,7 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     proxies = group_proxies(q_lr, group_size, proxy, kernel=True).contiguous()  # [B, H, NG, r]
     k = k_lr.contiguous()
     counts = P.counts.contiguous()
-    # tiles of BG x BN items (x block_size tokens) that 8 warps hold without spilling (Triton 3.6, sm_90a: BG 16 x
-    # BN 64 tokens, or 512 tokens of blocks; 4 warps spilled in "sample", 16 x 16 x 128 block tiles in every kernel)
-    BN = BN or (64 if block_size == 0 else 1 << (max(1, 512 // block_size).bit_length() - 1))
-    meta = dict(R=P.r, BG=BG, BN=BN, BS=block_size, LSE=block_score == "lse", num_warps=8)
+    meta = kernel_meta(P.r, block_size, block_score, BG, BN)
     if method in ("keys", "gemm"):
         _lists_by_keys(method, P, proxies, k, out, group_counts if forced_extra else None, forced, chunk_elems, meta)
         return out, (group_counts if forced_extra else counts)
