@@ -91,8 +91,8 @@ def _scores_at(Pb, Kb, offs_g, mask_g, items, valid, S,
     """Ordered int32 keys [BG, BN] of the items ``items`` [BN] (any order, ``valid`` masks loads)."""
     if BS == 0:
         # [BG, BN]; sums in order d = 0..R-1 as the reference, with explicit fma: exact for
-    # bf16/fp16 (products are exact), and the same instructions in both kernels for fp32
-    # (left to itself the compiler may fuse mul+add differently in the two kernels)
+        # bf16/fp16 (products are exact), and the same instructions in both kernels for fp32
+        # (left to itself the compiler may fuse mul+add differently in the two kernels)
         p0 = tl.load(Pb + offs_g * R, mask=mask_g, other=0.0).to(tl.float32)
         k0 = tl.load(Kb + items * R, mask=valid, other=0.0).to(tl.float32)
         s = p0[:, None] * k0[None, :]
@@ -109,7 +109,8 @@ def _scores_at(Pb, Kb, offs_g, mask_g, items, valid, S,
         for d in range(1, R):  # a loop, not unrolled (as above)
             pd = tl.load(Pb + offs_g * R + d, mask=mask_g, other=0.0).to(tl.float32)
             kd = tl.load(Kb + toks * R + d, mask=tval, other=0.0).to(tl.float32)
-            s3 = tl.fma(tl.broadcast_to(pd[:, None, None], (BG, BN, BS)), tl.broadcast_to(kd[None, :, :], (BG, BN, BS)), s3)
+            s3 = tl.fma(tl.broadcast_to(pd[:, None, None], (BG, BN, BS)),
+                        tl.broadcast_to(kd[None, :, :], (BG, BN, BS)), s3)
         s3 = tl.where(tval[None, :, :], s3, float("-inf"))
         m = tl.max(s3, axis=2)
         if LSE:
