@@ -12,7 +12,10 @@
 #   smallg (the G = 32 / 64 kernel variants waiting for a decision, ~3 min: their GPU tests, then the token sweep at
 #   D = 128, 64K, 90%, G = 32 / 64 on video and random lists and G = 32 over 64- and 128-key blocks (--candidates:
 #   ms_fwd_kt* beside ms_fwd_rowmajor, ms_pack_runs beside ms_pack)), d256tune (bench_sparse_attention.py --tune
-#   at D = 256, G = 128, then its 64K point)
+#   at D = 256, G = 128, then its 64K point),
+#   topk3x (the Triton top-k against the CUDA kernel as issue 26's 3x target reads, ~3 min: the GPU tests of
+#   "sample" and the selection kernel, then token lists (G = 32, "sample") at 16K-128K and the library's block
+#   lists (G = 128, blocks of 128, auto = "gemm") at 16K-128K, each beside the CUDA kernel in the same run)
 #   models (every test of tests/models and the local-list tests on the GPU host, not only the gpu-marked ones:
 #   with GPU_WHEEL_DIRS=".whl-mc019 .whl-wan" it checks megatron-core 0.19.2 and the Wan bf16 test against
 #   diffusers; .whl-mc019 = megatron-core 0.19.2, .whl-wan = diffusers 0.42.1 and its pure-Python deps)
@@ -76,7 +79,11 @@ for s in $stages; do
               \$b --granularity block --group-size 32 --block-sizes 64,128 --out '$out/smallg-block'" ;;
     d256tune) run d256tune 540 python3 benchmarks/bench_sparse_attention.py --tune --head-dim 256 --group-size 128 \
                 --seq-lens 64K --sparsities 0.9 --no-flex --time-budget-s 480 --out "$out/d256tune" ;;
+    topk3x) run topk3x 300 sh -c "python3 -m pytest -q -p no:cacheprovider tests/ops/test_topk_sample.py \
+              tests/ops/test_topk_select_kernel.py; b='python3 benchmarks/bench_topk_estimation.py --backends cuda,triton \
+              --sizes 16384,32768,65536,131072 --triton-max-s 131072'; \$b --granularity token --triton-method sample \
+              --out '$out/topk3x-token'; \$b --granularity block --group-size 128 --block-size 128 --out '$out/topk3x-block'" ;;
     *) echo "unknown stage $s (build tests train recall predictor topk e2e e2etok topksample topkkeys models sweep" \
-            "smallg d256tune)"; exit 2 ;;
+            "smallg d256tune topk3x)"; exit 2 ;;
   esac
 done
