@@ -228,3 +228,34 @@ def test_frontier_wait_reports_each_runs_progress_and_the_end(tmp_path):
         launcher.wait()
     assert "vizdoom/logs/full-s8.log: it   1250/3000" in proc.stdout, proc.stdout + proc.stderr
     assert "== still training after WAIT_S" in proc.stdout
+
+
+def _python3_on_path(tmp_path):
+    """A bin folder whose `python3` is this interpreter (the device scripts call python3)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} \"$@\"\n")
+    (bin_dir / "python3").chmod(0o755)
+    return str(bin_dir) + os.pathsep + os.environ.get("PATH", "/usr/bin:/bin")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("arms,ok", [("full,default", True), ("no_such_arm", False)], ids=["trains", "fails"])
+def test_frontier_preflight_trains_two_steps_or_stops_the_start(tmp_path, arms, ok):
+    """`PREFLIGHT=1 ... start` first trains one worker of the first arm for 2 steps (CUDA_LAUNCH_BLOCKING=1 on a GPU):
+    it launches the study only when that worked, and otherwise exits 3 with the worker's error, launching nothing
+    (2026-12-06: every worker of a study died at its first step, and the study's start could not tell why)."""
+    (tmp_path / "wheels").mkdir()
+    env = _bare_env(PATH=_python3_on_path(tmp_path), GPU_WHEEL_DIRS=str(tmp_path / "wheels"), DATA="synthetic",
+                    ARMS=arms, ARM_KEYS="frames=2,res=32,stage1=700,qk_lr=10,lr=3e-4", PREFLIGHT="1",
+                    PREFLIGHT_DIR=str(tmp_path / "pf"), WIDTH="--heads 2 --head-dim 16 --layers 1", OMP_NUM_THREADS="1")
+    phase = "preflight" if ok else "start"  # a passing start would launch a real study: the phase alone here
+    proc = subprocess.run(["bash", os.path.join(ROOT, "tools", "gpu_quality_frontier.sh"), str(tmp_path / "out"), phase],
+                          capture_output=True, text=True, timeout=560, env=env)
+    if ok:
+        assert proc.returncode == 0 and "preflight: synthetic full trained 2 steps" in proc.stdout, \
+            proc.stdout[-3000:] + proc.stderr[-3000:]
+    else:
+        assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "preflight: synthetic no_such_arm FAILED" in proc.stdout and "unknown arm 'no_such_arm'" in proc.stdout
+        assert "launched detached" not in proc.stdout and not (tmp_path / "out" / "synthetic").exists()

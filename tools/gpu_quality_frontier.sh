@@ -21,6 +21,8 @@
 #           validation: a later start resumes it). Its matching, like wait's, skips this script and its callers,
 #           whose text may name the pattern (run 14 lost a call before it did); never `pkill -f bench_quality.py`
 #           in a device command instead, which matches that command's own shell (run 7 lost a call to it)
+#   preflight  one worker of the first arm for 2 steps under CUDA_LAUNCH_BLOCKING=1 (~1 min): exit 3 and the failing
+#           op if it cannot train; PREFLIGHT=1 runs it before train, start and start-wait, which then stop on failure
 #   time    the timing and the reports alone
 #   report  the reports alone (curves and timing already under runs/frontier-<data>/; SEEDS: the seeds reported)
 # Memory: a 16K-token worker (hidden 512 x 4 layers) holds 8-12 GiB of the GPU and peaks at 13-17 GiB; 18 workers ran out
@@ -39,7 +41,7 @@
 # Carry [".whl", ".whl-vizdoom"] (".footage" for data footage: in a call of its own before, the carry cap is
 # 64 MiB; ".whl-mlm", ".mlm" for MEGATRON_CHECK=1).
 set -u
-out=${1:?usage: gpu_quality_frontier.sh OUT_DIR PHASE}; phase=${2:?phase: train, start, start-wait, wait, stop, finish, time or report}
+out=${1:?usage: gpu_quality_frontier.sh OUT_DIR PHASE}; phase=${2:?phase: preflight, train, start, start-wait, wait, stop, finish, time or report}
 mkdir -p "$out/logs"
 cd "$(dirname "$0")/.." || exit 2
 ours=" $$ "  # this script and the shells above it (a device command's own text may name the patterns below)
@@ -131,13 +133,42 @@ wait_launches() {  # WAIT_S [540] s at most, until every detached launch has end
   for log in runs/launch-*.log; do [ -e "$log" ] && { echo "== $log"; tail -n 12 "$log"; }; done
 }
 
+preflight() {  # one worker of the first study's first arm, 2 steps on 8 clips, CUDA_LAUNCH_BLOCKING=1: fails fast and
+  # names the failing op (2026-12-06: every worker died at its first step with a cuBLAS handle error after gather
+  # asserts, and the asynchronous error named neither); its run in PREFLIGHT_DIR [/tmp], never the study's
+  local d=${studies[0]} arm=${ARMS:-full} log=$out/logs/preflight.log
+  local dir=${PREFLIGHT_DIR:-/tmp}/preflight-$d
+  arm=${arm%%,*}
+  rm -rf "$dir"  # never resumed: an earlier preflight's run would skip the steps
+  python3 -c "import torch; c = torch.cuda.is_available(); \
+    print('preflight: torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name() if c else 'no GPU')"
+  CUDA_LAUNCH_BLOCKING=1 DSV_TOPK_BACKEND=${TRAIN_TOPK:-naive} timeout "${PREFLIGHT_TIMEOUT:-180}" python3 \
+    benchmarks/bench_quality.py --arm "data=$d,${keys%,steps=*},steps=2" --arms "$arm" --seeds 0 \
+    --save-dir "$dir" --out-dir "$dir/out" --samples 8 --val-samples 4 --val-every 250 \
+    --val-batch 4 --workers 8 "${width[@]}" --max-workers 1 --launch > "$log" 2>&1
+  local rc=$?
+  cat "$dir"/logs/*.log >> "$log" 2> /dev/null
+  if [ "$rc" = 0 ] && grep -q "== $arm seed 0: 2 steps" "$log"; then
+    echo "preflight: $d $arm trained 2 steps"; return 0
+  fi
+  echo "preflight: $d $arm FAILED (exit $rc); first assert and the traceback's end ($log):"
+  grep -a -m 1 "Assertion" "$log"; grep -a -v -i "Assertion\|warn" "$log" | tail -n 12
+  return 3
+}
+
 # the GPU tests of the paths the frontier trains, the newest first (beside the workers a phase's limit may end them
 # early: the log names the last file reached)
 gpu_tests=(tests/attention/test_stage1_window.py tests/attention/test_prefetch_step_end.py
            tests/ops/test_topk_select_kernel.py tests/ops/test_topk_forced.py tests/attention/test_local_lists.py
            tests/ops/test_topk_keys.py tests/ops/test_sparse_attention_gpu.py tests/models/test_video_dit.py)
 
+if [ "${PREFLIGHT:-0}" = 1 ] && [[ "$phase" == train || "$phase" == start* ]]; then
+  preflight || exit 3
+fi
 case "$phase" in
+  preflight)
+    preflight
+    ;;
   train)
     if [ "${SKIP_GPU_TESTS:-0}" != 1 ]; then  # beside the arms (small): a failure shows in the log's tail
       (timeout 300 python3 -m pytest -v -rs "${gpu_tests[@]}" \
