@@ -146,7 +146,7 @@ def resources(fn, constexprs: Dict[str, object], num_warps: int, num_stages: int
 
 
 TOPK_KERNELS = ("threshold", "threshold_flags", "sample", "write", "keys")  # the Triton top-k's (topk_estimation)
-_TOPK_ARG_TYPES = {"P": "*fp32", "Kp": "*bf16", "Counts": "*i32", "Tout": "*i32", "GTout": "*i32", "Flags": "*i32",
+_TOPK_ARG_TYPES = {"P": "*bf16", "Kp": "*bf16", "Counts": "*i32", "Tout": "*i32", "GTout": "*i32", "Flags": "*i32",
                    "Tin": "*i32", "GTin": "*i32", "Out": "*i32", "Buf": "*i32", "Keys": "*i32", "S": "i32",
                    "n_items": "i32", "NG": "i32", "KMAX": "i32", "CAP": "i32", "F": "i32", "NSV": "i32", "Z": "fp32",
                    "g0": "i32", "n_g": "i32"}
@@ -154,7 +154,7 @@ _TOPK_ARG_TYPES = {"P": "*fp32", "Kp": "*bf16", "Counts": "*i32", "Tout": "*i32"
 
 def topk_rows(block_sizes, r: int = 16) -> List[Dict[str, object]]:
     """Registers, spills and shared memory of the Triton top-k's kernels as ``estimate_topk_triton`` launches them
-    (``triton_impl.kernel_meta``; bf16 keys, ``r`` ranks), per list kind (block size, 0: token lists)."""
+    (``triton_impl.kernel_meta``; bf16 proxies and keys, ``r`` ranks), per list kind (block size, 0: token lists)."""
     from megatron_dsv.ops.topk_estimation import triton_impl as ti
 
     kernels = {"threshold": (ti._tk_threshold, dict(NPROBE=ti._NPROBE, NPASS=ti._NPASS, HAS_FLAGS=False)),

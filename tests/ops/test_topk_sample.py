@@ -125,6 +125,10 @@ def test_sample_plan():
     assert (F, nsv) == (64, 1024) and 1024 < cap < 1.25 * 6656  # the window around the K-th key
     assert sample_plan(500, 50) == (1, 500, 500)  # exact sample: the buffer holds the sample
     assert sample_plan(100, 100)[2] == 100  # never more than the items
+    # one buffer serves every head of a call, whose budgets go up to kmax: the capacity is the widest window of any
+    # budget up to kmax, so it never shrinks as kmax grows (m_lo capped at the sample made kmax's narrower)
+    caps = [sample_plan(65536, k)[2] for k in range(1024, 65537, 1024)]
+    assert caps == sorted(caps) and caps[-1] > sample_plan(65536, 32768)[2]
 
 
 def test_estimate_topk_logs_its_backend_once(caplog, monkeypatch):

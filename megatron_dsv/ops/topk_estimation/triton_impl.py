@@ -22,6 +22,7 @@ proxies are precomputed per query group, so the kernels never see Sq.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -239,7 +240,8 @@ def _tk_write(P, Kp, Counts, Tin, GTin, Out, S, n_items, NG, KMAX,
         eq_rank = run_eq[:, None] + tl.cumsum(eq.to(tl.int32), axis=1)
         sel = gt | (eq & (eq_rank <= need_eq[:, None]))
         pos = run_sel[:, None] + tl.cumsum(sel.to(tl.int32), axis=1) - 1
-        tl.store(o_rows[:, None] + pos, items[None, :], mask=sel)
+        # pos < K: a threshold that disagreed with these keys could never write past the group's row
+        tl.store(o_rows[:, None] + pos, items[None, :], mask=sel & (pos < K))
         run_sel += tl.sum(sel.to(tl.int32), axis=1)
         run_eq += tl.sum(eq.to(tl.int32), axis=1)
 
@@ -285,7 +287,7 @@ def _tk_sample(P, Kp, Counts, Tout, GTout, Flags, Buf, S, n_items, NG, CAP, F, N
             hsh = ((js.to(tl.int64) * 1779033703) & 0x7FFFFFFF) >> 7  # scatter within the stratum
             items = tl.where(jv, start + hsh % ln, 0)
             key = _scores_at(Pb, Kb, offs_g, mask_g, items, jv, S, R, BG, BN, BS, LSE)
-            tl.store(Buf + b_rows[:, None] + js[None, :], key, mask=mask_g[:, None] & jv[None, :])
+            tl.store(Buf + b_rows[:, None] + js[None, :], key, mask=mask_g[:, None] & (jv & (js < CAP))[None, :])
         tl.debug_barrier()  # the buffer rows written above are read back by other threads below
         texp = K.to(tl.float32) * NSV / n_items
         marg = Z * tl.sqrt(texp)
@@ -493,19 +495,21 @@ def resolve_method(method: str, block_size: int) -> str:
     return "sample" if block_size == 0 else "gemm"
 
 
+@functools.lru_cache(maxsize=256)
 def sample_plan(n_items: int, kmax: int, sample_size: int = 1024, z: float = 4.0):
     """(F, NSV, CAP) of method "sample": stratum length F, strata (sampled items) NSV, buffer capacity per
-    group CAP: the sample itself, or the window between the sampled ranks m_hi and m_lo at kmax (their
-    sampled items times F, plus z standard deviations), whichever is larger."""
+    group CAP: the sample itself, or the widest window between the sampled ranks m_hi and m_lo of a budget up
+    to kmax (their sampled items times F, plus z standard deviations), whichever is larger."""
     F = max(1, -(-n_items // sample_size))
     nsv = -(-n_items // F)
     cap = nsv
-    if F > 1:
-        texp = kmax * nsv / n_items
-        m_lo = min(nsv, int(texp + z * math.sqrt(texp)) + 2)
-        m_hi = max(0, int(texp - z * math.sqrt(texp)) - 1)
-        w = m_lo - m_hi + 1
-        cap = max(cap, int((w + z * math.sqrt(w) + 2) * F))
+    if F > 1:  # the widest window of any budget up to kmax (m_lo is capped at NSV: not always kmax's)
+        t_max = kmax * nsv / n_items
+        for texp in [t_max] + list(range(int(t_max) + 1)):
+            m_lo = min(nsv, int(texp + z * math.sqrt(texp)) + 2)
+            m_hi = max(0, int(texp - z * math.sqrt(texp)) - 1)
+            w = m_lo - m_hi + 1
+            cap = max(cap, int((w + z * math.sqrt(w) + 2) * F))
     return F, nsv, min(n_items, -(-cap // 16) * 16)
 
 
