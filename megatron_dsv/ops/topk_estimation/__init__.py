@@ -22,8 +22,9 @@ Backend: ``DSV_TOPK_BACKEND`` in {auto, cuda, triton, naive}; auto = the CUDA ex
 ``megatron_dsv._C`` is built and the tensors are on CUDA, else Triton on CUDA, else naive (CPU).
 Every backend selects the same lists (see ``common.py`` for the exact score definition).
 :func:`estimate_topk` logs (``logging``, once per backend and reason) which backend it uses and why:
-on a GPU without the extension the Triton fallback is 30-120x slower than the CUDA kernel
-(``benchmarks/NOTES_topk_estimation.md``), which a user should see.
+on a GPU without the extension the Triton fallback was 30-120x slower than the CUDA kernel when last timed
+(H200, 2026-12-01; rewritten without register spills on 2026-12-06 and not re-timed since:
+``benchmarks/NOTES_topk_estimation.md``), which a user should see.
 """
 
 from __future__ import annotations
