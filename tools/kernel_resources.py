@@ -114,11 +114,11 @@ def resources(fn, constexprs: Dict[str, object], num_warps: int, num_stages: int
     from triton.compiler import ASTSource
 
     names = list(inspect.signature(fn.fn).parameters)
-    missing = [n for n in names if n not in constexprs and n not in (arg_types or _ARG_TYPES) and not n.islower()]
-    if missing:
-        raise ValueError(f"{fn.fn.__name__}: no value for constexpr arguments {missing}")
     types = dict(arg_types or _ARG_TYPES,
                  **({"dk32": "*i64", "dv32": "*i64"} if constexprs.get("ATOMIC_KV") == 2 else {}))
+    missing = [n for n in names if n not in constexprs and n not in types and not n.islower()]
+    if missing:
+        raise ValueError(f"{fn.fn.__name__}: no value for constexpr arguments {missing}")
     sig = {n: "constexpr" if n in constexprs else types.get(n, "*bf16") for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if sig[n].startswith("*") or n in _DIVISIBLE_INTS}

@@ -133,17 +133,23 @@ def _probe_counts(key, ok, lo, hi, cnt, NPROBE: tl.constexpr):
     hi <= 2^31, so it fits int32 and the compares run on int32."""
     pcol = tl.arange(0, NPROBE)[None, :]
     for p in tl.static_range(NPROBE):
-        pr = (lo + ((hi - lo) * (p + 1)) // (NPROBE + 1)).to(tl.int32)
+        pr = _probe(lo, hi, p + 1, NPROBE).to(tl.int32)
         c = tl.sum(((key >= pr[:, None]) & ok).to(tl.int32), axis=1)
         cnt += tl.where(pcol == p, c[:, None], 0)
     return cnt
 
 
 @triton.jit
+def _probe(lo, hi, m, NPROBE: tl.constexpr):
+    """Probe m (1..NPROBE) of the search step between lo and hi (int64; any broadcastable shapes): the one
+    formula :func:`_probe_counts` counts at and :func:`_narrow` moves to."""
+    return lo + ((hi - lo) * m) // (NPROBE + 1)
+
+
+@triton.jit
 def _probes(lo, hi, NPROBE: tl.constexpr):
-    """The NPROBE probes [BG, NPROBE] (int64) of the search step between lo and hi, as :func:`_probe_counts`."""
-    m = (tl.arange(0, NPROBE) + 1).to(tl.int64)
-    return lo[:, None] + ((hi - lo)[:, None] * m[None, :]) // (NPROBE + 1)
+    """The NPROBE probes [BG, NPROBE] (int64) of the search step between lo and hi [BG]."""
+    return _probe(lo[:, None], hi[:, None], (tl.arange(0, NPROBE) + 1).to(tl.int64)[None, :], NPROBE)
 
 
 @triton.jit
