@@ -205,16 +205,17 @@ def one_row(S, sparsity, BS, G, dense, with_flex, dim=D, heads=H, timer=bench_ms
     scale = 1 / math.sqrt(dim)
     if row["token_pack"] > 1 and timer is not run_once:  # the packing alone (the backward packs once)
         row["ms_pack"] = timer(lambda: pack_token_lists(idx, cnt, G, row["token_pack"], S))
-        if candidates:  # the marking pass with an atomic add per run of entries in a bitmap word, not per entry
-            row["ms_pack_runs"] = timer(lambda: pack_token_lists(idx, cnt, G, row["token_pack"], S, mark="runs"))
+        if candidates:  # the marking pass with one atomic_or per entry (the default: one atomic add per run)
+            row["ms_pack_atomic"] = timer(lambda: pack_token_lists(idx, cnt, G, row["token_pack"], S, mark="atomic"))
         # the packed forward, its packing included (the library's forward runs unpacked: run 15 timed it no faster
         # with the torch packer; this times it again with the Triton one)
         with torch.no_grad():
             row["ms_fwd_packed"] = timer(lambda: launch.sparse_fwd(q, k, v, idx, cnt, G, BS, scale,
                                                                    pack=row["token_pack"]))
     if candidates and G < 128 and dim <= 128 and backend == "triton" and timer is not run_once:
-        with torch.no_grad():  # the default forward timed as the variants are: the launch alone, no autograd
-            row["ms_fwd_rowmajor"] = timer(lambda: launch.sparse_fwd(q, k, v, idx, cnt, G, BS, scale))
+        with torch.no_grad():  # the row-major forward timed as the variants are: the launch alone, no autograd
+            rm = launch.pick_config("fwd", dim, G, BS, keys_as_rows=False)
+            row["ms_fwd_rowmajor"] = timer(lambda: launch.sparse_fwd(q, k, v, idx, cnt, G, BS, scale, cfg=rm))
             for name, kt in KT_FWD_CONFIGS.items():  # a variant's failure is recorded, the row kept
                 try:
                     row[f"ms_fwd_{name}"] = timer(lambda: launch.sparse_fwd(q, k, v, idx, cnt, G, BS, scale,
@@ -562,7 +563,7 @@ def point_line(r, warm=False) -> str:
              if "speedup_fwd_bwd" in r else f"no dense: {r.get('dense_error')})")
     extra = (f" packed: pack {r['ms_pack']:.2f} fwd {r['ms_fwd_packed']:.2f} (P={r['token_pack']})"
              if "ms_fwd_packed" in r else "")
-    extra += f" pack by runs {r['ms_pack_runs']:.2f}" if "ms_pack_runs" in r else ""
+    extra += f" pack by atomic_or {r['ms_pack_atomic']:.2f}" if "ms_pack_atomic" in r else ""
     extra += f" fwd alone {r['ms_fwd_rowmajor']:.2f}" if "ms_fwd_rowmajor" in r else ""
     extra += "".join(f" {name} {r['ms_fwd_' + name]:.2f}" for name in KT_FWD_CONFIGS if "ms_fwd_" + name in r)
     return f"{head} fwd {r['ms_fwd']:.2f} bwd {r['ms_bwd']:.2f} ms ({dense}{flex}{extra} [{r['s_wall']:.0f}s]"
@@ -694,8 +695,8 @@ def main(argv=None):
                          "benchmarks/list_shapes.py); rows record it and list_overlap")
     ap.add_argument("--candidates", action="store_true",
                     help="also time the kernel variants waiting for a decision (G < 128, D <= 128): the keys-as-rows "
-                         "forward (ms_fwd_kt*, beside ms_fwd_rowmajor: the default forward timed the same way) and "
-                         "the packer's runs marking (ms_pack_runs)")
+                         "forward (ms_fwd_kt*, beside ms_fwd_rowmajor: the row-major forward timed the same way) and "
+                         "the packer's atomic_or marking (ms_pack_atomic)")
     ap.add_argument("--deterministic-bwd", action="store_true",
                     help="also time our backward under torch.use_deterministic_algorithms(True): ms_bwd_deterministic "
                          "and deterministic_bwd_cost (its ratio to the default backward)")

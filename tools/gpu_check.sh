@@ -11,7 +11,7 @@
 #   CUDA kernel at every S, G=32 / block 64 and G=128 / block 128, and "search" at 16K in the same run)
 #   smallg (the G = 32 / 64 kernel variants waiting for a decision, ~3 min: their GPU tests, then the token sweep at
 #   D = 128, 64K, 90%, G = 32 / 64 on video and random lists and G = 32 over 64- and 128-key blocks (--candidates:
-#   ms_fwd_kt* beside ms_fwd_rowmajor, ms_pack_runs beside ms_pack)), d256tune (bench_sparse_attention.py --tune
+#   ms_fwd_kt* beside ms_fwd_rowmajor, ms_pack_atomic beside ms_pack)), d256tune (bench_sparse_attention.py --tune
 #   at D = 256, G = 128, then its 64K point),
 #   topk3x (the Triton top-k against the CUDA kernel as issue 26's 3x target reads, ~3 min: the GPU tests of
 #   "sample" and the selection kernel, then token lists (G = 32, "sample") at 16K-128K and the library's block

@@ -232,6 +232,20 @@ def test_paired_blocks_per_step():
     assert rel_rmse(paired[0], base[0]) < 1e-5
 
 
+def test_forward_configs_follow_the_timed_winners():
+    """The forward's defaults are the run-19 winners: keys as the MMA's rows for 32-query groups of block lists at
+    D = 128 only (token lists and other head dims stay row-major), and 128-row query tiles at D = 256."""
+    for BS in (64, 128):
+        kt = launch.pick_config("fwd", 128, 32, BS)
+        assert kt["KT"] == 1 and kt["LAZY_L"] == 1 and kt["BM"] == 32
+        assert not launch.pick_config("fwd", 128, 32, BS, keys_as_rows=False).get("KT")
+    assert not launch.pick_config("fwd", 128, 32, 0).get("KT")  # token lists: slower keys-as-rows
+    assert not launch.pick_config("fwd", 64, 32, 64).get("KT")  # not timed at D = 64
+    assert not launch.pick_config("fwd", 128, 64, 128).get("KT")  # 64-row tiles already take wgmma
+    assert launch.pick_config("fwd", 256, 128, 128)["BM"] == 128 and launch.pick_config("fwd", 256, 128, 0)["BM"] == 128
+    assert launch.pick_config("bwd_kv", 256, 128, 128)["BM"] == 64
+
+
 def test_bwd_mode_env(monkeypatch):
     monkeypatch.delenv("DSV_SPARSE_BWD", raising=False)
     # auto: fused only where it measured faster on the H200 (D=128): small query groups

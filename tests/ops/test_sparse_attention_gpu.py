@@ -131,12 +131,13 @@ def test_bf16_packed_token_lists(monkeypatch, pack, B, H, Hkv, S, D, G, density)
 
 @pytest.mark.parametrize("S,density", [(65536, 0.1), (65536, 0.5), (3001, 0.3)])
 def test_packing_by_runs_equals_packing_by_atomic_or(S, density):
-    """The marking pass with one atomic add per run of entries in a bitmap word (mark="runs") builds the same
-    packed lists as one atomic_or per entry, compiled and run concurrently on the GPU (dense lists: long runs)."""
+    """The marking pass with one atomic add per run of entries in a bitmap word (mark="runs", the default) builds
+    the same packed lists as one atomic_or per entry, compiled and run concurrently on the GPU (dense lists: long
+    runs)."""
     from megatron_dsv.ops.sparse_attention.packing import pack_token_lists
 
     idx, cnt = gpu_lists(1, 4, S, 32, 0, density, seed=3)
-    a_idx, a_bits, a_cnt = pack_token_lists(idx, cnt, 32, 4, S)
+    a_idx, a_bits, a_cnt = pack_token_lists(idx, cnt, 32, 4, S, mark="atomic")
     r_idx, r_bits, r_cnt = pack_token_lists(idx, cnt, 32, 4, S, mark="runs")
     assert torch.equal(a_cnt, r_cnt)
     used = torch.arange(a_idx.shape[-1], device="cuda") < a_cnt[..., None]

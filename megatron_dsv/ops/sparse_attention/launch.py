@@ -42,34 +42,39 @@ FUSED_FASTER: Dict[Tuple[int, int], Config] = {
 }
 
 
-def pick_config(kind: str, D: int, G: int, BS: int) -> Config:
-    """Tile sizes and launch shape for one pass: kind in {fwd, bwd_q, bwd_kv, bwd_kv_token, bwd_fused}."""
+def pick_config(kind: str, D: int, G: int, BS: int, keys_as_rows: bool = True) -> Config:
+    """Tile sizes and launch shape for one pass: kind in {fwd, bwd_q, bwd_kv, bwd_kv_token, bwd_fused}.
+    ``keys_as_rows=False``: the row-major forward's config where the default is the keys-as-rows one (``KT``)."""
     if (kind, D, G, BS) in CONFIG_OVERRIDES:
         return dict(CONFIG_OVERRIDES[(kind, D, G, BS)])
-    big = D > 128  # 256 needs half-size tiles to fit registers and shared memory
+    big = D > 128  # 256: half-size key tiles to fit registers and shared memory
     # D <= 128 values: winners of the H200 sweep at S=64K, G=128, 90% sparsity (NOTES_sparse_attention.md).
-    # D = 256 values, not timed yet: tiles that fit an SM's shared memory and spill little on sm_90
-    # (tools/kernel_resources.py, Triton 3.6): two stages where one spilled (the backward's 148 / 72 / 148 bytes a
-    # thread for dq / dk-dv / fused with one; 0 / 0 / 0-28 with two), and the token dq kernel's key tile halved
-    # (808 bytes at 64 keys, 40 at 32; packed from G = 32: 840 and 132)
+    # D = 256 values: winners of the H100 tuning sweep at 64K, G = 128, 90% sparse, block lists of 128 and token
+    # lists (run 19, sparse_attention-tune-d256-run19-h100-80gb-hbm3-20261206.json): forward 14.3 ms against the
+    # earlier 28.1 (128-row query tiles), dq 21.1 against 36.8, dk/dv 69.4 against 85.2 (64-row tiles), token
+    # forward 24.7 against 49.0, token dq 155.9 against 189.1 (three stages)
     if kind == "fwd":
-        if BS == 0:  # gathered rows: 4 warps won over 8
-            cfg = dict(BM=min(G, 64 if big else 128), BN=64, num_warps=4 if not big else 8,
-                       num_stages=2 if big else 3)
+        if BS == 0:  # gathered rows: 4 warps won over 8 at D <= 128
+            cfg = dict(BM=min(G, 128), BN=64, num_warps=8, num_stages=2) if big else \
+                dict(BM=min(G, 128), BN=64, num_warps=4, num_stages=3)
+        elif G == 32 and D == 128 and keys_as_rows:
+            # keys as the MMA's rows (wgmma on a 32-query tile, the sum reduced once at the end): 17.97 / 17.80 ms
+            # against the row-major 22.12 / 20.54 at 64K, 90%, blocks of 64 / 128 (run 19, H100). Token lists
+            # stay row-major: there it measured slower (33.5 against 20.2 ms)
+            cfg = dict(BM=32, BN=64, num_warps=4, num_stages=2, LAZY_L=1, KT=1)
         elif G == 32 and BS == 64 and not big:
-            # two 64-blocks per 128-wide step: 22.6 vs 26.2 ms at 64K, 1.53 vs 1.73 at 16K
-            # (at G=128 it measured 8.37 vs 8.60, within noise; at G=64 slower, 15.1 vs 12.8)
+            # row-major, two 64-blocks per 128-wide step (D = 128, H200: 22.6 vs 26.2 ms at 64K, 1.53 vs 1.73 at 16K;
+            # at G=128 8.37 vs 8.60, within noise; at G=64 slower, 15.1 vs 12.8); kept where keys-as-rows is untimed
             cfg = dict(BM=32, BN=128, num_warps=8, num_stages=3)
         else:
-            cfg = dict(BM=min(G, 64 if big else 128), BN=64 if big else BS, num_warps=8,
-                       num_stages=2 if big else 3)
+            cfg = dict(BM=min(G, 128), BN=64 if big else BS, num_warps=8, num_stages=2 if big else 3)
     elif kind == "bwd_q":
         if BS == 0:  # one program per group: every extra tile of a group repeats the atomics
-            cfg = dict(BM=min(G, 64 if big else 128), BN=32 if big else 64, num_warps=8, num_stages=2 if big else 3)
+            cfg = dict(BM=min(G, 64 if big else 128), BN=32 if big else 64, num_warps=8, num_stages=3)
         else:
-            cfg = dict(BM=min(G, 64 if big else 128), BN=64 if big else BS, num_warps=8, num_stages=2)
+            cfg = dict(BM=min(G, 128), BN=64 if big else BS, num_warps=8, num_stages=1 if big else 2)
     elif kind == "bwd_kv":
-        cfg = dict(BM=min(G, 32 if big else 64), BN=64, num_warps=4 if not big else 8, num_stages=2)
+        cfg = dict(BM=min(G, 64), BN=64, num_warps=4 if not big else 8, num_stages=2)
     elif kind == "bwd_kv_token":  # BN is fixed: the inverse map's key masks are BN bits (not tuned yet)
         cfg = dict(BM=min(G, 32 if big else 64), BN=TOKEN_TILE, num_warps=4 if not big else 8,
                    num_stages=1 if big else 2)

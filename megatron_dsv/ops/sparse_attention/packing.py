@@ -219,7 +219,7 @@ def _compact_kernel(bitmap, out_idx, out_bits, out_cnt, NW, W, P: tl.constexpr, 
 
 def pack_token_lists(kv_indices: torch.Tensor, kv_counts: torch.Tensor, G: int, P: int, TK: int,
                      max_bytes: int = 512 << 20,
-                     mark: str = "atomic") -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     mark: str = "runs") -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(indices int32 [B, H, NP, W], bits int8 [B, H, NP, W], counts int32 [B, H, NP])`` with
     ``NP = ceil(NG / P)`` and ``W = max(1, min(TK, P * Kmax))``: packed group i lists, ascending, every key
     some group ``P * i + p`` lists (its first ``counts`` entries; the rest is unspecified and never read), and
@@ -232,8 +232,9 @@ def pack_token_lists(kv_indices: torch.Tensor, kv_counts: torch.Tensor, G: int, 
     take about as much memory as the unpacked ones (``NP * W`` against ``NG * Kmax`` entries), where a width of
     the largest union would take ~1.2-1.4 / P of it on video lists. ``max_bytes`` bounds the key bitmap
     (``NP * P * ceil(TK / 32)`` int32 words a head): heads are packed a few at a time (one head at least).
-    ``mark``: the marking pass, one ``atomic_or`` per entry (``atomic``) or one atomic add per run of entries in
-    one bitmap word (``runs``, not yet timed)."""
+    ``mark``: the marking pass, one atomic add per run of entries in one bitmap word (``runs``, the default: 2.58
+    against 4.39 ms on video-shaped lists and 2.66 against 2.87 on random ones at 64K, G = 32, H100, run 19) or one
+    ``atomic_or`` per entry (``atomic``)."""
     if mark not in MARK_MODES:
         raise ValueError(f"pack_token_lists: mark must be one of {MARK_MODES}, got {mark!r}")
     if not 2 <= P <= 8:
