@@ -71,8 +71,13 @@ def run(sizes, triton_max_s, out_dir, G=32, block=64, backends=("cuda", "triton"
                     cool_down_s=COOL_DOWN_S)
         cases = [("cuda", "token", K, lambda: estimate_topk_cuda(q, k, K, G)),
                  ("cuda", "block", Kb, lambda: estimate_topk_cuda(q, k, Kb, G, block)),
-                 ("triton", "token", K, lambda: estimate_topk_triton(q, k, K, G, method=triton_method)),
-                 ("triton", "block", Kb, lambda: estimate_topk_triton(q, k, Kb, G, block, method=triton_method)),
+                 ("triton", "token", K, lambda st=None: estimate_topk_triton(q, k, K, G, method=triton_method,
+                                                                             stats=st)),
+                 ("triton", "block", Kb, lambda st=None: estimate_topk_triton(q, k, Kb, G, block,
+                                                                              method=triton_method, stats=st)),
+                 # the candidate scoring each token tile with one tl.dot (triton_impl.kernel_meta's dot)
+                 ("triton_dot", "token", K, lambda st=None: estimate_topk_triton(q, k, K, G, method=triton_method,
+                                                                                 stats=st, dot=True)),
                  ("torch_topk", "token", K, lambda: artifact_topk(q, k, K, G))]
         size_rows = []
         for backend, gran, kk, fn in cases:
@@ -80,9 +85,9 @@ def run(sizes, triton_max_s, out_dir, G=32, block=64, backends=("cuda", "triton"
                 continue
             row = dict(base, backend=backend, granularity=gran, block_size=block if gran == "block" else 0, K=kk,
                        out_bytes=NG * H * kk * 4)
-            if backend == "triton":  # the method that ran ("auto" has meant different ones over time)
+            if backend.startswith("triton"):  # the method that ran ("auto" has meant different ones over time)
                 row["triton_method"] = resolve_method(triton_method, row["block_size"])
-            if backend == "triton" and S > triton_max_s:
+            if backend.startswith("triton") and S > triton_max_s:
                 row["skipped"] = f"S > {triton_max_s} (too slow for the lease)"
                 size_rows.append(row)
                 continue
@@ -91,6 +96,10 @@ def run(sizes, triton_max_s, out_dir, G=32, block=64, backends=("cuda", "triton"
                 ms, peak = measure(fn, rep=100)
                 row.update(ms_select=ms, peak_extra_bytes=peak, peak_over_out=peak / row["out_bytes"],
                            wall_s=time.time() - t0)
+                if backend.startswith("triton") and row["triton_method"] in ("sample", "search"):
+                    st = {}  # one more call, its kernels timed apart and the groups left to the search counted
+                    fn(st)
+                    row["phases"] = st
             except torch.cuda.OutOfMemoryError as err:
                 row["skipped"] = f"OOM: {str(err)[:120]}"
             torch.cuda.empty_cache()
@@ -118,8 +127,12 @@ def run(sizes, triton_max_s, out_dir, G=32, block=64, backends=("cuda", "triton"
 def _fmt(r):
     if "ms_select" not in r:
         return f"{r['S']:>7} {r['granularity']:>5} {r['backend']:>10} {r['K']:>6} {'-':>10} {r.get('skipped', '')}"
+    ph = r.get("phases")
+    extra = "" if not ph else (" | " + " ".join(f"{k[3:]} {v:.2f}" for k, v in ph.items() if k.startswith("ms_"))
+                               + f" ms; search on {ph['fallback_groups']} of {ph['groups']} groups"
+                               f" ({ph['fallback_tiles']} of {ph['tiles']} tiles)")
     return (f"{r['S']:>7} {r['granularity']:>5} {r['backend']:>10} {r['K']:>6} {r['ms_select']:>10.3f} "
-            f"{r['peak_over_out']:>8.2f} {100 * r['select_frac_of_dense']:>6.2f}%")
+            f"{r['peak_over_out']:>8.2f} {100 * r['select_frac_of_dense']:>6.2f}%{extra}")
 
 
 def main():
@@ -130,7 +143,9 @@ def main():
     ap.add_argument("--triton-max-s", type=int, default=65536, help="skip Triton above this S")
     ap.add_argument("--group-size", type=int, default=32, help="query group size G (results file tagged when not 32)")
     ap.add_argument("--block-size", type=int, default=64, help="KV block size of the block-level rows")
-    ap.add_argument("--backends", default="cuda,triton,torch_topk", help="comma-separated subset to run")
+    ap.add_argument("--backends", default="cuda,triton,torch_topk",
+                    help="comma-separated, of cuda, triton, triton_dot (token lists: the tl.dot scoring candidate), "
+                         "torch_topk")
     ap.add_argument("--granularity", default="token,block", help="comma-separated list kinds: token, block")
     ap.add_argument("--triton-method", default="auto", choices=METHODS,
                     help="method of the Triton backend (auto: sample for token lists, gemm for block lists)")
@@ -139,11 +154,14 @@ def main():
         sys.exit("needs a CUDA GPU")
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else (
         [16384, 65536] if args.quick else [16384, 32768, 65536, 131072])
+    backends = tuple(args.backends.split(","))
+    if not set(backends) <= {"cuda", "triton", "triton_dot", "torch_topk"}:
+        ap.error(f"--backends takes cuda, triton, triton_dot and torch_topk, got {args.backends!r}")
     granularities = tuple(args.granularity.split(","))
     if not set(granularities) <= {"token", "block"}:
         ap.error(f"--granularity takes token and/or block, got {args.granularity!r}")
-    run(sizes, args.triton_max_s, args.out, args.group_size, args.block_size, tuple(args.backends.split(",")),
-        args.triton_method, granularities)
+    run(sizes, args.triton_max_s, args.out, args.group_size, args.block_size, backends, args.triton_method,
+        granularities)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@
 #   ms_fwd_kt* beside ms_fwd_rowmajor, ms_pack_atomic beside ms_pack)), d256tune (bench_sparse_attention.py --tune
 #   at D = 256, G = 128, then its 64K point),
 #   topk3x (the Triton top-k against the CUDA kernel as issue 26's 3x target reads, ~3 min: the GPU tests of
-#   "sample" and the selection kernel, then token lists (G = 32, "sample") at 16K-128K and the library's block
+#   "sample" and the selection kernel, then token lists (G = 32, "sample", with its kernels timed apart, and the
+#   tl.dot scoring candidate) at 16K-128K and the library's block
 #   lists (G = 128, blocks of 128, auto = "gemm") at 16K-128K, each beside the CUDA kernel in the same run)
 #   models (every test of tests/models and the local-list tests on the GPU host, not only the gpu-marked ones:
 #   with GPU_WHEEL_DIRS=".whl-mc019 .whl-wan" it checks megatron-core 0.19.2 and the Wan bf16 test against
@@ -82,7 +83,8 @@ for s in $stages; do
     topk3x) run topk3x 300 sh -c "python3 -m pytest -q -p no:cacheprovider tests/ops/test_topk_sample.py \
               tests/ops/test_topk_select_kernel.py; b='python3 benchmarks/bench_topk_estimation.py --backends cuda,triton \
               --sizes 16384,32768,65536,131072 --triton-max-s 131072'; \$b --granularity token --triton-method sample \
-              --out '$out/topk3x-token'; \$b --granularity block --group-size 128 --block-size 128 --out '$out/topk3x-block'" ;;
+              --backends cuda,triton,triton_dot --out '$out/topk3x-token'; \
+              \$b --granularity block --group-size 128 --block-size 128 --out '$out/topk3x-block'" ;;
     *) echo "unknown stage $s (build tests train recall predictor topk e2e e2etok topksample topkkeys models sweep" \
             "smallg d256tune topk3x)"; exit 2 ;;
   esac

@@ -39,6 +39,9 @@ def _check(q, k, budgets, G, bs=0, proxy="mean", bscore="max", **kw):
     assert got[0].shape == ref[0].shape and got[0].dtype == torch.int32
     bad = (ref[0] != got[0]).nonzero()
     assert bad.numel() == 0, f"{bad.shape[0]} entries differ, first at {bad[:3].tolist()}"
+    # the search kernel's share: every flagged group lies in a scanned tile of BG (16) groups, and no other tile
+    assert st["groups"] == q.shape[0] * q.shape[1] * -(-q.shape[2] // G)
+    assert -(-st["fallback_groups"] // 16) <= st["fallback_tiles"] <= min(st["fallback_groups"], st["tiles"])
     return st["fallback_groups"]
 
 
@@ -146,3 +149,43 @@ def test_estimate_topk_logs_its_backend_once(caplog, monkeypatch):
     lines = [r.getMessage() for r in caplog.records if r.name == te.__name__]
     assert lines == ["estimate_topk uses the naive backend (auto: tensors not on CUDA)",
                      "estimate_topk uses the naive backend (asked for by backend argument)"]
+
+
+@pytest.mark.parametrize("method,r,capacity", [("sample", 16, 0), ("sample", 32, 95), ("search", 16, 0),
+                                               ("keys", 16, 0)])
+def test_dot_scoring_equals_naive_on_integer_inputs(method, r, capacity):
+    """The tl.dot scoring candidate (``dot=True``) in every kernel that scores token tiles: the sample pass, the
+    search it falls back to (a small buffer forces it), the write pass and "keys". Integer inputs make every sum
+    exact in any order, so the lists equal naive's bit for bit (on continuous inputs its order is the compiler's)."""
+    q, k = _ints((1, 2, 96, r), torch.float32, 33), _ints((1, 2, 800, r), torch.float32, 34)
+    budgets = torch.as_tensor([30, 90])
+    ref = estimate_topk_naive(q, k, budgets, 32)
+    st = {}
+    got = estimate_topk_triton(q, k, budgets, 32, method=method, sample_size=64, capacity=capacity, stats=st,
+                               dot=True)
+    assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+    assert (st["fallback_groups"] > 0) == (capacity > 0 or method == "search")
+
+
+def test_dot_scoring_rejects_what_it_cannot_score():
+    q, k = _ints((1, 1, 64, 8), torch.float32, 35), _ints((1, 1, 256, 8), torch.float32, 36)
+    with pytest.raises(ValueError, match="dot=True .* r=8"):
+        estimate_topk_triton(q, k, 20, 32, method="sample", dot=True)
+    q, k = _ints((1, 1, 64, 16), torch.float32, 35), _ints((1, 1, 256, 16), torch.float32, 36)
+    with pytest.raises(ValueError, match="block_size=64"):
+        estimate_topk_triton(q, k, 2, 32, 64, method="search", dot=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compares compiled kernels: needs a CUDA GPU")
+def test_dot_scoring_keeps_the_loops_order_on_the_gpu():
+    """On continuous bf16 inputs the tl.dot scoring gives the same lists as the column loop (and so as the CUDA
+    kernel) only if the compiler sums the r products in the loop's order: this says whether it does."""
+    torch.manual_seed(37)
+    q = torch.randn(1, 4, 16384, 16, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 4, 16384, 16, device="cuda", dtype=torch.bfloat16)
+    a = estimate_topk_triton(q, k, 1664, 32, method="sample")
+    b = estimate_topk_triton(q, k, 1664, 32, method="sample", dot=True)
+    assert torch.equal(a[1], b[1])
+    diff = (a[0] != b[0]).sum().item()
+    assert diff == 0, f"{diff} of {a[0].numel()} entries differ"

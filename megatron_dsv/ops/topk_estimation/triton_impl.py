@@ -22,6 +22,7 @@ proxies are precomputed per query group, so the kernels never see Sq.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -79,18 +80,28 @@ def group_sums(q: torch.Tensor, group_size: int) -> torch.Tensor:
 
 @triton.jit
 def _item_scores(Pb, Kb, offs_g, mask_g, it0, S, n_items,
-                 R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr):
+                 R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr,
+                 DOT: tl.constexpr = False):
     items = it0 + tl.arange(0, BN)
     valid = items < n_items
-    key = _scores_at(Pb, Kb, offs_g, mask_g, items, valid, S, R, BG, BN, BS, LSE)
+    key = _scores_at(Pb, Kb, offs_g, mask_g, items, valid, S, R, BG, BN, BS, LSE, DOT)
     return key, items, valid
 
 
 @triton.jit
 def _scores_at(Pb, Kb, offs_g, mask_g, items, valid, S,
-               R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr):
-    """Ordered int32 keys [BG, BN] of the items ``items`` [BN] (any order, ``valid`` masks loads)."""
-    if BS == 0:
+               R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr,
+               DOT: tl.constexpr = False):
+    """Ordered int32 keys [BG, BN] of the items ``items`` [BN] (any order, ``valid`` masks loads).
+    DOT (token lists, R a power of two >= 16, a candidate until timed): the [BG, R] x [R, BN] product as one
+    fp32 ``tl.dot`` with IEEE precision (FMA units, not tensor cores) on tiles loaded whole, instead of R
+    dependent column loads; exact on integer-valued inputs, and its summation order is the compiler's."""
+    if BS == 0 and DOT:
+        rr = tl.arange(0, R)
+        pt = tl.load(Pb + offs_g[:, None] * R + rr[None, :], mask=mask_g[:, None], other=0.0).to(tl.float32)
+        kt = tl.load(Kb + items[None, :] * R + rr[:, None], mask=valid[None, :], other=0.0).to(tl.float32)
+        s = tl.dot(pt, kt, input_precision="ieee")
+    elif BS == 0:
         # [BG, BN]; sums in order d = 0..R-1 as the reference, with explicit fma: exact for
         # bf16/fp16 (products are exact), and the same instructions in both kernels for fp32
         # (left to itself the compiler may fuse mul+add differently in the two kernels)
@@ -190,7 +201,7 @@ def _kth_in_buffer(Buf, b_rows, n_c, lo, hi, c_hi, rank, BN: tl.constexpr, NPROB
 @triton.jit
 def _tk_threshold(P, Kp, Counts, Tout, GTout, Flags, S, n_items, NG,
                   R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr,
-                  NPROBE: tl.constexpr, NPASS: tl.constexpr, HAS_FLAGS: tl.constexpr):
+                  NPROBE: tl.constexpr, NPASS: tl.constexpr, HAS_FLAGS: tl.constexpr, DOT: tl.constexpr = False):
     """Per query group: the K-th best key (``Tout``) and the count of keys above it (``GTout``), by a
     16-probe search over the int32 key range, NPASS passes over every item (scores recomputed in each).
     With HAS_FLAGS only the groups flagged by method "sample" (a tile without any skips the passes)."""
@@ -213,7 +224,7 @@ def _tk_threshold(P, Kp, Counts, Tout, GTout, Flags, S, n_items, NG,
     for _ in range(NPASS):
         cnt = tl.zeros([BG, NPROBE], tl.int32)
         for it0 in range(0, n_loop, BN):
-            key, items, valid = _item_scores(Pb, Kb, offs_g, mask_g, it0, S, n_items, R, BG, BN, BS, LSE)
+            key, items, valid = _item_scores(Pb, Kb, offs_g, mask_g, it0, S, n_items, R, BG, BN, BS, LSE, DOT)
             cnt = _probe_counts(key, valid[None, :], lo, hi, cnt, NPROBE)
         lo, hi, c_hi = _narrow(lo, hi, c_hi, cnt, K, NPROBE)
     tl.store(Tout + bh * NG + offs_g, lo.to(tl.int32), mask=mask_g)
@@ -222,7 +233,8 @@ def _tk_threshold(P, Kp, Counts, Tout, GTout, Flags, S, n_items, NG,
 
 @triton.jit
 def _tk_write(P, Kp, Counts, Tin, GTin, Out, S, n_items, NG, KMAX,
-              R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr):
+              R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr,
+              DOT: tl.constexpr = False):
     """One ordered pass per query group: the items above the threshold ``Tin`` and the first
     (K - ``GTin``) equal to it, lower index first, so the lists come out ascending."""
     pid_g = tl.program_id(0)
@@ -239,7 +251,7 @@ def _tk_write(P, Kp, Counts, Tin, GTin, Out, S, n_items, NG, KMAX,
     run_eq = tl.zeros([BG], tl.int32)
     n_loop = tl.where(K > 0, n_items, 0)
     for it0 in range(0, n_loop, BN):
-        key, items, valid = _item_scores(Pb, Kb, offs_g, mask_g, it0, S, n_items, R, BG, BN, BS, LSE)
+        key, items, valid = _item_scores(Pb, Kb, offs_g, mask_g, it0, S, n_items, R, BG, BN, BS, LSE, DOT)
         ok = valid[None, :] & mask_g[:, None]
         gt = (key > t[:, None]) & ok
         eq = (key == t[:, None]) & ok
@@ -255,7 +267,7 @@ def _tk_write(P, Kp, Counts, Tin, GTin, Out, S, n_items, NG, KMAX,
 @triton.jit
 def _tk_sample(P, Kp, Counts, Tout, GTout, Flags, Buf, S, n_items, NG, CAP, F, NSV, Z,
                R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr,
-               NPROBE: tl.constexpr, NPASS: tl.constexpr):
+               NPROBE: tl.constexpr, NPASS: tl.constexpr, DOT: tl.constexpr = False):
     """Method "sample", one program = (b, h, BG query groups): each group's threshold for :func:`_tk_write`
     (the K-th best key ``Tout`` and the count above it ``GTout``) from ONE pass over the items.
     1. sample: the keys of item j*F + hash(j) % F of each stratum j (NSV strata) into the group's buffer
@@ -292,7 +304,7 @@ def _tk_sample(P, Kp, Counts, Tout, GTout, Flags, Buf, S, n_items, NG, CAP, F, N
             ln = tl.maximum(tl.minimum(n_items - start, F), 1)
             hsh = ((js.to(tl.int64) * 1779033703) & 0x7FFFFFFF) >> 7  # scatter within the stratum
             items = tl.where(jv, start + hsh % ln, 0)
-            key = _scores_at(Pb, Kb, offs_g, mask_g, items, jv, S, R, BG, BN, BS, LSE)
+            key = _scores_at(Pb, Kb, offs_g, mask_g, items, jv, S, R, BG, BN, BS, LSE, DOT)
             tl.store(Buf + b_rows[:, None] + js[None, :], key, mask=mask_g[:, None] & (jv & (js < CAP))[None, :])
         tl.debug_barrier()  # the buffer rows written above are read back by other threads below
         texp = K.to(tl.float32) * NSV / n_items
@@ -316,7 +328,7 @@ def _tk_sample(P, Kp, Counts, Tout, GTout, Flags, Buf, S, n_items, NG, CAP, F, N
         run = tl.zeros([BG], tl.int32)
         a_hi = tl.zeros([BG], tl.int32)
         for it0 in range(0, n_items, BN):
-            key, items, valid = _item_scores(Pb, Kb, offs_g, mask_g, it0, S, n_items, R, BG, BN, BS, LSE)
+            key, items, valid = _item_scores(Pb, Kb, offs_g, mask_g, it0, S, n_items, R, BG, BN, BS, LSE, DOT)
             ok = valid[None, :] & mask_g[:, None]
             a_hi += tl.sum(((key > t_hi[:, None]) & ok).to(tl.int32), axis=1)
             cand = (key >= t_lo[:, None]) & (key <= t_hi[:, None]) & ok
@@ -340,7 +352,8 @@ def _tk_sample(P, Kp, Counts, Tout, GTout, Flags, Buf, S, n_items, NG, CAP, F, N
 
 @triton.jit(do_not_specialize=["g0", "n_g"])  # one compile for every chunk of the loop
 def _tk_keys(P, Kp, Keys, S, n_items, NG, g0, n_g,
-             R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr):
+             R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr,
+             DOT: tl.constexpr = False):
     """Method "keys", one program = (BG groups of the chunk [g0, g0 + n_g), BN items, b * h): the ordered
     int32 key of each item, in one scoring pass, into ``Keys`` [B * H, n_g, n_items]; the selection is
     :func:`select_kernel.select_rows_into` (:func:`_select_from_keys` past its ``MAX_ITEMS``)."""
@@ -351,7 +364,7 @@ def _tk_keys(P, Kp, Keys, S, n_items, NG, g0, n_g,
     mask_g = offs < n_g
     Pb = P + bh.to(tl.int64) * NG * R
     Kb = Kp + bh.to(tl.int64) * S * R
-    key, items, valid = _item_scores(Pb, Kb, g0 + offs, mask_g, pid_n * BN, S, n_items, R, BG, BN, BS, LSE)
+    key, items, valid = _item_scores(Pb, Kb, g0 + offs, mask_g, pid_n * BN, S, n_items, R, BG, BN, BS, LSE, DOT)
     rows = bh.to(tl.int64) * n_g + offs
     tl.store(Keys + rows[:, None] * n_items + items[None, :], key, mask=mask_g[:, None] & valid[None, :])
 
@@ -501,6 +514,21 @@ def resolve_method(method: str, block_size: int) -> str:
     return "sample" if block_size == 0 else "gemm"
 
 
+@contextlib.contextmanager
+def _phase(stats: dict | None, name: str, device: torch.device):
+    """``stats["ms_" + name]``: the GPU time of the launches inside (CUDA events, then a host sync), when ``stats``
+    is given and the inputs are on a GPU; otherwise nothing is timed."""
+    if stats is None or device.type != "cuda":
+        yield
+        return
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    yield
+    end.record()
+    end.synchronize()
+    stats["ms_" + name] = start.elapsed_time(end)
+
+
 @functools.lru_cache(maxsize=256)
 def sample_plan(n_items: int, kmax: int, sample_size: int = 1024, z: float = 4.0):
     """(F, NSV, CAP) of method "sample": stratum length F, strata (sampled items) NSV, buffer capacity per
@@ -529,19 +557,24 @@ def sample_positions(n_items: int, sample_size: int = 1024) -> torch.Tensor:
     return start + (((js * 1779033703) & 0x7FFFFFFF) >> 7) % ln
 
 
-def kernel_meta(r: int, block_size: int, block_score: str = "max", BG: int = 16, BN: int = 0) -> dict:
+def kernel_meta(r: int, block_size: int, block_score: str = "max", BG: int = 16, BN: int = 0,
+                dot: bool = False) -> dict:
     """The launch settings of the search, sample, write and keys kernels (constexprs and ``num_warps``): tiles
     of BG groups x BN items (BN 0: 64 tokens, or blocks of 512 tokens in all) that 8 warps hold without
     spilling (Triton 3.6 and 3.9, sm_90a, ``tools/kernel_resources.py --topk``; 4 warps spilled in "sample",
-    16 x 16 x 128 block tiles in every kernel)."""
+    16 x 16 x 128 block tiles in every kernel). ``dot``: token scores as one ``tl.dot`` a tile (:func:`_scores_at`;
+    token lists, r a power of two >= 16, BG and BN >= 16)."""
+    if dot and (block_size != 0 or r < 16 or r & (r - 1) or min(BG, BN or 64) < 16):
+        raise ValueError(f"dot=True scores token lists (block_size 0) with r a power of two >= 16 and tiles of at "
+                         f"least 16 x 16; got block_size={block_size}, r={r}, BG={BG}, BN={BN}")
     BN = BN or (64 if block_size == 0 else 1 << (max(1, 512 // block_size).bit_length() - 1))
-    return dict(R=r, BG=BG, BN=BN, BS=block_size, LSE=block_score == "lse", num_warps=8)
+    return dict(R=r, BG=BG, BN=BN, BS=block_size, LSE=block_score == "lse", DOT=bool(dot), num_warps=8)
 
 
 def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="mean", block_score="max",
                          BG: int = 16, BN: int = 0, method: str = "auto", *, sample_size: int = 1024,
                          z: float = 4.0, capacity: int = 0, stats: dict | None = None, chunk_elems: int = 1 << 25,
-                         forced=None, forced_extra: bool = False):
+                         forced=None, forced_extra: bool = False, dot: bool = False):
     """Same contract as :func:`estimate_topk`, on Triton (GPU, or CPU under TRITON_INTERPRET=1).
     q_lr [B, H, Sq, r], k_lr [B, H, Sk, r]: Sk may differ from Sq.
 
@@ -569,11 +602,15 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     standard deviations), ``capacity`` (candidate buffer per group; 0 = :func:`sample_plan`'s, a
     smaller value forces overflow in tests; at least the sample). Extra memory of "sample":
     B*H*NG*capacity*4 bytes (64K tokens, G=32, H=16, 90% sparse: capacity 7936, 1.0 GB).
-    ``stats``: a dict that receives ``fallback_groups`` (a host sync; for tests and benchmarks).
+    ``stats``: a dict that receives, for "search" and "sample", ``fallback_groups`` and ``fallback_tiles`` (the
+    groups "sample" left to the search kernel, and the tiles of BG groups that search had to scan: its cost) of
+    ``groups`` and ``tiles``, and on a GPU each kernel's time (``ms_sample``, ``ms_threshold``, ``ms_write``);
+    host syncs, for tests and benchmarks.
     ``forced`` [NG, F] (local + predicted lists): items ranked first in their group; methods "keys" and
     "gemm" (their keys buffer takes the top key); "auto" then picks "gemm" for token lists too. ``forced_extra``
     (the budgets count only the other items; :func:`~.common.forced_union`): the forced items take the lowest key
     for the selection, then join each group's list: idx ``[B, H, NG, F + Kmax]``, counts ``[B, H, NG]``.
+    ``dot``: the kernels score token tiles with one ``tl.dot`` (:func:`kernel_meta`; a candidate, not the default).
     """
     method = "gemm" if forced is not None and method == "auto" else resolve_method(method, block_size)
     if forced is not None and method not in ("keys", "gemm"):
@@ -597,13 +634,14 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     else:
         out = torch.full((P.B, P.H, P.num_groups, P.kmax), -1, dtype=torch.int32, device=q_lr.device)
     if stats is not None:
-        stats["fallback_groups"] = 0
+        stats.update(fallback_groups=0, fallback_tiles=0, groups=P.B * P.H * P.num_groups,
+                     tiles=P.B * P.H * triton.cdiv(P.num_groups, BG))
     if P.kmax == 0:
         return out, P.counts
     proxies = group_proxies(q_lr, group_size, proxy, kernel=True).contiguous()  # [B, H, NG, r]
     k = k_lr.contiguous()
     counts = P.counts.contiguous()
-    meta = kernel_meta(P.r, block_size, block_score, BG, BN)
+    meta = kernel_meta(P.r, block_size, block_score, BG, BN, dot)
     if method in ("keys", "gemm"):
         _lists_by_keys(method, P, proxies, k, out, group_counts if forced_extra else None, forced, chunk_elems, meta)
         return out, (group_counts if forced_extra else counts)
@@ -617,12 +655,19 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
         cap = max(capacity or cap, nsv)  # the buffer holds the sample first
         flags = torch.zeros(P.B, P.H, P.num_groups, dtype=torch.int32, device=q_lr.device)
         buf = torch.empty(P.B * P.H * P.num_groups * cap, dtype=torch.int32, device=q_lr.device)
-        _tk_sample[grid](proxies, k, counts, thr, above, flags, buf, P.Sk, P.num_items, P.num_groups, cap, F, nsv,
-                         float(z), NPROBE=_NPROBE, NPASS=_NPASS, **meta)
+        with _phase(stats, "sample", q_lr.device):
+            _tk_sample[grid](proxies, k, counts, thr, above, flags, buf, P.Sk, P.num_items, P.num_groups, cap, F,
+                             nsv, float(z), NPROBE=_NPROBE, NPASS=_NPASS, **meta)
         del buf
         if stats is not None:
-            stats["fallback_groups"] = int(flags.sum())
-    _tk_threshold[grid](proxies, k, counts, thr, above, flags, P.Sk, P.num_items, P.num_groups,
-                        NPROBE=_NPROBE, NPASS=_NPASS, HAS_FLAGS=fb, **meta)
-    _tk_write[grid](proxies, k, counts, thr, above, out, P.Sk, P.num_items, P.num_groups, P.kmax, **meta)
+            padded = torch.nn.functional.pad(flags.view(P.B * P.H, P.num_groups), (0, (-P.num_groups) % BG))
+            stats.update(fallback_groups=int(flags.sum()),
+                         fallback_tiles=int(padded.view(P.B * P.H, -1, BG).amax(dim=2).sum()))
+    elif stats is not None:  # "search" scans every tile
+        stats.update(fallback_groups=stats["groups"], fallback_tiles=stats["tiles"])
+    with _phase(stats, "threshold", q_lr.device):
+        _tk_threshold[grid](proxies, k, counts, thr, above, flags, P.Sk, P.num_items, P.num_groups,
+                            NPROBE=_NPROBE, NPASS=_NPASS, HAS_FLAGS=fb, **meta)
+    with _phase(stats, "write", q_lr.device):
+        _tk_write[grid](proxies, k, counts, thr, above, out, P.Sk, P.num_items, P.num_groups, P.kmax, **meta)
     return out, counts
