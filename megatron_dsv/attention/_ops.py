@@ -13,8 +13,9 @@ from typing import Tuple
 from megatron_dsv.config import DSVConfig
 from megatron_dsv.ops.sparse_attention import SUPPORTED_HEAD_DIMS, sparse_attention, sparse_attention_naive
 from megatron_dsv.ops.sparse_attention.op import auto_backend, requested_backend
-from megatron_dsv.ops.topk_estimation import (auto_topk_backend, critical_mass_recall, estimate_topk,
-                                              estimate_topk_naive, head_sparsity, requested_topk_backend)
+from megatron_dsv.ops.topk_estimation import (auto_topk_choice, critical_mass_recall, estimate_topk,
+                                              estimate_topk_naive, head_sparsity, log_topk_choice,
+                                              requested_topk_backend)
 
 __all__ = ["sparse_attention", "sparse_attention_naive", "estimate_topk", "estimate_topk_naive", "head_sparsity",
            "critical_mass_recall", "SUPPORTED_HEAD_DIMS", "resolve_backends", "run_sparse_attention",
@@ -40,11 +41,12 @@ def run_sparse_attention(backend: str, q, k, v, kv_indices, kv_counts, group_siz
 
 def run_estimate_topk(backend: str, q_lr, k_lr, budgets, group_size: int, block_size: int, proxy: str,
                       block_score: str, forced=None, forced_extra: bool = False):
-    """Top-k estimation on a backend from :func:`resolve_backends` ("auto": the op's device rule; ``forced``
+    """Top-k estimation on a backend from :func:`resolve_backends` ("auto": the op's device and shape rule; ``forced``
     items, local + predicted lists, go to Triton where that rule says CUDA: the CUDA kernel lacks them)."""
     if backend == "auto":
-        backend = auto_topk_backend(q_lr.device)
+        backend, reason = auto_topk_choice(q_lr.device, group_size, block_size, k_lr.shape[-2])
         if forced is not None and backend == "cuda":
-            backend = "triton"
+            backend, reason = "triton", "auto: forced items (local + predicted lists) take the triton backend"
+        log_topk_choice(backend, reason)
     return estimate_topk(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score, backend=backend,
                          forced=forced, forced_extra=forced_extra)

@@ -208,6 +208,29 @@ def test_backend_env(monkeypatch):
         estimate_topk(q, k, 4, 16)
 
 
+def test_auto_takes_triton_where_it_measured_faster(monkeypatch, caplog):
+    """With the CUDA extension built, "auto" keeps the CUDA kernel except in TRITON_FASTER_UP_TO's cells (block
+    lists of G = 128 over 128-key blocks up to 32K keys), and says why once, as information, not a warning."""
+    import megatron_dsv.ops.topk_estimation as te
+    from megatron_dsv.ops.topk_estimation import cuda_impl
+
+    cuda = torch.device("cuda")
+    monkeypatch.delenv("DSV_TOPK_BACKEND", raising=False)
+    monkeypatch.setattr(cuda_impl, "cuda_extension", lambda: object())
+    assert te.auto_topk_backend(cuda, 128, 128, 16384) == "triton"
+    assert te.auto_topk_backend(cuda, 128, 128, 32768) == "triton"
+    assert te.auto_topk_backend(cuda, 128, 128, 32769) == "cuda"  # 64K: CUDA 1.98 ms against Triton's 3.53
+    assert te.auto_topk_backend(cuda, 32, 0, 16384) == "cuda"  # token lists: Triton 8x slower
+    assert te.auto_topk_backend(cuda, 64, 128, 16384) == "cuda"  # not measured: the CUDA kernel
+    assert te.topk_backend(cuda, "cuda", 128, 128, 16384) == "cuda"  # asked for by name
+    backend, reason = te._backend_and_reason(cuda, None, 128, 128, 16384)
+    assert backend == "triton" and "measured faster" in reason
+    monkeypatch.setattr(cuda_impl, "cuda_extension", lambda: None)
+    backend, reason = te._backend_and_reason(cuda, None, 128, 128, 16384)
+    assert backend == "triton" and "not built" in reason
+    assert te.auto_topk_backend(torch.device("cpu"), 128, 128, 16384) == "naive"
+
+
 def test_oracle_bad_input():
     q, k = _qk()
     with pytest.raises(ValueError, match="theta"):

@@ -19,12 +19,12 @@
     and counts int32 (batch, heads).
 
 Backend: ``DSV_TOPK_BACKEND`` in {auto, cuda, triton, naive}; auto = the CUDA extension when
-``megatron_dsv._C`` is built and the tensors are on CUDA, else Triton on CUDA, else naive (CPU).
+``megatron_dsv._C`` is built and the tensors are on CUDA, except in the cells where Triton measured faster
+(:data:`TRITON_FASTER_UP_TO`), else Triton on CUDA, else naive (CPU).
 Every backend selects the same lists (see ``common.py`` for the exact score definition).
 :func:`estimate_topk` logs (``logging``, once per backend and reason) which backend it uses and why:
-on a GPU without the extension the Triton fallback was 30-120x slower than the CUDA kernel when last timed
-(H200, 2026-12-01; rewritten without register spills on 2026-12-06 and not re-timed since:
-``benchmarks/NOTES_topk_estimation.md``), which a user should see.
+on a GPU without the extension the Triton fallback is 8-15x slower than the CUDA kernel on token lists
+(H100, run 19: ``benchmarks/NOTES_topk_estimation.md``), which a user should see (a warning).
 """
 
 from __future__ import annotations
@@ -36,9 +36,14 @@ from .naive import estimate_topk_naive
 from .oracle import critical_counts, critical_mass_recall, head_sparsity
 
 __all__ = ["estimate_topk", "estimate_topk_naive", "critical_counts", "head_sparsity",
-           "critical_mass_recall", "topk_backend", "requested_topk_backend", "auto_topk_backend"]
+           "critical_mass_recall", "topk_backend", "requested_topk_backend", "auto_topk_backend", "auto_topk_choice",
+           "log_topk_choice"]
 
 BACKENDS = ("auto", "cuda", "triton", "naive")
+# (group size, block size) -> the longest key length at which "auto" takes Triton's "gemm" method over the built
+# CUDA kernel: where it measured faster (H100 80GB, run 19, H = 16, 90% sparse: 0.236 against 0.383 ms at 16K,
+# 0.730 against 0.957 at 32K; 3.53 against 1.98 at 64K; results/topk_estimation-g128-b128-run19-*.json)
+TRITON_FASTER_UP_TO = {(128, 128): 32768}
 _log = logging.getLogger(__name__)
 _LOGGED: set = set()
 
@@ -55,49 +60,66 @@ def requested_topk_backend(requested=None) -> str:
     return want
 
 
-def auto_topk_backend(device) -> str:
-    """The "auto" rule: the CUDA extension when built and the tensors are on CUDA, else Triton on
-    CUDA, else naive."""
+def auto_topk_backend(device, group_size: int = 0, block_size: int = 0, seqlen_k: int = 0) -> str:
+    """The "auto" rule: the CUDA extension when built and the tensors are on CUDA, except for lists of
+    ``(group_size, block_size)`` over at most :data:`TRITON_FASTER_UP_TO` keys (Triton measured faster there),
+    else Triton on CUDA, else naive."""
+    return auto_topk_choice(device, group_size, block_size, seqlen_k)[0]
+
+
+def auto_topk_choice(device, group_size: int = 0, block_size: int = 0, seqlen_k: int = 0):
+    """``(backend, reason)`` of :func:`auto_topk_backend`: what a log line says (:func:`log_topk_choice`)."""
     if getattr(device, "type", str(device)) != "cuda":
-        return "naive"
+        return "naive", "auto: tensors not on CUDA"
     from .cuda_impl import cuda_extension
 
-    return "cuda" if cuda_extension() is not None else "triton"
+    if cuda_extension() is None:
+        return "triton", ("auto: tensors on CUDA but the CUDA extension megatron_dsv._C is not built (pip install "
+                          "with nvcc present); the Triton fallback is slower (benchmarks/NOTES_topk_estimation.md)")
+    limit = TRITON_FASTER_UP_TO.get((group_size, block_size), 0)
+    if 0 < seqlen_k <= limit:
+        return "triton", (f"auto: lists of {group_size}-query groups over {block_size}-key blocks of at most {limit} "
+                          f"keys, where Triton's 'gemm' method measured faster than the CUDA kernel "
+                          f"(TRITON_FASTER_UP_TO)")
+    return "cuda", "auto: the CUDA extension megatron_dsv._C is built and the tensors are on CUDA"
 
 
-def topk_backend(device, requested=None) -> str:
-    """The backend estimate_topk uses for tensors on ``device`` (the one place this is decided):
-    :func:`requested_topk_backend`, then :func:`auto_topk_backend` for "auto"."""
-    return _backend_and_reason(device, requested)[0]
+def topk_backend(device, requested=None, group_size: int = 0, block_size: int = 0, seqlen_k: int = 0) -> str:
+    """The backend estimate_topk uses for tensors on ``device`` and lists of that shape (the one place this is
+    decided): :func:`requested_topk_backend`, then :func:`auto_topk_backend` for "auto"."""
+    return _backend_and_reason(device, requested, group_size, block_size, seqlen_k)[0]
 
 
-def _backend_and_reason(device, requested=None):
+def _backend_and_reason(device, requested=None, group_size: int = 0, block_size: int = 0, seqlen_k: int = 0):
     want = requested_topk_backend(requested)
     if want != "auto":
         source = "backend argument" if requested not in (None, "auto") else "DSV_TOPK_BACKEND"
         return want, f"asked for by {source}"
-    got = auto_topk_backend(device)
-    reason = {"cuda": "auto: the CUDA extension megatron_dsv._C is built and the tensors are on CUDA",
-              "triton": "auto: tensors on CUDA but the CUDA extension megatron_dsv._C is not built (pip install "
-                        "with nvcc present); the Triton fallback is much slower (benchmarks/NOTES_topk_estimation.md)",
-              "naive": "auto: tensors not on CUDA"}[got]
-    return got, reason
+    return auto_topk_choice(device, group_size, block_size, seqlen_k)
+
+
+def log_topk_choice(backend: str, reason: str) -> None:
+    """Log which top-k backend runs and why, once per (backend, reason): a warning where Triton runs because
+    the CUDA extension is missing, else information."""
+    if (backend, reason) not in _LOGGED:
+        _LOGGED.add((backend, reason))
+        (_log.warning if backend == "triton" and "not built" in reason else _log.info)(
+            "estimate_topk uses the %s backend (%s)", backend, reason)
 
 
 def estimate_topk(q_lr, k_lr, budgets, group_size, block_size=0, proxy="mean", block_score="max", *,
                   backend=None, forced=None, forced_extra: bool = False):
     """Per query group, the top-k keys (or key blocks) by low-rank score; see the module docstring.
     ``backend`` forces one of {cuda, triton, naive} (None or "auto": the module's rule)."""
-    backend, reason = _backend_and_reason(getattr(q_lr, "device", "cpu"), backend)
+    backend, reason = _backend_and_reason(getattr(q_lr, "device", "cpu"), backend, group_size, block_size,
+                                          k_lr.shape[-2] if hasattr(k_lr, "shape") and k_lr.dim() == 4 else 0)
     if forced is not None and backend == "cuda":
         if not reason.startswith("auto"):
             raise ValueError("estimate_topk: `forced` items (DSVConfig.local_radius) are not supported by the "
                              "cuda backend; use backend 'triton' or 'naive' (or 'auto')")
-        backend, reason = "triton", "auto: forced items (local + predicted lists) run on the triton backend's 'gemm' method"
-    if (backend, reason) not in _LOGGED:
-        _LOGGED.add((backend, reason))
-        (_log.warning if backend == "triton" and reason.startswith("auto") else _log.info)(
-            "estimate_topk uses the %s backend (%s)", backend, reason)
+        backend, reason = "triton", ("auto: forced items (local + predicted lists) run on the triton backend's "
+                                     "'gemm' method")
+    log_topk_choice(backend, reason)
     match backend:
         case "cuda":
             from .cuda_impl import estimate_topk_cuda as fn
