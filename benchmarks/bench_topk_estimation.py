@@ -49,6 +49,13 @@ def measure(fn, rep=100):
     return ms, peak
 
 
+# the Triton top-k's candidates on token lists (triton_impl.kernel_meta): each token tile scored with one tl.dot,
+# several probes counted per cross-thread reduction in the searches, and both
+TRITON_CANDIDATES = {"triton_dot": dict(dot=True), "triton_pack4": dict(pack_counts=4),
+                     "triton_dot_pack4": dict(dot=True, pack_counts=4)}
+BACKENDS = ("cuda", "triton", *TRITON_CANDIDATES, "torch_topk")
+
+
 def run(sizes, triton_max_s, out_dir, G=32, block=64, backends=("cuda", "triton", "torch_topk"), triton_method="auto",
         granularities=("token", "block")):
     """One row per (S, backend, granularity); G query-group size, ``block`` KV block size,
@@ -75,10 +82,10 @@ def run(sizes, triton_max_s, out_dir, G=32, block=64, backends=("cuda", "triton"
                                                                              stats=st)),
                  ("triton", "block", Kb, lambda st=None: estimate_topk_triton(q, k, Kb, G, block,
                                                                               method=triton_method, stats=st)),
-                 # the candidate scoring each token tile with one tl.dot (triton_impl.kernel_meta's dot)
-                 ("triton_dot", "token", K, lambda st=None: estimate_topk_triton(q, k, K, G, method=triton_method,
-                                                                                 stats=st, dot=True)),
                  ("torch_topk", "token", K, lambda: artifact_topk(q, k, K, G))]
+        cases[4:4] = [(name, "token", K, lambda st=None, kw=kw: estimate_topk_triton(q, k, K, G, method=triton_method,
+                                                                                  stats=st, **kw))
+                      for name, kw in TRITON_CANDIDATES.items()]
         size_rows = []
         for backend, gran, kk, fn in cases:
             if backend not in backends or gran not in granularities or (backend == "cuda" and cuda_extension() is None):
@@ -144,8 +151,7 @@ def main():
     ap.add_argument("--group-size", type=int, default=32, help="query group size G (results file tagged when not 32)")
     ap.add_argument("--block-size", type=int, default=64, help="KV block size of the block-level rows")
     ap.add_argument("--backends", default="cuda,triton,torch_topk",
-                    help="comma-separated, of cuda, triton, triton_dot (token lists: the tl.dot scoring candidate), "
-                         "torch_topk")
+                    help=f"comma-separated, of {', '.join(BACKENDS)} (triton_*: token lists, TRITON_CANDIDATES)")
     ap.add_argument("--granularity", default="token,block", help="comma-separated list kinds: token, block")
     ap.add_argument("--triton-method", default="auto", choices=METHODS,
                     help="method of the Triton backend (auto: sample for token lists, gemm for block lists)")
@@ -155,8 +161,8 @@ def main():
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else (
         [16384, 65536] if args.quick else [16384, 32768, 65536, 131072])
     backends = tuple(args.backends.split(","))
-    if not set(backends) <= {"cuda", "triton", "triton_dot", "torch_topk"}:
-        ap.error(f"--backends takes cuda, triton, triton_dot and torch_topk, got {args.backends!r}")
+    if not set(backends) <= set(BACKENDS):
+        ap.error(f"--backends takes {', '.join(BACKENDS)}, got {args.backends!r}")
     granularities = tuple(args.granularity.split(","))
     if not set(granularities) <= {"token", "block"}:
         ap.error(f"--granularity takes token and/or block, got {args.granularity!r}")

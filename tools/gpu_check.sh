@@ -15,8 +15,8 @@
 #   at D = 256, G = 128, then its 64K point), d256 (the same 64K point, block and token lists, on the defaults and
 #   against FlexAttention: issue 26's 1.15x),
 #   topk3x (the Triton top-k against the CUDA kernel as issue 26's 3x target reads, ~3 min: the GPU tests of
-#   "sample" and the selection kernel, then token lists (G = 32, "sample", with its kernels timed apart, and the
-#   tl.dot scoring candidate) at 16K-128K and the library's block
+#   "sample" and the selection kernel, then token lists (G = 32, "sample", with its kernels timed apart) at
+#   16K-128K, its candidates (bench_topk_estimation.TRITON_CANDIDATES) at 16K and 64K, and the library's block
 #   lists (G = 128, blocks of 128, auto = "gemm") at 16K-128K, each beside the CUDA kernel in the same run)
 #   models (every test of tests/models and the local-list tests on the GPU host, not only the gpu-marked ones:
 #   with GPU_WHEEL_DIRS=".whl-mc019 .whl-wan" it checks megatron-core 0.19.2 and the Wan bf16 test against
@@ -83,10 +83,11 @@ for s in $stages; do
             --seq-lens 64K --sparsities 0.9 --out "$out/d256" ;;
     d256tune) run d256tune 540 python3 benchmarks/bench_sparse_attention.py --tune --head-dim 256 --group-size 128 \
                 --seq-lens 64K --sparsities 0.9 --no-flex --time-budget-s 480 --out "$out/d256tune" ;;
-    topk3x) run topk3x 300 sh -c "python3 -m pytest -q -p no:cacheprovider tests/ops/test_topk_sample.py \
+    topk3x) run topk3x 360 sh -c "python3 -m pytest -q -p no:cacheprovider tests/ops/test_topk_sample.py \
               tests/ops/test_topk_select_kernel.py; b='python3 benchmarks/bench_topk_estimation.py --backends cuda,triton \
               --sizes 16384,32768,65536,131072 --triton-max-s 131072'; \$b --granularity token --triton-method sample \
-              --backends cuda,triton,triton_dot --out '$out/topk3x-token'; \
+              --out '$out/topk3x-token'; \$b --granularity token --triton-method sample --sizes 16384,65536 \
+              --backends triton_dot,triton_pack4,triton_dot_pack4 --out '$out/topk3x-candidates'; \
               \$b --granularity block --group-size 128 --block-size 128 --out '$out/topk3x-block'" ;;
     *) echo "unknown stage $s (build tests train recall predictor topk e2e e2etok topksample topkkeys models sweep" \
             "smallg d256 d256tune topk3x)"; exit 2 ;;

@@ -151,18 +151,21 @@ def test_estimate_topk_logs_its_backend_once(caplog, monkeypatch):
                      "estimate_topk uses the naive backend (asked for by backend argument)"]
 
 
-@pytest.mark.parametrize("method,r,capacity", [("sample", 16, 0), ("sample", 32, 95), ("search", 16, 0),
-                                               ("keys", 16, 0)])
-def test_dot_scoring_equals_naive_on_integer_inputs(method, r, capacity):
-    """The tl.dot scoring candidate (``dot=True``) in every kernel that scores token tiles: the sample pass, the
-    search it falls back to (a small buffer forces it), the write pass and "keys". Integer inputs make every sum
-    exact in any order, so the lists equal naive's bit for bit (on continuous inputs its order is the compiler's)."""
+@pytest.mark.parametrize("method,r,capacity,dot,pack,bs", [
+    ("sample", 16, 0, True, 1, 0), ("sample", 32, 95, True, 4, 0), ("search", 16, 0, True, 4, 0),
+    ("keys", 16, 0, True, 1, 0), ("sample", 16, 95, False, 4, 0), ("search", 8, 0, False, 2, 0),
+    ("search", 8, 0, False, 4, 64)])
+def test_candidates_equal_naive_on_integer_inputs(method, r, capacity, dot, pack, bs):
+    """The top-k's candidates, the tl.dot scoring (``dot``) and the counts of several probes per reduction
+    (``pack_counts``), in every kernel they change: the sample pass, the search it falls back to (a small buffer
+    forces it), the write pass, "keys", block lists' search. Integer inputs make every sum exact in any order and
+    tie heavily, so the lists equal naive's bit for bit (on continuous inputs the dot's order is the compiler's)."""
     q, k = _ints((1, 2, 96, r), torch.float32, 33), _ints((1, 2, 800, r), torch.float32, 34)
-    budgets = torch.as_tensor([30, 90])
-    ref = estimate_topk_naive(q, k, budgets, 32)
+    budgets = torch.as_tensor([30, 90] if bs == 0 else [2, 5])
+    ref = estimate_topk_naive(q, k, budgets, 32, bs)
     st = {}
-    got = estimate_topk_triton(q, k, budgets, 32, method=method, sample_size=64, capacity=capacity, stats=st,
-                               dot=True)
+    got = estimate_topk_triton(q, k, budgets, 32, bs, method=method, sample_size=64, capacity=capacity, stats=st,
+                               dot=dot, pack_counts=pack)
     assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
     assert (st["fallback_groups"] > 0) == (capacity > 0 or method == "search")
 
@@ -174,6 +177,10 @@ def test_dot_scoring_rejects_what_it_cannot_score():
     q, k = _ints((1, 1, 64, 16), torch.float32, 35), _ints((1, 1, 256, 16), torch.float32, 36)
     with pytest.raises(ValueError, match="block_size=64"):
         estimate_topk_triton(q, k, 2, 32, 64, method="search", dot=True)
+    with pytest.raises(ValueError, match="pack_counts"):
+        estimate_topk_triton(q, k, 20, 32, method="search", pack_counts=3)
+    with pytest.raises(ValueError, match="BN=128"):
+        estimate_topk_triton(q, k, 20, 32, method="search", BN=128, pack_counts=2)
 
 
 @pytest.mark.gpu

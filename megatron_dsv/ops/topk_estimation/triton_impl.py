@@ -137,16 +137,23 @@ def _scores_at(Pb, Kb, offs_g, mask_g, items, valid, S,
 
 
 @triton.jit
-def _probe_counts(key, ok, lo, hi, cnt, NPROBE: tl.constexpr):
+def _probe_counts(key, ok, lo, hi, cnt, NPROBE: tl.constexpr, PACK: tl.constexpr = 1):
     """``cnt`` [BG, NPROBE] plus, per row, the ``ok`` keys (int32 [BG, BN]) at or above each probe of
     :func:`_probes` (lo, hi int64 [BG]); one probe at a time, so no [BG, BN, NPROBE] tensor (that one spilled:
     Triton 3.6, sm_90a, 4.6 KB of spill loads a thread). A probe lies in [lo, hi) with lo >= -2^31 and
-    hi <= 2^31, so it fits int32 and the compares run on int32."""
+    hi <= 2^31, so it fits int32 and the compares run on int32. PACK (1, 2 or 4; a candidate until timed):
+    the indicators of PACK probes share one int32 as 8-bit fields (a row of a tile counts at most BN < 128 keys,
+    so no field carries into the next), and one row sum counts them all: NPROBE / PACK cross-thread reductions a
+    tile instead of NPROBE."""
     pcol = tl.arange(0, NPROBE)[None, :]
-    for p in tl.static_range(NPROBE):
-        pr = _probe(lo, hi, p + 1, NPROBE).to(tl.int32)
-        c = tl.sum(((key >= pr[:, None]) & ok).to(tl.int32), axis=1)
-        cnt += tl.where(pcol == p, c[:, None], 0)
+    for g in tl.static_range(NPROBE // PACK):
+        packed = tl.zeros(key.shape, tl.int32)
+        for j in tl.static_range(PACK):
+            pr = _probe(lo, hi, g * PACK + j + 1, NPROBE).to(tl.int32)
+            packed += ((key >= pr[:, None]) & ok).to(tl.int32) << (8 * j)
+        total = tl.sum(packed, axis=1)
+        for j in tl.static_range(PACK):
+            cnt += tl.where(pcol == g * PACK + j, ((total >> (8 * j)) & 255)[:, None], 0)
     return cnt
 
 
@@ -177,7 +184,8 @@ def _narrow(lo, hi, c_hi, cnt, K, NPROBE: tl.constexpr):
 
 
 @triton.jit
-def _kth_in_buffer(Buf, b_rows, n_c, lo, hi, c_hi, rank, BN: tl.constexpr, NPROBE: tl.constexpr):
+def _kth_in_buffer(Buf, b_rows, n_c, lo, hi, c_hi, rank, BN: tl.constexpr, NPROBE: tl.constexpr,
+                   PACK: tl.constexpr = 1):
     """The ``rank``-th best key (int64 [BG]) among each row's first ``n_c`` [BG] keys in the buffer
     (row r at ``Buf + b_rows[r]``), and the count of keys above it, by 16-probe steps that keep
     count(key >= lo) >= rank > count(key >= hi) = c_hi (``rank`` [BG, 1]) until hi = lo + 1; a row starts
@@ -189,7 +197,7 @@ def _kth_in_buffer(Buf, b_rows, n_c, lo, hi, c_hi, rank, BN: tl.constexpr, NPROB
             cp = c0 + tl.arange(0, BN)
             cv = cp[None, :] < n_c[:, None]
             key = tl.load(Buf + b_rows[:, None] + cp[None, :], mask=cv, other=0)
-            cnt = _probe_counts(key, cv, lo, hi, cnt, NPROBE)
+            cnt = _probe_counts(key, cv, lo, hi, cnt, NPROBE, PACK)
         live = (hi - lo) > 1
         n_lo, n_hi, n_ch = _narrow(lo, hi, c_hi, cnt, rank, NPROBE)
         lo = tl.where(live, n_lo, lo)
@@ -201,7 +209,8 @@ def _kth_in_buffer(Buf, b_rows, n_c, lo, hi, c_hi, rank, BN: tl.constexpr, NPROB
 @triton.jit
 def _tk_threshold(P, Kp, Counts, Tout, GTout, Flags, S, n_items, NG,
                   R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr,
-                  NPROBE: tl.constexpr, NPASS: tl.constexpr, HAS_FLAGS: tl.constexpr, DOT: tl.constexpr = False):
+                  NPROBE: tl.constexpr, NPASS: tl.constexpr, HAS_FLAGS: tl.constexpr, DOT: tl.constexpr = False,
+                  PACK: tl.constexpr = 1):
     """Per query group: the K-th best key (``Tout``) and the count of keys above it (``GTout``), by a
     16-probe search over the int32 key range, NPASS passes over every item (scores recomputed in each).
     With HAS_FLAGS only the groups flagged by method "sample" (a tile without any skips the passes)."""
@@ -225,7 +234,7 @@ def _tk_threshold(P, Kp, Counts, Tout, GTout, Flags, S, n_items, NG,
         cnt = tl.zeros([BG, NPROBE], tl.int32)
         for it0 in range(0, n_loop, BN):
             key, items, valid = _item_scores(Pb, Kb, offs_g, mask_g, it0, S, n_items, R, BG, BN, BS, LSE, DOT)
-            cnt = _probe_counts(key, valid[None, :], lo, hi, cnt, NPROBE)
+            cnt = _probe_counts(key, valid[None, :], lo, hi, cnt, NPROBE, PACK)
         lo, hi, c_hi = _narrow(lo, hi, c_hi, cnt, K, NPROBE)
     tl.store(Tout + bh * NG + offs_g, lo.to(tl.int32), mask=mask_g)
     tl.store(GTout + bh * NG + offs_g, c_hi, mask=mask_g)
@@ -234,7 +243,7 @@ def _tk_threshold(P, Kp, Counts, Tout, GTout, Flags, S, n_items, NG,
 @triton.jit
 def _tk_write(P, Kp, Counts, Tin, GTin, Out, S, n_items, NG, KMAX,
               R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr,
-              DOT: tl.constexpr = False):
+              DOT: tl.constexpr = False, PACK: tl.constexpr = 1):
     """One ordered pass per query group: the items above the threshold ``Tin`` and the first
     (K - ``GTin``) equal to it, lower index first, so the lists come out ascending."""
     pid_g = tl.program_id(0)
@@ -267,7 +276,7 @@ def _tk_write(P, Kp, Counts, Tin, GTin, Out, S, n_items, NG, KMAX,
 @triton.jit
 def _tk_sample(P, Kp, Counts, Tout, GTout, Flags, Buf, S, n_items, NG, CAP, F, NSV, Z,
                R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr,
-               NPROBE: tl.constexpr, NPASS: tl.constexpr, DOT: tl.constexpr = False):
+               NPROBE: tl.constexpr, NPASS: tl.constexpr, DOT: tl.constexpr = False, PACK: tl.constexpr = 1):
     """Method "sample", one program = (b, h, BG query groups): each group's threshold for :func:`_tk_write`
     (the K-th best key ``Tout`` and the count above it ``GTout``) from ONE pass over the items.
     1. sample: the keys of item j*F + hash(j) % F of each stratum j (NSV strata) into the group's buffer
@@ -319,8 +328,10 @@ def _tk_sample(P, Kp, Counts, Tout, GTout, Flags, Buf, S, n_items, NG, CAP, F, N
         full_lo = tl.full([BG], -2147483648, tl.int64)
         full_hi = tl.full([BG], 2147483648, tl.int64)
         none = tl.zeros([BG], tl.int32)
-        lo_l, _ = _kth_in_buffer(Buf, b_rows, n_s, full_lo, full_hi, none, none[:, None] + m_lo, BN, NPROBE)
-        lo_h, _ = _kth_in_buffer(Buf, b_rows, n_s, full_lo, full_hi, none, none[:, None] + m_hi, BN, NPROBE)
+        lo_l, _ = _kth_in_buffer(Buf, b_rows, n_s, full_lo, full_hi, none, none[:, None] + m_lo, BN, NPROBE,
+                                 PACK)
+        lo_h, _ = _kth_in_buffer(Buf, b_rows, n_s, full_lo, full_hi, none, none[:, None] + m_hi, BN, NPROBE,
+                                 PACK)
         t_lo = lo_l.to(tl.int32)  # m_lo-th best sampled key
         t_hi = lo_h.to(tl.int32)  # m_hi-th best sampled key (2^31 - 1 when m_hi == 0)
         tl.debug_barrier()  # every sampled key is read before the window overwrites the rows
@@ -342,7 +353,7 @@ def _tk_sample(P, Kp, Counts, Tout, GTout, Flags, Buf, S, n_items, NG, CAP, F, N
         lo = t_lo.to(tl.int64)
         hi = tl.where(good, t_hi.to(tl.int64) + 1, lo + 1)  # failed groups: nothing to search
         lo, c_hi = _kth_in_buffer(Buf, b_rows, tl.where(good, run, 0), lo, hi, tl.zeros([BG], tl.int32),
-                                  (K - a_hi)[:, None], BN, NPROBE)
+                                  (K - a_hi)[:, None], BN, NPROBE, PACK)
         t_out = lo.to(tl.int32)
         gt_out = a_hi + c_hi
     tl.store(Tout + rows, t_out, mask=mask_g & ~bad)
@@ -353,7 +364,7 @@ def _tk_sample(P, Kp, Counts, Tout, GTout, Flags, Buf, S, n_items, NG, CAP, F, N
 @triton.jit(do_not_specialize=["g0", "n_g"])  # one compile for every chunk of the loop
 def _tk_keys(P, Kp, Keys, S, n_items, NG, g0, n_g,
              R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr,
-             DOT: tl.constexpr = False):
+             DOT: tl.constexpr = False, PACK: tl.constexpr = 1):
     """Method "keys", one program = (BG groups of the chunk [g0, g0 + n_g), BN items, b * h): the ordered
     int32 key of each item, in one scoring pass, into ``Keys`` [B * H, n_g, n_items]; the selection is
     :func:`select_kernel.select_rows_into` (:func:`_select_from_keys` past its ``MAX_ITEMS``)."""
@@ -558,23 +569,28 @@ def sample_positions(n_items: int, sample_size: int = 1024) -> torch.Tensor:
 
 
 def kernel_meta(r: int, block_size: int, block_score: str = "max", BG: int = 16, BN: int = 0,
-                dot: bool = False) -> dict:
+                dot: bool = False, pack_counts: int = 1) -> dict:
     """The launch settings of the search, sample, write and keys kernels (constexprs and ``num_warps``): tiles
     of BG groups x BN items (BN 0: 64 tokens, or blocks of 512 tokens in all) that 8 warps hold without
     spilling (Triton 3.6 and 3.9, sm_90a, ``tools/kernel_resources.py --topk``; 4 warps spilled in "sample",
     16 x 16 x 128 block tiles in every kernel). ``dot``: token scores as one ``tl.dot`` a tile (:func:`_scores_at`;
-    token lists, r a power of two >= 16, BG and BN >= 16)."""
+    token lists, r a power of two >= 16, BG and BN >= 16). ``pack_counts`` (1, 2 or 4): probes counted per
+    cross-thread reduction in the searches (:func:`_probe_counts`; tiles of fewer than 128 items)."""
     if dot and (block_size != 0 or r < 16 or r & (r - 1) or min(BG, BN or 64) < 16):
         raise ValueError(f"dot=True scores token lists (block_size 0) with r a power of two >= 16 and tiles of at "
                          f"least 16 x 16; got block_size={block_size}, r={r}, BG={BG}, BN={BN}")
     BN = BN or (64 if block_size == 0 else 1 << (max(1, 512 // block_size).bit_length() - 1))
-    return dict(R=r, BG=BG, BN=BN, BS=block_size, LSE=block_score == "lse", DOT=bool(dot), num_warps=8)
+    if pack_counts not in (1, 2, 4) or (pack_counts > 1 and BN >= 128):
+        raise ValueError(f"pack_counts must be 1, 2 or 4, and 1 for tiles of 128 items or more (8-bit counts); "
+                         f"got pack_counts={pack_counts} with BN={BN}")
+    return dict(R=r, BG=BG, BN=BN, BS=block_size, LSE=block_score == "lse", DOT=bool(dot), PACK=pack_counts,
+                num_warps=8)
 
 
 def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="mean", block_score="max",
                          BG: int = 16, BN: int = 0, method: str = "auto", *, sample_size: int = 1024,
                          z: float = 4.0, capacity: int = 0, stats: dict | None = None, chunk_elems: int = 1 << 25,
-                         forced=None, forced_extra: bool = False, dot: bool = False):
+                         forced=None, forced_extra: bool = False, dot: bool = False, pack_counts: int = 1):
     """Same contract as :func:`estimate_topk`, on Triton (GPU, or CPU under TRITON_INTERPRET=1).
     q_lr [B, H, Sq, r], k_lr [B, H, Sk, r]: Sk may differ from Sq.
 
@@ -610,7 +626,8 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     "gemm" (their keys buffer takes the top key); "auto" then picks "gemm" for token lists too. ``forced_extra``
     (the budgets count only the other items; :func:`~.common.forced_union`): the forced items take the lowest key
     for the selection, then join each group's list: idx ``[B, H, NG, F + Kmax]``, counts ``[B, H, NG]``.
-    ``dot``: the kernels score token tiles with one ``tl.dot`` (:func:`kernel_meta`; a candidate, not the default).
+    ``dot``: the kernels score token tiles with one ``tl.dot``; ``pack_counts``: probes per cross-thread reduction
+    in the searches (:func:`kernel_meta`; both candidates, not the defaults).
     """
     method = "gemm" if forced is not None and method == "auto" else resolve_method(method, block_size)
     if forced is not None and method not in ("keys", "gemm"):
@@ -641,7 +658,7 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     proxies = group_proxies(q_lr, group_size, proxy, kernel=True).contiguous()  # [B, H, NG, r]
     k = k_lr.contiguous()
     counts = P.counts.contiguous()
-    meta = kernel_meta(P.r, block_size, block_score, BG, BN, dot)
+    meta = kernel_meta(P.r, block_size, block_score, BG, BN, dot, pack_counts)
     if method in ("keys", "gemm"):
         _lists_by_keys(method, P, proxies, k, out, group_counts if forced_extra else None, forced, chunk_elems, meta)
         return out, (group_counts if forced_extra else counts)
