@@ -82,10 +82,10 @@ def run(sizes, triton_max_s, out_dir, G=32, block=64, backends=("cuda", "triton"
                                                                              stats=st)),
                  ("triton", "block", Kb, lambda st=None: estimate_topk_triton(q, k, Kb, G, block,
                                                                               method=triton_method, stats=st)),
+                 *[(name, "token", K, lambda st=None, kw=kw: estimate_topk_triton(q, k, K, G, method=triton_method,
+                                                                                   stats=st, **kw))
+                   for name, kw in TRITON_CANDIDATES.items()],
                  ("torch_topk", "token", K, lambda: artifact_topk(q, k, K, G))]
-        cases[4:4] = [(name, "token", K, lambda st=None, kw=kw: estimate_topk_triton(q, k, K, G, method=triton_method,
-                                                                                  stats=st, **kw))
-                      for name, kw in TRITON_CANDIDATES.items()]
         size_rows = []
         for backend, gran, kk, fn in cases:
             if backend not in backends or gran not in granularities or (backend == "cuda" and cuda_extension() is None):

@@ -44,9 +44,7 @@ def run_estimate_topk(backend: str, q_lr, k_lr, budgets, group_size: int, block_
     """Top-k estimation on a backend from :func:`resolve_backends` ("auto": the op's device and shape rule; ``forced``
     items, local + predicted lists, go to Triton where that rule says CUDA: the CUDA kernel lacks them)."""
     if backend == "auto":
-        backend, reason = auto_topk_choice(q_lr.device, group_size, block_size, k_lr.shape[-2])
-        if forced is not None and backend == "cuda":
-            backend, reason = "triton", "auto: forced items (local + predicted lists) take the triton backend"
+        backend, reason = auto_topk_choice(q_lr.device, group_size, block_size, k_lr.shape[-2], forced is not None)
         log_topk_choice(backend, reason)
     return estimate_topk(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score, backend=backend,
                          forced=forced, forced_extra=forced_extra)

@@ -60,15 +60,23 @@ def requested_topk_backend(requested=None) -> str:
     return want
 
 
-def auto_topk_backend(device, group_size: int = 0, block_size: int = 0, seqlen_k: int = 0) -> str:
+def auto_topk_backend(device, group_size: int = 0, block_size: int = 0, seqlen_k: int = 0,
+                      forced: bool = False) -> str:
     """The "auto" rule: the CUDA extension when built and the tensors are on CUDA, except for lists of
-    ``(group_size, block_size)`` over at most :data:`TRITON_FASTER_UP_TO` keys (Triton measured faster there),
-    else Triton on CUDA, else naive."""
-    return auto_topk_choice(device, group_size, block_size, seqlen_k)[0]
+    ``(group_size, block_size)`` over at most :data:`TRITON_FASTER_UP_TO` keys (Triton measured faster there)
+    and for ``forced`` items (the CUDA kernel takes none), else Triton on CUDA, else naive."""
+    return auto_topk_choice(device, group_size, block_size, seqlen_k, forced)[0]
 
 
-def auto_topk_choice(device, group_size: int = 0, block_size: int = 0, seqlen_k: int = 0):
+def auto_topk_choice(device, group_size: int = 0, block_size: int = 0, seqlen_k: int = 0, forced: bool = False):
     """``(backend, reason)`` of :func:`auto_topk_backend`: what a log line says (:func:`log_topk_choice`)."""
+    backend, reason = _auto_by_device(device, group_size, block_size, seqlen_k)
+    if forced and backend == "cuda":
+        return "triton", "auto: forced items (local + predicted lists) run on the triton backend's 'gemm' method"
+    return backend, reason
+
+
+def _auto_by_device(device, group_size: int, block_size: int, seqlen_k: int):
     if getattr(device, "type", str(device)) != "cuda":
         return "naive", "auto: tensors not on CUDA"
     from .cuda_impl import cuda_extension
@@ -84,18 +92,20 @@ def auto_topk_choice(device, group_size: int = 0, block_size: int = 0, seqlen_k:
     return "cuda", "auto: the CUDA extension megatron_dsv._C is built and the tensors are on CUDA"
 
 
-def topk_backend(device, requested=None, group_size: int = 0, block_size: int = 0, seqlen_k: int = 0) -> str:
+def topk_backend(device, requested=None, group_size: int = 0, block_size: int = 0, seqlen_k: int = 0,
+                 forced: bool = False) -> str:
     """The backend estimate_topk uses for tensors on ``device`` and lists of that shape (the one place this is
     decided): :func:`requested_topk_backend`, then :func:`auto_topk_backend` for "auto"."""
-    return _backend_and_reason(device, requested, group_size, block_size, seqlen_k)[0]
+    return _backend_and_reason(device, requested, group_size, block_size, seqlen_k, forced)[0]
 
 
-def _backend_and_reason(device, requested=None, group_size: int = 0, block_size: int = 0, seqlen_k: int = 0):
+def _backend_and_reason(device, requested=None, group_size: int = 0, block_size: int = 0, seqlen_k: int = 0,
+                        forced: bool = False):
     want = requested_topk_backend(requested)
     if want != "auto":
         source = "backend argument" if requested not in (None, "auto") else "DSV_TOPK_BACKEND"
         return want, f"asked for by {source}"
-    return auto_topk_choice(device, group_size, block_size, seqlen_k)
+    return auto_topk_choice(device, group_size, block_size, seqlen_k, forced)
 
 
 def log_topk_choice(backend: str, reason: str) -> None:
@@ -112,13 +122,11 @@ def estimate_topk(q_lr, k_lr, budgets, group_size, block_size=0, proxy="mean", b
     """Per query group, the top-k keys (or key blocks) by low-rank score; see the module docstring.
     ``backend`` forces one of {cuda, triton, naive} (None or "auto": the module's rule)."""
     backend, reason = _backend_and_reason(getattr(q_lr, "device", "cpu"), backend, group_size, block_size,
-                                          k_lr.shape[-2] if hasattr(k_lr, "shape") and k_lr.dim() == 4 else 0)
-    if forced is not None and backend == "cuda":
-        if not reason.startswith("auto"):
-            raise ValueError("estimate_topk: `forced` items (DSVConfig.local_radius) are not supported by the "
-                             "cuda backend; use backend 'triton' or 'naive' (or 'auto')")
-        backend, reason = "triton", ("auto: forced items (local + predicted lists) run on the triton backend's "
-                                     "'gemm' method")
+                                          k_lr.shape[-2] if hasattr(k_lr, "shape") and k_lr.dim() == 4 else 0,
+                                          forced is not None)
+    if forced is not None and backend == "cuda":  # asked for by name ("auto" takes triton for forced items)
+        raise ValueError("estimate_topk: `forced` items (DSVConfig.local_radius) are not supported by the "
+                         "cuda backend; use backend 'triton' or 'naive' (or 'auto')")
     log_topk_choice(backend, reason)
     match backend:
         case "cuda":

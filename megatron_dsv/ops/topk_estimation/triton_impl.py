@@ -153,7 +153,10 @@ def _probe_counts(key, ok, lo, hi, cnt, NPROBE: tl.constexpr, PACK: tl.constexpr
             packed += ((key >= pr[:, None]) & ok).to(tl.int32) << (8 * j)
         total = tl.sum(packed, axis=1)
         for j in tl.static_range(PACK):
-            cnt += tl.where(pcol == g * PACK + j, ((total >> (8 * j)) & 255)[:, None], 0)
+            c = total  # PACK 1: the whole sum (a tile may hold 256 items or more)
+            if PACK > 1:
+                c = (total >> (8 * j)) & 255
+            cnt += tl.where(pcol == g * PACK + j, c[:, None], 0)
     return cnt
 
 
