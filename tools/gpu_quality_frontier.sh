@@ -87,7 +87,12 @@ train() {  # $1: minutes per arm; the studies side by side ($2 = detach: launche
   for d in "${studies[@]}"; do
     study "$d"
     if [ "${2:-}" = detach ]; then
-      mkdir -p runs
+      # the launch and its workers run from a copy of the code made now: the next device call re-copies this
+      # working tree under them, and a worker that imported a module mid-copy died of ModuleNotFoundError (run 20)
+      local src=runs/src-$d-$$
+      mkdir -p "$src"
+      cp -r megatron_dsv benchmarks "$src"/
+      cmd[1]=$src/benchmarks/bench_quality.py
       DSV_TOPK_BACKEND=${TRAIN_TOPK:-naive} setsid nohup "${cmd[@]}" --launch --arm "data=$d,$keys,minutes=$1" \
         > "runs/launch-$d-$$.log" 2>&1 < /dev/null &  # $$: a second start of one study keeps the first's log
       echo "$!" > "runs/launch-$d-$$.pid"
