@@ -16,7 +16,9 @@
 #           workers' megatron-core under them broke a worker's import in run 6
 #   start-wait  start, then wait in the same call (WAIT_S): a study that ends within one call's limit needs no second
 #           call within 30 s of this one (run 15 lost a machine, and its runs, between two calls)
-#   wait    WAIT_S [540] s at most, until every detached launch has ended; a progress line a minute (installs nothing)
+#   wait    until every detached launch has ended, or WAIT_S [540] s after this script started (in start-wait the
+#           preflight, install and launch count too: run 20's call passed its limit before its tarball); a progress
+#           line a minute (installs nothing)
 #   stop    end every detached launcher and worker on the machine now (each keeps its run as saved at its last
 #           validation: a later start resumes it). Its matching, like wait's, skips this script and its callers,
 #           whose text may name the pattern (run 14 lost a call before it did); never `pkill -f bench_quality.py`
@@ -41,6 +43,7 @@
 # Carry [".whl", ".whl-vizdoom"] (".footage" for data footage: in a call of its own before, the carry cap is
 # 64 MiB; ".whl-mlm", ".mlm" for MEGATRON_CHECK=1).
 set -u
+started=$(date +%s)  # WAIT_S counts from here
 out=${1:?usage: gpu_quality_frontier.sh OUT_DIR PHASE}; phase=${2:?phase: preflight, train, start, start-wait, wait, stop, finish, time or report}
 mkdir -p "$out/logs"
 cd "$(dirname "$0")/.." || exit 2
@@ -123,9 +126,9 @@ report() {
   for d in "${studies[@]}"; do echo "== $d"; study "$d"; "${cmd[@]}" --report 2>&1 | tail -n 10; done
 }
 
-wait_launches() {  # WAIT_S [540] s at most, until every detached launch has ended; a progress line a minute
+wait_launches() {  # until every detached launch has ended or WAIT_S [540] s from the script's start; a line a minute
   local end left log
-  end=$(( $(date +%s) + ${WAIT_S:-540} ))  # never past it: the call's limit must leave time for the tarball
+  end=$(( started + ${WAIT_S:-540} ))  # never past it: the call's limit must leave time for the tarball
   while [ -n "$(running "bench_quality.py.*--launch")" ] && [ "$(date +%s)" -lt "$end" ]; do
     left=$(( end - $(date +%s) ))
     sleep $(( left < 60 ? left : 60 ))
