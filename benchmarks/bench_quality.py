@@ -142,16 +142,21 @@ def train_one(name: str, args) -> dict:
     counts = {int(k): v for k, v in old.get("sparse_counts", {}).items()}
     # the loss per class (footage: per source video) and per timestep at each validation: where a seed's spread sits
     parts = {int(k): v for k, v in old.get("val_breakdown", {}).items()}
+    # cumulative (training seconds, of them shared with another worker) at each validation: the logged wall-clock
+    seconds = {int(k): v for k, v in old.get("train_seconds", {}).items()}
 
     def record(**extra):
         return dict(name=name, seed=args.seed, arm=_plain(arm), schedule=schedule, curve=sorted(curve.items()),
                     sparse_counts={str(k): v for k, v in sorted(counts.items())},
-                    val_breakdown={str(k): v for k, v in sorted(parts.items())}, **extra)
+                    val_breakdown={str(k): v for k, v in sorted(parts.items())},
+                    train_seconds={str(k): v for k, v in sorted(seconds.items())}, **extra)
 
     def on_val(step, loss, counters, breakdown):
         curve[int(step)] = float(loss)
         counts[int(step)] = [int(counters["sparse_steps"]), int(counters["layer_steps"])]
         parts[int(step)] = breakdown
+        if "train_s" in counters:
+            seconds[int(step)] = [round(float(counters["train_s"]), 3), round(float(counters["shared_s"]), 3)]
         _write_json(path, record())
 
     model, _, summary = train_arm(arm, args, on_val=on_val)
@@ -519,7 +524,8 @@ def main(argv=None):
             print(f"no plot ({err}): pip install -e '.[plots]'")
         print(f"{'arm':16s} {'step':>5s} {'val loss':>10s} {'vs full %':>14s} {'unpaired %':>14s} {'kept':>6s} "
               f"{'sparse':>7s} "
-              f"{'recall':>7s} {'ms alone':>9s} {'t->full':>8s} {'seeds@se':>8s} {'t->full at each timed S':s}")
+              f"{'recall':>7s} {'ms alone':>9s} {'t->full':>8s} {'logged':>7s} {'seeds@se':>8s} "
+              f"{'t->full at each timed S':s}")
         for r in rows:
             fmt = lambda x, f: "-" if x is None or x != x else format(x, f)  # noqa: E731
             print(f"{r['name']:16s} {r['steps']:5d} {r['val_loss']:10.4f} {fmt(r['delta_vs_full_pct'], '+7.2f')} +-"
@@ -527,6 +533,7 @@ def main(argv=None):
                   f"{fmt(r['delta_vs_full_unpaired_se_pct'], '4.2f')} {fmt(r['kept_fraction'], '6.3f')} "
                   f"{fmt(r['sparse_layer_fraction'], '7.2f')} {fmt(r['recall'], '7.3f')} "
                   f"{fmt(r['ms_step_alone'], '9.1f')} {fmt(r['time_to_full_loss_ratio'], '8.2f')} "
+                  f"{fmt(r['time_to_full_loss_ratio_logged'], '7.2f')} "
                   f"{fmt(r['seeds_for_se_target'], '8d')} "
                   + " ".join(f"{k}:{fmt(v, '.2f')}" for k, v in r["time_to_full_loss_ratio_by_S"].items()))
         print("wrote", path)

@@ -13,12 +13,13 @@ from typing import List
 BENCH_QUALITY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_quality.py")
 
 
-def running_workers() -> int:
+def running_workers(exclude: int = 0) -> int:
     """Worker processes of any study on this machine (``bench_quality.py ... --worker``), from /proc: a second
-    launcher (another data source started beside this one) shares the same GPU and the same cap."""
+    launcher (another data source started beside this one) shares the same GPU and the same cap. ``exclude``: a
+    pid not counted (a worker asking how many others share its GPU)."""
     count = 0
     for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not pid.isdigit():
+        if not pid.isdigit() or int(pid) == exclude:
             continue
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:

@@ -46,6 +46,7 @@ def load_records(args) -> Dict[str, Dict[int, dict]]:
         rec = json.load(open(path))
         rec["curve"] = [(int(s), float(v)) for s, v in rec["curve"]]
         rec["sparse_counts"] = {int(k): tuple(v) for k, v in rec.get("sparse_counts", {}).items()}
+        rec["train_seconds"] = {int(k): tuple(v) for k, v in rec.get("train_seconds", {}).items()}
         if not rec["curve"]:
             print(f"report: {path} has no validation yet: left out", flush=True)
             continue
@@ -192,6 +193,31 @@ def time_to_reach(points: List[tuple], target: float) -> Optional[float]:
     return None
 
 
+def logged_wall_clock(runs: Dict[int, dict], curve: List[tuple]):
+    """The wall-clock the runs logged (``train_seconds``: training seconds at each validation, validations left out,
+    one-off compiles in), charged to ``curve`` (the arm's mean loss curve): ``(points, seeds, ms_per_step)`` with
+    ``points`` = (seconds, loss) per validation step, the seconds the mean over the seeds that trained **alone** up to
+    the curve's last step (no second worker on the machine: ``shared`` seconds 0 there), and ``ms_per_step`` =
+    (step, mean ms a step over the interval ending there). ``(None, [], None)`` when no seed qualifies (runs before
+    2026-12-06, or seeds that shared the GPU). Unlike :func:`wall_clock` (a timing phase's step times, charged per
+    interval), nothing is modelled: what the arm took, steps and decisions as trained."""
+    steps = [st for st, _ in curve]
+    alone = []
+    for seed, rec in sorted(runs.items()):
+        logged = rec.get("train_seconds", {})
+        if steps and all(st in logged for st in steps) and logged[steps[-1]][1] == 0:
+            alone.append(seed)
+    if not alone:
+        return None, [], None
+    secs = {st: sum(runs[seed]["train_seconds"][st][0] for seed in alone) / len(alone) for st in steps}
+    points = [(secs[st], v) for st, v in curve]
+    ms, prev_step, prev_s = [], 0, 0.0
+    for st in steps:
+        ms.append((st, 1e3 * (secs[st] - prev_s) / (st - prev_step)))
+        prev_step, prev_s = st, secs[st]
+    return points, alone, ms
+
+
 def report(args, names: List[str]) -> List[dict]:
     records = load_records(args)
     schedule = check_one_schedule(records)  # refused when the study's runs mix schedules
@@ -228,6 +254,7 @@ def report(args, names: List[str]) -> List[dict]:
         wc_by_S = {length: wall_clock(mean_curve, arm, t, **charge) if t else None
                    for length, t in (timing.get(name) or {}).items()}
         reach_by_S = {length: time_to_reach(w, full_mean) if w else None for length, w in wc_by_S.items()}
+        logged, logged_seeds, logged_ms = logged_wall_clock(runs, mean_curve)
         row = dict(bench="quality_frontier", kind="arm", name=name, data=arm["data"], S=S, steps=step,
                    seeds=sorted(at), attn=arm["attn"], budget_rule=arm.get("rule"), recall_target=arm.get("recall"),
                    local_radius=arm.get("local"), local_mode=arm.get("lmode") if arm["attn"] == "dsv" else None,
@@ -254,6 +281,8 @@ def report(args, names: List[str]) -> List[dict]:
                    curve_per_seed={seed: rec["curve"] for seed, rec in sorted(runs.items())},
                    wall_clock=wc, wall_clock_by_S=wc_by_S,
                    time_to_full_loss_s_by_S=reach_by_S,
+                   wall_clock_logged=logged, logged_alone_seeds=logged_seeds, ms_step_logged=logged_ms,
+                   time_to_full_loss_logged_s=time_to_reach(logged, full_mean) if logged else None,
                    stage2_charging=("per_interval" if counts else "uniform_share") if arm["attn"] == "dsv" else None,
                    # --at-step: curves cut there; kept_fraction, recall, sparsity and budget density are the runs'
                    # ends (their summaries), the sparse share is counted up to the cut
@@ -268,6 +297,10 @@ def report(args, names: List[str]) -> List[dict]:
             length: (t / full_by_S[length] if t is not None and full_by_S.get(length) else None)
             for length, t in row["time_to_full_loss_s_by_S"].items()}
         row["time_to_full_loss_ratio"] = row["time_to_full_loss_ratio_by_S"].get(str(S))
+    full_logged = next((r["time_to_full_loss_logged_s"] for r in rows if r["name"] == "full"), None)
+    for row in rows:  # the same ratio from the logged wall-clock of the seeds that trained alone
+        t = row["time_to_full_loss_logged_s"]
+        row["time_to_full_loss_ratio_logged"] = t / full_logged if t is not None and full_logged else None
     return rows
 
 
@@ -312,14 +345,17 @@ def plot(rows: List[dict], prefix: str, title: str) -> List[str]:
     # a third panel: the same curves charged at the longest timed length (the speed target's length), when longer
     longest = max((int(k) for row in rows for k, w in (row.get("wall_clock_by_S") or {}).items() if w), default=0)
     longest = longest if longest > rows[0]["S"] else 0
-    timed = any(row["wall_clock"] for row in rows)
+    # the middle panel: the timing phase's step times where it ran, else the seconds the alone seeds logged
+    phase = any(row["wall_clock"] for row in rows)
+    clock = (lambda row: row["wall_clock"]) if phase else (lambda row: row.get("wall_clock_logged"))
+    timed = any(clock(row) for row in rows)
     fig, axes = plt.subplots(1, 3 if longest else 2, figsize=(18 if longest else 12, 4.5))
     full_runs = next((row["curve_per_seed"] for row in rows if row["name"] == "full"), {})
     for row in rows:
         label = f"{row['name']} ({row['delta_vs_full_pct']:+.2f}% at step {row['steps']})"
         axes[0].plot(*zip(*row["curve"]), marker="o", ms=3, label=label)
-        if row["wall_clock"]:
-            axes[1].plot(*zip(*row["wall_clock"]), marker="o", ms=3, label=label)
+        if clock(row):
+            axes[1].plot(*zip(*clock(row)), marker="o", ms=3, label=label)
         elif not timed and row["name"] != "full":  # no timing: each seed's paired delta instead
             for seed, curve in row["curve_per_seed"].items():
                 full = dict(full_runs.get(seed, []))
@@ -331,7 +367,8 @@ def plot(rows: List[dict], prefix: str, title: str) -> List[str]:
             axes[2].plot(*zip(*row["wall_clock_by_S"][str(longest)]), marker="o", ms=3,
                          label=f"{row['name']} (full's loss in {ratio:.2f}x its time)" if ratio else row["name"])
     axes[0].set_xlabel("training step")
-    axes[1].set_xlabel(f"training time alone on the GPU at {rows[0]['S']} tokens (s, measured step times)" if timed
+    source = "measured step times" if phase else "training seconds logged by the seeds that ran alone"
+    axes[1].set_xlabel(f"training time alone on the GPU at {rows[0]['S']} tokens (s, {source})" if timed
                        else "training step (no step times in this study)")
     if longest:
         axes[2].set_xlabel(f"the same steps timed at {longest} tokens (s, measured step times)")

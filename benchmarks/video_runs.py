@@ -336,7 +336,10 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
     ``on_profile(step, model)`` runs after every DSV profile step, ``on_val(step, loss, counters, breakdown)`` after
     every validation (every ``args.val_every`` steps and at the end; on the EMA weights with ``args.ema_decay`` > 0;
     ``counters``: the run's stage-2 layer-steps so far, ``{"sparse_steps", "layer_steps"}``, whose differences
-    between validations say how many of the steps in between ran each layer sparse; ``breakdown``: the loss per
+    between validations say how many of the steps in between ran each layer sparse, and its training seconds so far
+    (``train_s``: the steps' own time, validations left out, one-off compiles in) of which ``shared_s`` ran while
+    another frontier worker was training on the machine (:func:`shared_gpu`): a validation interval with no shared
+    seconds ran alone, so its seconds are a step-time figure; ``breakdown``: the loss per
     class and per timestep, :func:`val_breakdown`).
     AdamW on fp32 main weights, the learning rate of :func:`lr_scale` (linear warm-up over ``args.warmup`` steps,
     with ``args.lr_cooldown`` a linear decay over the last part of ``args.schedule_steps``, default the arm's
@@ -359,6 +362,9 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
     if path and os.path.exists(path):
         start, counters, last_val = load_run(path, arm, model, opt, g, ema, schedule)
         print(f" [{arm['label']}] resumed at step {start} from {path}", flush=True)
+    if start == 0 or "train_s" in counters:  # a run saved before the seconds were counted never gets them
+        counters.setdefault("train_s", 0.0)
+        counters.setdefault("shared_s", 0.0)
     # align (args.align_stops): runs stopped by their minutes report their last validation step
     align = bool(getattr(args, "align_stops", False)) and on_val is not None
     # the last validated state: what a run stopped by its minutes reports (saved with the run, so a run stopped
@@ -366,6 +372,8 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
     aligned = (last_val["step"], last_val["val"], dict(last_val["counters"])) if last_val else \
         (start, float("nan"), dict(counters))
     t_start, times, losses = time.perf_counter(), [], []
+    shared = shared_gpu()  # at the interval's start; an interval is shared if either end of it is
+    counted = 0  # the steps in `times` whose seconds are in counters["train_s"]
     step = start - 1
     for step in range(start, arm["steps"]):
         scale = lr_scale(step, schedule)
@@ -383,10 +391,19 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
             dsv_on_step_end(model, step + 1)
             if on_profile is not None and is_profile_step(step, cfg_dsv):
                 on_profile(step + 1, model)
-        if (step + 1) % args.log_every == 0 or step == 0:
+        # a log line, a validation or the last step: synced, so the seconds since the last one are all in
+        boundary = (step + 1) % args.log_every == 0 or step + 1 == arm["steps"] or \
+            (on_val is not None and (step + 1) % args.val_every == 0)
+        if boundary or step == 0:
             sync()
         times.append(time.perf_counter() - t0)
         losses.append(loss.detach())
+        if boundary and "train_s" in counters:
+            seconds, counted = sum(times[counted:]), len(times)
+            now_shared = shared_gpu()
+            counters["train_s"] += seconds
+            counters["shared_s"] += seconds if (shared or now_shared) else 0.0
+            shared = now_shared
         if (step + 1) % args.log_every == 0:
             _log_line(arm, step + 1, model, losses[-args.log_every:], times[-args.log_every:], args.batch,
                       tokens_of(arm))
@@ -561,6 +578,14 @@ def load_run(path: str, arm: dict, model, opt, g, ema=None, schedule=None):
         else:
             ema.load_state_dict(state["ema"])
     return int(state["step"]), dict(state["counters"]), state.get("last_val")
+
+
+def shared_gpu() -> bool:
+    """Whether another frontier worker (``bench_quality.py --worker``, any study) runs on this machine now: its steps
+    share the GPU with this run's. Other GPU work (tests, a timing phase) is not seen."""
+    from benchmarks.frontier_launch import running_workers
+
+    return running_workers(exclude=os.getpid()) > 0
 
 
 def _median(xs):

@@ -419,3 +419,44 @@ def test_join_seeds_pairs_within_each_file_and_counts_a_seed_once(tmp_path):
         join([old], "window", 100)
     with pytest.raises(ValueError, match="no seed of 'dsv'"):
         join([old], "dsv", 7)
+
+
+def test_the_report_charges_the_logged_seconds_of_the_seeds_that_trained_alone(tmp_path):
+    """With no timing phase, the time to full attention's final loss comes from the runs' logged training seconds,
+    only of seeds that ran alone on the GPU up to the reported step (a shared seed's steps are not step times)."""
+    import json
+    from types import SimpleNamespace
+
+    from benchmarks.quality_report import report
+    from benchmarks.video_runs import parse_arm
+
+    (tmp_path / "curves").mkdir()
+    base = "data=synthetic,frames=2,res=64,steps=3"
+    runs = {  # name: (arm, {seed: (curve, [(train_s, shared_s)] per validation)})
+        "full": (parse_arm(base + ",attn=full"), {
+            0: ([1.0, 0.8, 0.6], [(10, 0), (20, 0), (30, 0)]),
+            1: ([1.0, 0.8, 0.6], [(10, 0), (20, 0), (30, 0)])}),
+        "dsv": (parse_arm(base + ",stage1=1"), {
+            0: ([0.9, 0.6, 0.5], [(4, 0), (8, 0), (12, 0)]),
+            1: ([0.9, 0.6, 0.5], [(40, 40), (80, 80), (120, 120)])}),  # shared: 10x slower, left out
+    }
+    for name, (arm, seeds) in runs.items():
+        for seed, (losses, secs) in seeds.items():
+            steps = [1, 2, 3]
+            (tmp_path / "curves" / f"{name}-s{seed}.json").write_text(json.dumps(dict(
+                name=name, seed=seed, arm=arm, curve=list(zip(steps, losses)),
+                sparse_counts={str(s): [s, s] for s in steps},
+                train_seconds={str(s): list(t) for s, t in zip(steps, secs)})))
+    rows = {r["name"]: r for r in report(SimpleNamespace(save_dir=str(tmp_path), arm=base, at_step=None, seeds=None),
+                                         ["full", "dsv"])}
+    assert rows["full"]["logged_alone_seeds"] == [0, 1] and rows["dsv"]["logged_alone_seeds"] == [0]
+    assert rows["full"]["time_to_full_loss_logged_s"] == 30.0
+    assert rows["dsv"]["time_to_full_loss_logged_s"] == 8.0  # 0.6 reached at step 2
+    assert rows["dsv"]["time_to_full_loss_ratio_logged"] == pytest.approx(8.0 / 30.0)
+    assert rows["dsv"]["ms_step_logged"] == [(1, 4000.0), (2, 4000.0), (3, 4000.0)]
+    assert rows["dsv"]["time_to_full_loss_ratio"] is None  # no timing phase ran
+    from benchmarks.quality_report import plot
+
+    pytest.importorskip("matplotlib")
+    written = plot(list(rows.values()), str(tmp_path / "q"), "logged")
+    assert all(os.path.getsize(p) > 0 for p in written)

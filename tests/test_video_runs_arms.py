@@ -231,3 +231,40 @@ def test_val_breakdown_means_per_class_and_timestep():
     b = val_breakdown(parts, torch.tensor([2, 2, 0]), ["vtest", "box", "cup"])
     assert b["by_class"] == {"vtest": 10.0, "cup": 4.0}
     assert b["by_t"] == pytest.approx([14 / 3, 16 / 3, 18 / 3, 20 / 3, 22 / 3])
+
+
+def test_training_seconds_are_counted_and_marked_shared_beside_another_worker(tmp_path):
+    """Every validation gets the run's training seconds so far (validations left out); seconds trained while another
+    frontier worker ran on the machine are counted as shared too, so a report can tell which seeds ran alone."""
+    import subprocess
+    import time
+
+    from benchmarks.frontier_launch import running_workers
+    from benchmarks.video_runs import train_arm
+    from tests.test_benchmarks_smoke import _run_args
+
+    arm = "data=synthetic,frames=4,res=64,stage1=3,steps=5"
+
+    def counters_at_validations():
+        seen = []
+        train_arm(parse_arm(arm), _run_args(tmp_path, "--val-every", "2"),
+                  on_val=lambda s, v, c, b: seen.append((s, dict(c))))
+        return seen
+
+    alone = counters_at_validations()
+    assert [s for s, _ in alone] == [2, 4, 5]  # the last step validates too: its seconds are in
+    seconds = [c["train_s"] for _, c in alone]
+    assert 0 < seconds[0] < seconds[1] < seconds[2] and all(c["shared_s"] == 0 for _, c in alone)
+    fake = tmp_path / "bench_quality.py"  # a process whose command line looks like a worker's
+    fake.write_text("import time\ntime.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, str(fake), "--worker", "full", "--seed", "0"])
+    try:
+        for _ in range(100):
+            if running_workers() > 0:
+                break
+            time.sleep(0.1)
+        shared = counters_at_validations()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert all(c["shared_s"] == c["train_s"] > 0 for _, c in shared)

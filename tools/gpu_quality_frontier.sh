@@ -30,7 +30,8 @@
 # Memory: a 16K-token worker (hidden 512 x 4 layers) holds 8-12 GiB of the GPU and peaks at 13-17 GiB; 18 workers ran out
 # of the H200's 140 GiB in run 6 (four died of OOM and were resumed), 10 in run 7 (two died). So at most MAX_WORKERS
 # [GPU memory / 16 GiB] train at once on the machine, every study's launcher counted (bench_quality --max-workers):
-# the others start as workers end.
+# the others start as workers end. At 64K one worker fills the GPU (run 20: two did 0.95 of one's work), and
+# MAX_WORKERS=1 has every seed train alone: the report's time_to_full_loss_ratio_logged then needs no timing phase.
 # Settings (environment): DATA ["vizdoom"; e.g. "vizdoom footage": one study per source, trained side by side],
 # ARM_KEYS [frames=16,res=256,stage1=700,qk_lr=10,lr=3e-4: 16K tokens], STEPS [4000: every arm stops there, so
 # fast arms free the GPU for the others], EXTRA_STEPS [0: percent more steps for every arm but full, so an arm
