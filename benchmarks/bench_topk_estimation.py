@@ -52,7 +52,8 @@ def measure(fn, rep=100):
 # the Triton top-k's candidates on token lists (triton_impl.kernel_meta): each token tile scored with one tl.dot,
 # several probes counted per cross-thread reduction in the searches, and both
 TRITON_CANDIDATES = {"triton_dot": dict(dot=True), "triton_pack4": dict(pack_counts=4),
-                     "triton_dot_pack4": dict(dot=True, pack_counts=4)}
+                     "triton_dot_pack4": dict(dot=True, pack_counts=4), "triton_tc": dict(dot="tc"),
+                     "triton_tc_pack4": dict(dot="tc", pack_counts=4)}
 BACKENDS = ("cuda", "triton", *TRITON_CANDIDATES, "torch_topk")
 
 
@@ -87,6 +88,7 @@ def run(sizes, triton_max_s, out_dir, G=32, block=64, backends=("cuda", "triton"
                    for name, kw in TRITON_CANDIDATES.items()],
                  ("torch_topk", "token", K, lambda: artifact_topk(q, k, K, G))]
         size_rows = []
+        cuda_lists = None  # the CUDA kernel's token lists: how many entries each Triton candidate's differ by
         for backend, gran, kk, fn in cases:
             if backend not in backends or gran not in granularities or (backend == "cuda" and cuda_extension() is None):
                 continue
@@ -105,8 +107,13 @@ def run(sizes, triton_max_s, out_dir, G=32, block=64, backends=("cuda", "triton"
                            wall_s=time.time() - t0)
                 if backend.startswith("triton") and row["triton_method"] in ("sample", "search"):
                     st = {}  # one more call, its kernels timed apart and the groups left to the search counted
-                    fn(st)
+                    lists = fn(st)[0]
                     row["phases"] = st
+                    if gran == "token" and cuda_lists is not None:  # near-exact ties may go either way
+                        row["entries_differ_from_cuda"] = int((lists != cuda_lists).sum())
+                    del lists
+                elif backend == "cuda" and gran == "token":
+                    cuda_lists = fn()[0]
             except torch.cuda.OutOfMemoryError as err:
                 row["skipped"] = f"OOM: {str(err)[:120]}"
             torch.cuda.empty_cache()
@@ -120,7 +127,7 @@ def run(sizes, triton_max_s, out_dir, G=32, block=64, backends=("cuda", "triton"
                 row["select_frac_of_dense"] = row["ms_select"] / dense_total
             rows.append(row)
             print(_fmt(row), flush=True)
-        del q, k
+        del q, k, cuda_lists
         torch.cuda.empty_cache()
         write_results(bench, rows, out_dir, meta)  # partial results survive a timeout
     path = write_results(bench, rows, out_dir, meta)
@@ -138,6 +145,8 @@ def _fmt(r):
     extra = "" if not ph else (" | " + " ".join(f"{k[3:]} {v:.2f}" for k, v in ph.items() if k.startswith("ms_"))
                                + f" ms; search on {ph['fallback_groups']} of {ph['groups']} groups"
                                f" ({ph['fallback_tiles']} of {ph['tiles']} tiles)")
+    if "entries_differ_from_cuda" in r:
+        extra += f"; {r['entries_differ_from_cuda']} list entries differ from CUDA's"
     return (f"{r['S']:>7} {r['granularity']:>5} {r['backend']:>10} {r['K']:>6} {r['ms_select']:>10.3f} "
             f"{r['peak_over_out']:>8.2f} {100 * r['select_frac_of_dense']:>6.2f}%{extra}")
 

@@ -16,7 +16,8 @@
 #   against FlexAttention: issue 26's 1.15x),
 #   topk3x (the Triton top-k against the CUDA kernel as issue 26's 3x target reads, ~3 min: the GPU tests of
 #   "sample" and the selection kernel, then token lists (G = 32, "sample", with its kernels timed apart) at
-#   16K-128K, its candidates (bench_topk_estimation.TRITON_CANDIDATES) at 16K and 64K, and the library's block
+#   16K-128K, its candidates (bench_topk_estimation.TRITON_CANDIDATES, each with how many list entries differ
+#   from the CUDA kernel's) at 16K and 64K, and the library's block
 #   lists (G = 128, blocks of 128, auto = "gemm") at 16K-128K, each beside the CUDA kernel in the same run)
 #   models (every test of tests/models and the local-list tests on the GPU host, not only the gpu-marked ones:
 #   with GPU_WHEEL_DIRS=".whl-mc019 .whl-wan" it checks megatron-core 0.19.2 and the Wan bf16 test against
@@ -87,7 +88,8 @@ for s in $stages; do
               tests/ops/test_topk_select_kernel.py; b='python3 benchmarks/bench_topk_estimation.py --backends cuda,triton \
               --sizes 16384,32768,65536,131072 --triton-max-s 131072'; \$b --granularity token --triton-method sample \
               --out '$out/topk3x-token'; \$b --granularity token --triton-method sample --sizes 16384,65536 \
-              --backends triton_dot,triton_pack4,triton_dot_pack4 --out '$out/topk3x-candidates'; \
+              --backends cuda,triton_tc,triton_tc_pack4,triton_dot,triton_pack4,triton_dot_pack4 \
+              --out '$out/topk3x-candidates'; \
               \$b --granularity block --group-size 128 --block-size 128 --out '$out/topk3x-block'" ;;
     *) echo "unknown stage $s (build tests train recall predictor topk e2e e2etok topksample topkkeys models sweep" \
             "smallg d256 d256tune topk3x)"; exit 2 ;;

@@ -170,6 +170,22 @@ def test_candidates_equal_naive_on_integer_inputs(method, r, capacity, dot, pack
     assert (st["fallback_groups"] > 0) == (capacity > 0 or method == "search")
 
 
+@pytest.mark.parametrize("method,capacity,pack", [("sample", 0, 1), ("sample", 95, 4), ("search", 0, 1),
+                                                   ("keys", 0, 1)])
+def test_tensor_core_scoring_equals_naive_on_integer_fp16_inputs(method, capacity, pack):
+    """``dot="tc"`` (the tile product in the inputs' fp16 on tensor cores, fp32 accumulation) in the sample pass,
+    its fallback search (a small buffer forces it), the write pass and "keys": integer inputs and their group means
+    (multiples of 1/32) make every product and sum exact, so the lists equal naive's bit for bit."""
+    q, k = _ints((1, 2, 96, 16), torch.float16, 43), _ints((1, 2, 800, 16), torch.float16, 44)
+    budgets = torch.as_tensor([30, 90])
+    ref = estimate_topk_naive(q, k, budgets, 32)
+    st = {}
+    got = estimate_topk_triton(q, k, budgets, 32, method=method, sample_size=64, capacity=capacity, stats=st,
+                               dot="tc", pack_counts=pack)
+    assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+    assert (st["fallback_groups"] > 0) == (capacity > 0 or method == "search")
+
+
 def test_dot_scoring_rejects_what_it_cannot_score():
     q, k = _ints((1, 1, 64, 8), torch.float32, 35), _ints((1, 1, 256, 8), torch.float32, 36)
     with pytest.raises(ValueError, match="dot=True .* r=8"):
@@ -177,6 +193,10 @@ def test_dot_scoring_rejects_what_it_cannot_score():
     q, k = _ints((1, 1, 64, 16), torch.float32, 35), _ints((1, 1, 256, 16), torch.float32, 36)
     with pytest.raises(ValueError, match="block_size=64"):
         estimate_topk_triton(q, k, 2, 32, 64, method="search", dot=True)
+    with pytest.raises(ValueError, match="dot='tc' scores fp16/bf16 inputs .* torch.float32"):
+        estimate_topk_triton(q, k, 20, 32, method="sample", dot="tc")
+    with pytest.raises(ValueError, match="dot must be False, True .* or 'tc'"):
+        estimate_topk_triton(q, k, 20, 32, method="sample", dot="mma")
     with pytest.raises(ValueError, match="pack_counts"):
         estimate_topk_triton(q, k, 20, 32, method="search", pack_counts=3)
     with pytest.raises(ValueError, match="BN=128"):
@@ -196,3 +216,23 @@ def test_dot_scoring_keeps_the_loops_order_on_the_gpu():
     assert torch.equal(a[1], b[1])
     diff = (a[0] != b[0]).sum().item()
     assert diff == 0, f"{diff} of {a[0].numel()} entries differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compares compiled kernels: needs a CUDA GPU")
+def test_tensor_core_scoring_gives_naives_lists_up_to_near_ties_on_the_gpu():
+    """On continuous bf16 inputs ``dot="tc"`` sums the 16 exact products on tensor cores: its lists must equal
+    naive's except items within a few ulps of a group's threshold (the rule the CUDA kernel, which scores the same
+    way, is held to), and every list must hold exactly its count of ascending items."""
+    from tests.ops.test_topk_estimation import _near_tie_equal
+
+    torch.manual_seed(41)
+    q = torch.randn(1, 4, 16384, 16, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 4, 16384, 16, device="cuda", dtype=torch.bfloat16)
+    k[:, :, 9000:9300] = k[:, :, 5:6]  # planted ties
+    budgets = torch.tensor([1664, 820, 1664, 3000], device="cuda")
+    ref = estimate_topk_naive(q, k, budgets, 32)
+    for method in ("sample", "search"):
+        got = estimate_topk_triton(q, k, budgets, 32, method=method, dot="tc")
+        assert torch.equal(ref[1], got[1])
+        _near_tie_equal(q, k, ref[0], got[0], ref[1], 32, 0, "mean", "max", who=f"triton {method} tc")

@@ -93,10 +93,17 @@ def _scores_at(Pb, Kb, offs_g, mask_g, items, valid, S,
                R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr,
                DOT: tl.constexpr = False):
     """Ordered int32 keys [BG, BN] of the items ``items`` [BN] (any order, ``valid`` masks loads).
-    DOT (token lists, R a power of two >= 16, a candidate until timed): the [BG, R] x [R, BN] product as one
-    fp32 ``tl.dot`` with IEEE precision (FMA units, not tensor cores) on tiles loaded whole, instead of R
-    dependent column loads; exact on integer-valued inputs, and its summation order is the compiler's."""
-    if BS == 0 and DOT:
+    DOT (token lists, R a power of two >= 16, candidates until timed): the [BG, R] x [R, BN] product as one
+    ``tl.dot`` on tiles loaded whole, instead of R dependent column loads. 1: in fp32 with IEEE precision (FMA
+    units); 2: in the inputs' own fp16/bf16 on tensor cores with fp32 accumulation, as the CUDA kernel scores
+    (exact products; the sum's rounding is the MMA's, so lists equal the column loop's up to near-exact ties).
+    Both are exact on integer-valued inputs, and their summation order is the compiler's."""
+    if BS == 0 and DOT == 2:
+        rr = tl.arange(0, R)
+        pt = tl.load(Pb + offs_g[:, None] * R + rr[None, :], mask=mask_g[:, None], other=0.0)
+        kt = tl.load(Kb + items[None, :] * R + rr[:, None], mask=valid[None, :], other=0.0)
+        s = tl.dot(pt, kt, out_dtype=tl.float32)
+    elif BS == 0 and DOT:
         rr = tl.arange(0, R)
         pt = tl.load(Pb + offs_g[:, None] * R + rr[None, :], mask=mask_g[:, None], other=0.0).to(tl.float32)
         kt = tl.load(Kb + items[None, :] * R + rr[:, None], mask=valid[None, :], other=0.0).to(tl.float32)
@@ -572,28 +579,32 @@ def sample_positions(n_items: int, sample_size: int = 1024) -> torch.Tensor:
 
 
 def kernel_meta(r: int, block_size: int, block_score: str = "max", BG: int = 16, BN: int = 0,
-                dot: bool = False, pack_counts: int = 1) -> dict:
+                dot: bool | str = False, pack_counts: int = 1) -> dict:
     """The launch settings of the search, sample, write and keys kernels (constexprs and ``num_warps``): tiles
     of BG groups x BN items (BN 0: 64 tokens, or blocks of 512 tokens in all) that 8 warps hold without
     spilling (Triton 3.6 and 3.9, sm_90a, ``tools/kernel_resources.py --topk``; 4 warps spilled in "sample",
     16 x 16 x 128 block tiles in every kernel). ``dot``: token scores as one ``tl.dot`` a tile (:func:`_scores_at`;
     token lists, r a power of two >= 16, BG and BN >= 16). ``pack_counts`` (1, 2 or 4): probes counted per
-    cross-thread reduction in the searches (:func:`_probe_counts`; tiles of fewer than 128 items)."""
+    cross-thread reduction in the searches (:func:`_probe_counts`; tiles of fewer than 128 items). ``dot="tc"``:
+    the same product on tensor cores in the inputs' fp16/bf16 (fp32 accumulation; not for fp32 inputs)."""
+    if dot not in (False, True, "tc"):
+        raise ValueError(f"dot must be False, True (fp32 FMA) or 'tc' (tensor cores), got {dot!r}")
     if dot and (block_size != 0 or r < 16 or r & (r - 1) or min(BG, BN or 64) < 16):
-        raise ValueError(f"dot=True scores token lists (block_size 0) with r a power of two >= 16 and tiles of at "
-                         f"least 16 x 16; got block_size={block_size}, r={r}, BG={BG}, BN={BN}")
+        raise ValueError(f"dot={dot!r} scores token lists (block_size 0) with r a power of two >= 16 and tiles of "
+                         f"at least 16 x 16; got block_size={block_size}, r={r}, BG={BG}, BN={BN}")
     BN = BN or (64 if block_size == 0 else 1 << (max(1, 512 // block_size).bit_length() - 1))
     if pack_counts not in (1, 2, 4) or (pack_counts > 1 and BN >= 128):
         raise ValueError(f"pack_counts must be 1, 2 or 4, and 1 for tiles of 128 items or more (8-bit counts); "
                          f"got pack_counts={pack_counts} with BN={BN}")
-    return dict(R=r, BG=BG, BN=BN, BS=block_size, LSE=block_score == "lse", DOT=bool(dot), PACK=pack_counts,
+    return dict(R=r, BG=BG, BN=BN, BS=block_size, LSE=block_score == "lse", DOT=2 if dot == "tc" else int(dot),
+                PACK=pack_counts,
                 num_warps=8)
 
 
 def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="mean", block_score="max",
                          BG: int = 16, BN: int = 0, method: str = "auto", *, sample_size: int = 1024,
                          z: float = 4.0, capacity: int = 0, stats: dict | None = None, chunk_elems: int = 1 << 25,
-                         forced=None, forced_extra: bool = False, dot: bool = False, pack_counts: int = 1):
+                         forced=None, forced_extra: bool = False, dot: bool | str = False, pack_counts: int = 1):
     """Same contract as :func:`estimate_topk`, on Triton (GPU, or CPU under TRITON_INTERPRET=1).
     q_lr [B, H, Sq, r], k_lr [B, H, Sk, r]: Sk may differ from Sq.
 
@@ -629,8 +640,9 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     "gemm" (their keys buffer takes the top key); "auto" then picks "gemm" for token lists too. ``forced_extra``
     (the budgets count only the other items; :func:`~.common.forced_union`): the forced items take the lowest key
     for the selection, then join each group's list: idx ``[B, H, NG, F + Kmax]``, counts ``[B, H, NG]``.
-    ``dot``: the kernels score token tiles with one ``tl.dot``; ``pack_counts``: probes per cross-thread reduction
-    in the searches (:func:`kernel_meta`; both candidates, not the defaults).
+    ``dot``: the kernels score token tiles with one ``tl.dot`` (True: fp32 on FMA units; "tc": fp16/bf16 on tensor
+    cores); ``pack_counts``: probes per cross-thread reduction in the searches (:func:`kernel_meta`; candidates,
+    not the defaults).
     """
     method = "gemm" if forced is not None and method == "auto" else resolve_method(method, block_size)
     if forced is not None and method not in ("keys", "gemm"):
@@ -662,6 +674,9 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     k = k_lr.contiguous()
     counts = P.counts.contiguous()
     meta = kernel_meta(P.r, block_size, block_score, BG, BN, dot, pack_counts)
+    if dot == "tc" and q_lr.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"estimate_topk_triton: dot='tc' scores fp16/bf16 inputs on tensor cores, got {q_lr.dtype} "
+                         "(fp32 inputs: dot=True)")
     if method in ("keys", "gemm"):
         _lists_by_keys(method, P, proxies, k, out, group_counts if forced_extra else None, forced, chunk_elems, meta)
         return out, (group_counts if forced_extra else counts)
