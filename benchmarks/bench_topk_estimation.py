@@ -118,6 +118,7 @@ def run(sizes, triton_max_s, out_dir, G=32, block=64, backends=("cuda", "triton"
                 row["skipped"] = f"OOM: {str(err)[:120]}"
             torch.cuda.empty_cache()
             size_rows.append(row)
+        cuda_lists = None  # (3.5 GB at 128K) freed before the dense baseline
         dense = dense_fwd_bwd_ms(1, H, S, D)
         torch.cuda.empty_cache()
         dense_total = dense["ms_dense_fwd"] + dense["ms_dense_bwd"]
@@ -127,7 +128,7 @@ def run(sizes, triton_max_s, out_dir, G=32, block=64, backends=("cuda", "triton"
                 row["select_frac_of_dense"] = row["ms_select"] / dense_total
             rows.append(row)
             print(_fmt(row), flush=True)
-        del q, k, cuda_lists
+        del q, k
         torch.cuda.empty_cache()
         write_results(bench, rows, out_dir, meta)  # partial results survive a timeout
     path = write_results(bench, rows, out_dir, meta)

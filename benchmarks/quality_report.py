@@ -200,7 +200,8 @@ def logged_wall_clock(runs: Dict[int, dict], curve: List[tuple]):
     the curve's last step (no second worker on the machine: ``shared`` seconds 0 there), and ``ms_per_step`` =
     (step, mean ms a step over the interval ending there). ``(None, [], None)`` when no seed qualifies (runs before
     2026-12-06, or seeds that shared the GPU). Unlike :func:`wall_clock` (a timing phase's step times, charged per
-    interval), nothing is modelled: what the arm took, steps and decisions as trained."""
+    interval), nothing is modelled: what the arm took, steps and decisions as trained. The seeds that qualify may
+    differ between arms (and from the seeds of the loss curve): step times vary little between seeds."""
     steps = [st for st, _ in curve]
     alone = []
     for seed, rec in sorted(runs.items()):

@@ -337,9 +337,10 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
     every validation (every ``args.val_every`` steps and at the end; on the EMA weights with ``args.ema_decay`` > 0;
     ``counters``: the run's stage-2 layer-steps so far, ``{"sparse_steps", "layer_steps"}``, whose differences
     between validations say how many of the steps in between ran each layer sparse, and its training seconds so far
-    (``train_s``: the steps' own time, validations left out, one-off compiles in) of which ``shared_s`` ran while
-    another frontier worker was training on the machine (:func:`shared_gpu`): a validation interval with no shared
-    seconds ran alone, so its seconds are a step-time figure; ``breakdown``: the loss per
+    (``train_s``: the steps' own time, validations left out, one-off compiles in, paid again at each resume) of
+    which ``shared_s`` ran while another frontier worker was training on the machine (:func:`shared_gpu`; other GPU
+    work such as tests beside the run is not seen): a validation interval with no shared seconds ran without another
+    worker, so its seconds are a step-time figure; ``breakdown``: the loss per
     class and per timestep, :func:`val_breakdown`).
     AdamW on fp32 main weights, the learning rate of :func:`lr_scale` (linear warm-up over ``args.warmup`` steps,
     with ``args.lr_cooldown`` a linear decay over the last part of ``args.schedule_steps``, default the arm's
@@ -391,8 +392,10 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
             dsv_on_step_end(model, step + 1)
             if on_profile is not None and is_profile_step(step, cfg_dsv):
                 on_profile(step + 1, model)
-        # a log line, a validation or the last step: synced, so the seconds since the last one are all in
-        boundary = (step + 1) % args.log_every == 0 or step + 1 == arm["steps"] or \
+        stop = time.perf_counter() - t_start > 60.0 * arm["minutes"]  # the run's minutes are spent
+        # a log line, a validation, the last step or a stop: synced, so the seconds since the last one are all in
+        # (a run stopped by its minutes saves them with its step)
+        boundary = (step + 1) % args.log_every == 0 or step + 1 == arm["steps"] or stop or \
             (on_val is not None and (step + 1) % args.val_every == 0)
         if boundary or step == 0:
             sync()
@@ -413,7 +416,7 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
             if align and path and step + 1 < arm["steps"]:
                 aligned = (step + 1, val, dict(counters))
                 save_run(path, arm, model, opt, g, step + 1, counters, ema, last_val=aligned, schedule=schedule)
-        if time.perf_counter() - t_start > 60.0 * arm["minutes"]:
+        if stop:
             print(f" [{arm['label']}] stopped at step {step + 1} by its {arm['minutes']} min budget", flush=True)
             break
     steps_done = step + 1

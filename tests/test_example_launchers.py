@@ -283,10 +283,17 @@ def test_frontier_start_runs_its_workers_from_a_copy_of_the_code(tmp_path):
     shutil.rmtree(repo / "benchmarks")
     pid = int(next((repo / "runs").glob("launch-synthetic-*.pid")).read_text())
     deadline = time.time() + 500
-    while os.path.exists(f"/proc/{pid}") and time.time() < deadline:
-        if open(f"/proc/{pid}/stat").read().split()[2] == "Z":
-            break
-        time.sleep(1)
+    try:
+        while time.time() < deadline:
+            try:
+                if open(f"/proc/{pid}/stat").read().split()[2] == "Z":
+                    break
+            except OSError:  # ended
+                break
+            time.sleep(1)
+    finally:
+        if os.path.exists(f"/proc/{pid}"):  # past the deadline: its session (launcher and workers) ends here
+            subprocess.run(["pkill", "-s", str(pid)], check=False)
     log_path = repo / "runs" / "frontier-synthetic" / "logs" / "full-s0.log"
     log = log_path.read_text() if log_path.exists() else ""
     launch_log = next((repo / "runs").glob("launch-synthetic-*.log")).read_text()

@@ -268,3 +268,10 @@ def test_training_seconds_are_counted_and_marked_shared_beside_another_worker(tm
         proc.kill()
         proc.wait()
     assert all(c["shared_s"] == c["train_s"] > 0 for _, c in shared)
+    # stopped by its minutes after step 1, between validations: the step's seconds are saved with it
+    import torch
+
+    args = _run_args(tmp_path, "--val-every", "4", "--save-dir", str(tmp_path / "runs"), "--align-stops")
+    train_arm(parse_arm(arm + ",minutes=0.0000001"), args, on_val=lambda s, v, c, b: None)
+    saved = torch.load(next((tmp_path / "runs").glob("*.pt")), map_location="cpu", weights_only=True)
+    assert saved["step"] == 1 and saved["counters"]["train_s"] > 0

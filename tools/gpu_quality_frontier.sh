@@ -31,7 +31,8 @@
 # of the H200's 140 GiB in run 6 (four died of OOM and were resumed), 10 in run 7 (two died). So at most MAX_WORKERS
 # [GPU memory / 16 GiB] train at once on the machine, every study's launcher counted (bench_quality --max-workers):
 # the others start as workers end. At 64K one worker fills the GPU (run 20: two did 0.95 of one's work), and
-# MAX_WORKERS=1 has every seed train alone: the report's time_to_full_loss_ratio_logged then needs no timing phase.
+# MAX_WORKERS=1 with SKIP_GPU_TESTS=1 (a worker sees other workers, not tests beside it) has every seed train alone:
+# the report's time_to_full_loss_ratio_logged then needs no timing phase.
 # Settings (environment): DATA ["vizdoom"; e.g. "vizdoom footage": one study per source, trained side by side],
 # ARM_KEYS [frames=16,res=256,stage1=700,qk_lr=10,lr=3e-4: 16K tokens], STEPS [4000: every arm stops there, so
 # fast arms free the GPU for the others], EXTRA_STEPS [0: percent more steps for every arm but full, so an arm
@@ -94,8 +95,9 @@ train() {  # $1: minutes per arm; the studies side by side ($2 = detach: launche
       # the launch and its workers run from a copy of the code made now: the next device call re-copies this
       # working tree under them, and a worker that imported a module mid-copy died of ModuleNotFoundError (run 20)
       local src=runs/src-$d-$$
-      mkdir -p "$src"
-      cp -r megatron_dsv benchmarks "$src"/
+      rm -rf "$src"; mkdir -p "$src/benchmarks"
+      cp -r megatron_dsv "$src"/ && cp benchmarks/*.py "$src/benchmarks"/ ||
+        { echo "cannot copy the code to $src" >&2; exit 2; }
       cmd[1]=$src/benchmarks/bench_quality.py
       DSV_TOPK_BACKEND=${TRAIN_TOPK:-naive} setsid nohup "${cmd[@]}" --launch --arm "data=$d,$keys,minutes=$1" \
         > "runs/launch-$d-$$.log" 2>&1 < /dev/null &  # $$: a second start of one study keeps the first's log

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from megatron_dsv.ops.topk_estimation import estimate_topk_naive
-from megatron_dsv.ops.topk_estimation.triton_impl import (estimate_topk_triton, sample_plan,
+from megatron_dsv.ops.topk_estimation.triton_impl import (estimate_topk_triton, kernel_meta, sample_plan,
                                                           sample_positions)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -184,6 +184,7 @@ def test_tensor_core_scoring_equals_naive_on_integer_fp16_inputs(method, capacit
                                dot="tc", pack_counts=pack)
     assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
     assert (st["fallback_groups"] > 0) == (capacity > 0 or method == "search")
+    assert kernel_meta(16, 0, dot="tc", pack_counts=pack)["DOT"] == 2  # the tensor-core branch, not the FMA dot's
 
 
 def test_dot_scoring_rejects_what_it_cannot_score():
@@ -193,8 +194,9 @@ def test_dot_scoring_rejects_what_it_cannot_score():
     q, k = _ints((1, 1, 64, 16), torch.float32, 35), _ints((1, 1, 256, 16), torch.float32, 36)
     with pytest.raises(ValueError, match="block_size=64"):
         estimate_topk_triton(q, k, 2, 32, 64, method="search", dot=True)
-    with pytest.raises(ValueError, match="dot='tc' scores fp16/bf16 inputs .* torch.float32"):
-        estimate_topk_triton(q, k, 20, 32, method="sample", dot="tc")
+    for budget in (20, 0):  # refused before the early return of empty lists too
+        with pytest.raises(ValueError, match="dot='tc' scores fp16/bf16 inputs .* torch.float32"):
+            estimate_topk_triton(q, k, budget, 32, method="sample", dot="tc")
     with pytest.raises(ValueError, match="dot must be False, True .* or 'tc'"):
         estimate_topk_triton(q, k, 20, 32, method="sample", dot="mma")
     with pytest.raises(ValueError, match="pack_counts"):

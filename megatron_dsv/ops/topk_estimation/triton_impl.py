@@ -651,6 +651,9 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     if chunk_elems < 1:
         raise ValueError(f"estimate_topk_triton: `chunk_elems` must be >= 1, got {chunk_elems}")
     P = check_problem(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score)
+    if dot == "tc" and q_lr.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"estimate_topk_triton: dot='tc' scores fp16/bf16 inputs on tensor cores, got {q_lr.dtype} "
+                         "(fp32 inputs: dot=True)")
     if forced_extra and forced is None:
         raise ValueError("estimate_topk_triton: `forced_extra` needs `forced` items")
     if forced is not None:
@@ -674,9 +677,6 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     k = k_lr.contiguous()
     counts = P.counts.contiguous()
     meta = kernel_meta(P.r, block_size, block_score, BG, BN, dot, pack_counts)
-    if dot == "tc" and q_lr.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"estimate_topk_triton: dot='tc' scores fp16/bf16 inputs on tensor cores, got {q_lr.dtype} "
-                         "(fp32 inputs: dot=True)")
     if method in ("keys", "gemm"):
         _lists_by_keys(method, P, proxies, k, out, group_counts if forced_extra else None, forced, chunk_elems, meta)
         return out, (group_counts if forced_extra else counts)
