@@ -37,7 +37,9 @@
 # ARM_KEYS [frames=16,res=256,stage1=700,qk_lr=10,lr=3e-4: 16K tokens], STEPS [4000: every arm stops there, so
 # fast arms free the GPU for the others], EXTRA_STEPS [0: percent more steps for every arm but full, so an arm
 # ending a little above full attention's final loss can be timed to it], ARMS (bench_quality's default frontier), SEEDS [0,1],
-# SAMPLES [256: distinct training clips, kept on the GPU by every worker, 2-4 MB each at 16K],
+# SAMPLES [256: distinct training clips, kept on the GPU by every worker, 2-4 MB each at 16K], VAL_EVERY [250: steps
+# between validations, each 64 clips x 5 timesteps of forward passes: at 64K run 20's full-attention seed 1 spent ~190
+# of its 693 s outside training steps, on its start and 4 validations],
 # LR_COOLDOWN [none: a constant rate after the warm-up; f: a linear decay over the last f of STEPS], BATCH [1], WIDTH ["--heads 8
 # --head-dim 64 --layers 4": hidden 512, the attention-dominated regime at 16K tokens], TIME_LENGTHS [32768].
 # Training uses the top-k backend TRAIN_TOPK [naive: exact, backend-independent lists; auto: the library's, as a user
@@ -79,7 +81,8 @@ study() {  # $1: data source -> cmd: the study's bench_quality command (an array
   local d=$1
   mkdir -p "$out/$d"
   cmd=(python3 benchmarks/bench_quality.py --arm "data=$d,$keys" --seeds "${SEEDS:-0,1}" --save-dir "runs/frontier-$d"
-       --out-dir "$out/$d" --samples "${SAMPLES:-256}" --val-samples 64 --val-every 250 --val-batch 8 --workers 15 "${width[@]}"
+       --out-dir "$out/$d" --samples "${SAMPLES:-256}" --val-samples 64 --val-every "${VAL_EVERY:-250}" --val-batch 8
+       --workers 15 "${width[@]}"
        --extra-steps "${EXTRA_STEPS:-0}" --max-workers "$max_workers")
   [ -n "${ARMS:-}" ] && cmd+=(--arms "$ARMS")
   [ -n "${LR_COOLDOWN:-}" ] && cmd+=(--lr-cooldown "$LR_COOLDOWN")
