@@ -99,8 +99,9 @@ train() {  # $1: minutes per arm; the studies side by side ($2 = detach: launche
       # working tree under them, and a worker that imported a module mid-copy died of ModuleNotFoundError (run 20)
       local src=runs/src-$d-$$
       rm -rf "$src"; mkdir -p "$src/benchmarks"
-      cp -r megatron_dsv "$src"/ && cp benchmarks/*.py "$src/benchmarks"/ ||
-        { echo "cannot copy the code to $src" >&2; exit 2; }
+      if ! cp -r megatron_dsv "$src"/ || ! cp benchmarks/*.py "$src/benchmarks"/; then
+        echo "cannot copy the code to $src" >&2; exit 2
+      fi
       cmd[1]=$src/benchmarks/bench_quality.py
       DSV_TOPK_BACKEND=${TRAIN_TOPK:-naive} setsid nohup "${cmd[@]}" --launch --arm "data=$d,$keys,minutes=$1" \
         > "runs/launch-$d-$$.log" 2>&1 < /dev/null &  # $$: a second start of one study keeps the first's log
