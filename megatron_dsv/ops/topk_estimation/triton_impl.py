@@ -98,16 +98,14 @@ def _scores_at(Pb, Kb, offs_g, mask_g, items, valid, S,
     units); 2: in the inputs' own fp16/bf16 on tensor cores with fp32 accumulation, as the CUDA kernel scores
     (exact products; the sum's rounding is the MMA's, so lists equal the column loop's up to near-exact ties).
     Both are exact on integer-valued inputs, and their summation order is the compiler's."""
-    if BS == 0 and DOT == 2:
+    if BS == 0 and DOT:
         rr = tl.arange(0, R)
         pt = tl.load(Pb + offs_g[:, None] * R + rr[None, :], mask=mask_g[:, None], other=0.0)
         kt = tl.load(Kb + items[None, :] * R + rr[:, None], mask=valid[None, :], other=0.0)
-        s = tl.dot(pt, kt, out_dtype=tl.float32)
-    elif BS == 0 and DOT:
-        rr = tl.arange(0, R)
-        pt = tl.load(Pb + offs_g[:, None] * R + rr[None, :], mask=mask_g[:, None], other=0.0).to(tl.float32)
-        kt = tl.load(Kb + items[None, :] * R + rr[:, None], mask=valid[None, :], other=0.0).to(tl.float32)
-        s = tl.dot(pt, kt, input_precision="ieee")
+        if DOT == 2:
+            s = tl.dot(pt, kt, out_dtype=tl.float32)
+        else:
+            s = tl.dot(pt.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
     elif BS == 0:
         # [BG, BN]; sums in order d = 0..R-1 as the reference, with explicit fma: exact for
         # bf16/fp16 (products are exact), and the same instructions in both kernels for fp32
@@ -597,8 +595,7 @@ def kernel_meta(r: int, block_size: int, block_score: str = "max", BG: int = 16,
         raise ValueError(f"pack_counts must be 1, 2 or 4, and 1 for tiles of 128 items or more (8-bit counts); "
                          f"got pack_counts={pack_counts} with BN={BN}")
     return dict(R=r, BG=BG, BN=BN, BS=block_size, LSE=block_score == "lse", DOT=2 if dot == "tc" else int(dot),
-                PACK=pack_counts,
-                num_warps=8)
+                PACK=pack_counts, num_warps=8)
 
 
 def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="mean", block_score="max",
