@@ -267,13 +267,15 @@ def test_frontier_preflight_trains_two_steps_or_stops_the_start(tmp_path, arms, 
 def test_frontier_start_runs_its_workers_from_a_copy_of_the_code(tmp_path):
     """A detached `start` launches its workers from a copy of the code made at the start: the next device call
     re-copies the working tree under running workers, and in run 20 a worker that started then died of
-    ModuleNotFoundError. Here the repository's code is removed as soon as the start returns; the study still trains."""
+    ModuleNotFoundError. Here the repository's code is removed as soon as the start returns; the study still trains.
+    The arm is DSV's default, whose DSVConfig.speedup_table names a JSON under benchmarks/results: run 21's default
+    worker died of a copy without it."""
     repo = tmp_path / "repo"
     for part in ("tools", "benchmarks", "megatron_dsv"):
         shutil.copytree(os.path.join(ROOT, part), repo / part, ignore=shutil.ignore_patterns("__pycache__"))
     (tmp_path / "wheels").mkdir()
     env = _bare_env(PATH=_python3_on_path(tmp_path), GPU_WHEEL_DIRS=str(tmp_path / "wheels"), DATA="synthetic",
-                    ARMS="full", SEEDS="0", STEPS="2", MAX_WORKERS="1", SKIP_GPU_TESTS="1",
+                    ARMS="default", SEEDS="0", STEPS="2", MAX_WORKERS="1", SKIP_GPU_TESTS="1",
                     ARM_KEYS="frames=2,res=32,stage1=700,qk_lr=10,lr=3e-4", SAMPLES="8",
                     WIDTH="--heads 2 --head-dim 16 --layers 1", OMP_NUM_THREADS="1")
     proc = subprocess.run(["bash", str(repo / "tools" / "gpu_quality_frontier.sh"), str(tmp_path / "out"), "start"],
@@ -294,7 +296,7 @@ def test_frontier_start_runs_its_workers_from_a_copy_of_the_code(tmp_path):
     finally:
         if os.path.exists(f"/proc/{pid}"):  # past the deadline: its session (launcher and workers) ends here
             subprocess.run(["pkill", "-s", str(pid)], check=False)
-    log_path = repo / "runs" / "frontier-synthetic" / "logs" / "full-s0.log"
+    log_path = repo / "runs" / "frontier-synthetic" / "logs" / "default-s0.log"
     log = log_path.read_text() if log_path.exists() else ""
     launch_log = next((repo / "runs").glob("launch-synthetic-*.log")).read_text()
-    assert "== full seed 0: 2 steps" in log, launch_log[-3000:] + log[-3000:]
+    assert "== default seed 0: 2 steps" in log, launch_log[-3000:] + log[-3000:]
