@@ -49,11 +49,13 @@ def measure(fn, rep=100):
     return ms, peak
 
 
-# the Triton top-k's candidates on token lists (triton_impl.kernel_meta): each token tile scored with one tl.dot,
-# several probes counted per cross-thread reduction in the searches, and both
-TRITON_CANDIDATES = {"triton_dot": dict(dot=True), "triton_pack4": dict(pack_counts=4),
-                     "triton_dot_pack4": dict(dot=True, pack_counts=4), "triton_tc": dict(dot="tc"),
-                     "triton_tc_pack4": dict(dot="tc", pack_counts=4)}
+# the Triton top-k's scorings on token lists, each set in full (triton_impl.kernel_meta; "triton" runs the
+# defaults, triton_impl.resolve_scoring: tensor cores and 4 probes a reduction since run 21): the loop over r on FMA
+# units (the default until run 21), one fp32 tl.dot per tile, tensor cores, each with 1 or 4 probes counted per
+# cross-thread reduction in the searches
+TRITON_CANDIDATES = {"triton_loop": dict(dot=False, pack_counts=1), "triton_pack4": dict(dot=False, pack_counts=4),
+                     "triton_dot": dict(dot=True, pack_counts=1), "triton_dot_pack4": dict(dot=True, pack_counts=4),
+                     "triton_tc": dict(dot="tc", pack_counts=1), "triton_tc_pack4": dict(dot="tc", pack_counts=4)}
 BACKENDS = ("cuda", "triton", *TRITON_CANDIDATES, "torch_topk")
 
 

@@ -88,7 +88,7 @@ for s in $stages; do
               tests/ops/test_topk_select_kernel.py; b='python3 benchmarks/bench_topk_estimation.py --backends cuda,triton \
               --sizes 16384,32768,65536,131072 --triton-max-s 131072'; \$b --granularity token --triton-method sample \
               --out '$out/topk3x-token'; \$b --granularity token --triton-method sample --sizes 16384,65536 \
-              --backends cuda,triton_tc,triton_tc_pack4,triton_dot,triton_pack4,triton_dot_pack4 \
+              --backends cuda,triton_loop,triton_tc,triton_pack4 \
               --out '$out/topk3x-candidates'; \
               \$b --granularity block --group-size 128 --block-size 128 --out '$out/topk3x-block'" ;;
     *) echo "unknown stage $s (build tests train recall predictor topk e2e e2etok topksample topkkeys models sweep" \

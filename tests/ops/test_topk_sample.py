@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from megatron_dsv.ops.topk_estimation import estimate_topk_naive
-from megatron_dsv.ops.topk_estimation.triton_impl import (estimate_topk_triton, kernel_meta, sample_plan,
-                                                          sample_positions)
+from megatron_dsv.ops.topk_estimation.triton_impl import (estimate_topk_triton, kernel_meta, resolve_scoring,
+                                                          sample_plan, sample_positions)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16]
@@ -187,6 +187,24 @@ def test_tensor_core_scoring_equals_naive_on_integer_fp16_inputs(method, capacit
     assert kernel_meta(16, 0, dot="tc", pack_counts=pack)["DOT"] == 2  # the tensor-core branch, not the FMA dot's
 
 
+def test_default_scoring_is_tensor_cores_where_they_apply():
+    """The defaults (``dot="auto"``, ``pack_counts=0``; run 21's timing): tensor cores for fp16/bf16 token lists with
+    r a power of two >= 16, the FMA loop elsewhere; 4 probes a reduction below 128 items a tile row. The default
+    call gives the lists of the explicit settings it resolves to (integer fp16 inputs: exact either way)."""
+    assert resolve_scoring("auto", 0, torch.bfloat16, 16, 0) == ("tc", 4)
+    assert resolve_scoring("auto", 0, torch.float16, 32, 0) == ("tc", 4)
+    assert resolve_scoring("auto", 0, torch.float32, 16, 0) == (False, 4)  # tensor cores would round to TF32
+    assert resolve_scoring("auto", 0, torch.bfloat16, 8, 0) == (False, 4)  # r below one MMA's k
+    assert resolve_scoring("auto", 0, torch.bfloat16, 16, 64) == (False, 4)  # block items: the loop's block max
+    assert resolve_scoring("auto", 0, torch.bfloat16, 16, 0, BN=128) == ("tc", 1)  # 8-bit fields hold < 128
+    assert resolve_scoring(True, 2, torch.bfloat16, 16, 0) == (True, 2)  # explicit values pass through
+    q, k = _ints((1, 2, 96, 16), torch.float16, 45), _ints((1, 2, 800, 16), torch.float16, 46)
+    budgets = torch.as_tensor([30, 90])
+    got = estimate_topk_triton(q, k, budgets, 32, method="sample", sample_size=64)
+    ref = estimate_topk_naive(q, k, budgets, 32)
+    assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+
+
 def test_dot_scoring_rejects_what_it_cannot_score():
     q, k = _ints((1, 1, 64, 8), torch.float32, 35), _ints((1, 1, 256, 8), torch.float32, 36)
     with pytest.raises(ValueError, match="dot=True .* r=8"):
@@ -213,7 +231,7 @@ def test_dot_scoring_keeps_the_loops_order_on_the_gpu():
     torch.manual_seed(37)
     q = torch.randn(1, 4, 16384, 16, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, 4, 16384, 16, device="cuda", dtype=torch.bfloat16)
-    a = estimate_topk_triton(q, k, 1664, 32, method="sample")
+    a = estimate_topk_triton(q, k, 1664, 32, method="sample", dot=False)
     b = estimate_topk_triton(q, k, 1664, 32, method="sample", dot=True)
     assert torch.equal(a[1], b[1])
     diff = (a[0] != b[0]).sum().item()

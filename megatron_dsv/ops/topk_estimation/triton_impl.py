@@ -576,6 +576,24 @@ def sample_positions(n_items: int, sample_size: int = 1024) -> torch.Tensor:
     return start + (((js * 1779033703) & 0x7FFFFFFF) >> 7) % ln
 
 
+def resolve_scoring(dot, pack_counts: int, dtype: torch.dtype, r: int, block_size: int, BG: int = 16,
+                    BN: int = 0):
+    """The defaults of ``dot`` ("auto") and ``pack_counts`` (0), measured (run 21, H100, G = 32, 90%, bf16:
+    "sample" with tensor-core scoring and 4 probes a reduction took 2.72 / 45.7 ms at 16K / 64K against 3.74-3.98 /
+    53-73 ms scoring in the loop, its lists equal to the CUDA kernel's; NOTES_topk_estimation run 21):
+    ``dot="tc"`` for fp16/bf16 token lists with r a power of two >= 16 (:func:`kernel_meta`'s limits), else False
+    (the exact FMA loop: fp32 inputs, block items); ``pack_counts`` 4 where a tile row counts fewer than 128 items,
+    else 1. Explicit values pass through."""
+    if dot == "auto":
+        ok = (block_size == 0 and dtype in (torch.float16, torch.bfloat16) and r >= 16 and not r & (r - 1)
+              and min(BG, BN or 64) >= 16)
+        dot = "tc" if ok else False
+    if pack_counts == 0:
+        n = BN or (64 if block_size == 0 else 1 << (max(1, 512 // block_size).bit_length() - 1))
+        pack_counts = 4 if n < 128 else 1
+    return dot, pack_counts
+
+
 def kernel_meta(r: int, block_size: int, block_score: str = "max", BG: int = 16, BN: int = 0,
                 dot: bool | str = False, pack_counts: int = 1) -> dict:
     """The launch settings of the search, sample, write and keys kernels (constexprs and ``num_warps``): tiles
@@ -601,7 +619,7 @@ def kernel_meta(r: int, block_size: int, block_score: str = "max", BG: int = 16,
 def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="mean", block_score="max",
                          BG: int = 16, BN: int = 0, method: str = "auto", *, sample_size: int = 1024,
                          z: float = 4.0, capacity: int = 0, stats: dict | None = None, chunk_elems: int = 1 << 25,
-                         forced=None, forced_extra: bool = False, dot: bool | str = False, pack_counts: int = 1):
+                         forced=None, forced_extra: bool = False, dot: bool | str = "auto", pack_counts: int = 0):
     """Same contract as :func:`estimate_topk`, on Triton (GPU, or CPU under TRITON_INTERPRET=1).
     q_lr [B, H, Sq, r], k_lr [B, H, Sk, r]: Sk may differ from Sq.
 
@@ -638,8 +656,9 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     (the budgets count only the other items; :func:`~.common.forced_union`): the forced items take the lowest key
     for the selection, then join each group's list: idx ``[B, H, NG, F + Kmax]``, counts ``[B, H, NG]``.
     ``dot``: the kernels score token tiles with one ``tl.dot`` (True: fp32 on FMA units; "tc": fp16/bf16 on tensor
-    cores); ``pack_counts``: probes per cross-thread reduction in the searches (:func:`kernel_meta`; candidates,
-    not the defaults).
+    cores; False: a loop over r on FMA units); ``pack_counts``: probes per cross-thread reduction in the searches
+    (:func:`kernel_meta`); "auto" and 0: :func:`resolve_scoring`'s measured defaults. With "tc" the lists equal
+    naive's up to near-exact ties (the CUDA kernel's rule); the other scorings give naive's bit for bit.
     """
     method = "gemm" if forced is not None and method == "auto" else resolve_method(method, block_size)
     if forced is not None and method not in ("keys", "gemm"):
@@ -648,6 +667,7 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     if chunk_elems < 1:
         raise ValueError(f"estimate_topk_triton: `chunk_elems` must be >= 1, got {chunk_elems}")
     P = check_problem(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score)
+    dot, pack_counts = resolve_scoring(dot, pack_counts, q_lr.dtype, P.r, block_size, BG, BN)
     if dot == "tc" and q_lr.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"estimate_topk_triton: dot='tc' scores fp16/bf16 inputs on tensor cores, got {q_lr.dtype} "
                          "(fp32 inputs: dot=True)")
