@@ -22,11 +22,19 @@ INTERPRETER_ON = os.environ.get("TRITON_INTERPRET") == "1"
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one")
     config.addinivalue_line("markers", "slow: longer CPU tests")
+    config.addinivalue_line("markers", "xdist_group(name): tests of one group run on one pytest-xdist worker, in "
+                                       "turn (tools/run_tests.sh runs --dist loadgroup)")
     config.addinivalue_line("markers", "interpreter: runs Triton kernels on CPU tensors under TRITON_INTERPRET=1; "
                                        "skipped where the interpreter is off (a GPU machine: the gpu-marked twins)")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
+    """Skip markers (gpu, interpreter); and a test of no xdist_group runs in its file's group, so that a module
+    fixture (a compile, an unpacked Megatron-LM tree, a trained checkpoint) is made on one worker only."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     gpu = pytest.mark.skip(reason="needs a CUDA GPU (runs on the H200 device, not in CPU CI)")
     interp = pytest.mark.skip(reason="runs Triton on CPU tensors under the interpreter, which is off here "
                                      "(TRITON_INTERPRET != 1, as on a GPU machine); "

@@ -13,6 +13,9 @@ import sys
 import pytest
 import torch
 
+# start, count (frontier_launch.running_workers) or stop processes by name: one xdist worker runs these in turn
+pytestmark = pytest.mark.xdist_group("processes")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

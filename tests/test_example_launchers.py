@@ -12,6 +12,9 @@ import time
 
 import pytest
 
+# start, count (frontier_launch.running_workers) or stop processes by name: one xdist worker runs these in turn
+pytestmark = pytest.mark.xdist_group("processes")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "examples", "**", "*.sh"), recursive=True)
                  + glob.glob(os.path.join(ROOT, "examples", "**", "*.sbatch"), recursive=True)

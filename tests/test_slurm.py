@@ -21,6 +21,9 @@ import time
 
 import pytest
 
+# start, count (frontier_launch.running_workers) or stop processes by name: one xdist worker runs these in turn
+pytestmark = pytest.mark.xdist_group("processes")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SBATCH_SCRIPT = os.path.join(ROOT, "examples", "video_dit", "train_slurm.sbatch")
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "sinfo", "squeue", "scontrol")

@@ -9,6 +9,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.video_runs import parse_arm  # noqa: E402
 
+# start, count (frontier_launch.running_workers) or stop processes by name: one xdist worker runs these in turn
+pytestmark = pytest.mark.xdist_group("processes")
+
 
 def test_gran_key_parses_labels_and_rejects_unknown():
     assert parse_arm("data=synthetic")["gran"] == "block"
