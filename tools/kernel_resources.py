@@ -145,25 +145,31 @@ def resources(fn, constexprs: Dict[str, object], num_warps: int, num_stages: int
                 smem=smem, fits=smem <= HOPPER_SMEM_BYTES)
 
 
-TOPK_KERNELS = ("threshold", "threshold_flags", "sample", "write", "keys")  # the Triton top-k's (topk_estimation)
+# the Triton top-k's (topk_estimation)
+TOPK_KERNELS = ("threshold", "threshold_flags", "slice_counts", "sample", "write", "keys")
 _TOPK_ARG_TYPES = {"P": "*bf16", "Kp": "*bf16", "Counts": "*i32", "Tout": "*i32", "GTout": "*i32", "Flags": "*i32",
                    "Tin": "*i32", "GTin": "*i32", "Out": "*i32", "Buf": "*i32", "Keys": "*i32", "S": "i32",
                    "n_items": "i32", "NG": "i32", "KMAX": "i32", "CAP": "i32", "F": "i32", "NSV": "i32", "Z": "fp32",
-                   "g0": "i32", "n_g": "i32"}
+                   "g0": "i32", "n_g": "i32", "Lo": "*i64", "Hi": "*i64", "Cnt": "*i32", "L": "i32"}
 
 
 def topk_rows(block_sizes, r: int = 16) -> List[Dict[str, object]]:
     """Registers, spills and shared memory of the Triton top-k's kernels as ``estimate_topk_triton`` launches them
-    (``triton_impl.kernel_meta``; bf16 proxies and keys, ``r`` ranks), per list kind (block size, 0: token lists)."""
+    (``triton_impl.kernel_meta`` with ``resolve_scoring``'s defaults; bf16 proxies and keys, ``r`` ranks), per list
+    kind (block size, 0: token lists)."""
+    import torch
+
     from megatron_dsv.ops.topk_estimation import triton_impl as ti
 
     kernels = {"threshold": (ti._tk_threshold, dict(NPROBE=ti._NPROBE, NPASS=ti._NPASS, HAS_FLAGS=False)),
                "threshold_flags": (ti._tk_threshold, dict(NPROBE=ti._NPROBE, NPASS=ti._NPASS, HAS_FLAGS=True)),
+               "slice_counts": (ti._tk_slice_counts, dict(NPROBE=ti._NPROBE)),
                "sample": (ti._tk_sample, dict(NPROBE=ti._NPROBE, NPASS=ti._NPASS)),
                "write": (ti._tk_write, {}), "keys": (ti._tk_keys, {})}
     rows = []
     for bs in block_sizes:
-        meta = ti.kernel_meta(r, bs)
+        dot, pack = ti.resolve_scoring("auto", 0, torch.bfloat16, r, bs)
+        meta = ti.kernel_meta(r, bs, dot=dot, pack_counts=pack)
         warps = meta.pop("num_warps")
         for name in TOPK_KERNELS:
             fn, extra = kernels[name]

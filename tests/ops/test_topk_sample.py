@@ -90,6 +90,25 @@ def test_fallback_capacity_overflow():
     assert _check(q, k, [30, 90], 32, sample_size=64) < nfb
 
 
+@pytest.mark.parametrize("dtype,slice_items", [(torch.float32, 100), (torch.float16, 256)],
+                         ids=["fp32-loop-4-slices", "fp16-tc-pack4-2-slices"])
+def test_sliced_fallback_equals_naive(dtype, slice_items):
+    """The fallback search spread over slices of the items (``slice_items`` below the 400 items: 4 slices of 128 with
+    a partial last one, or 2 of 256; atomics add the slices' counts): every group of head 1 overflows its buffer and
+    is redone that way, head 0 (budget 0) flags none and its tiles return at once; the lists equal naive's. fp16
+    runs the defaults (tensor cores, 4 probes a reduction), fp32 the FMA loop."""
+    q, k = _ints((1, 2, 64, 16), dtype, 28), _ints((1, 2, 400, 16), dtype, 29)
+    budgets = torch.as_tensor([0, 45])
+    ref = estimate_topk_naive(q, k, budgets, 32)
+    st = {}
+    got = estimate_topk_triton(q, k, budgets, 32, method="sample", sample_size=64, capacity=64, stats=st,
+                               slice_items=slice_items)
+    assert st["fallback_groups"] == 2  # head 1's two groups
+    assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+    with pytest.raises(ValueError, match="slice_items"):
+        estimate_topk_triton(q, k, budgets, 32, slice_items=0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
 @pytest.mark.parametrize("hidden", ["high", "low"])
 def test_fallback_adversarial_sample(dtype, hidden):

@@ -124,12 +124,14 @@ def test_keys_as_rows_forward_is_reported_with_the_sweeps_candidates(report):
 
 
 def test_topk_kernels_compile_without_spilling(report):
-    """The Triton top-k's search, sample, write and keys kernels at the library's tiles (``kernel_meta``): the
-    token lists' kernels spill nothing, block lists' at most a few words (before its rewrite the search kernel
-    spilled 4.6 KB a thread and "sample" 18.9 KB, Triton 3.6). This machine's Triton may not be the GPU's."""
+    """The Triton top-k's search (whole and sliced), sample, write and keys kernels at the library's tiles and
+    scoring (``kernel_meta``, ``resolve_scoring``): the token lists' kernels spill nothing, block lists' at most a
+    few words (before its rewrite the search kernel spilled 4.6 KB a thread and "sample" 18.9 KB, Triton 3.6). This
+    machine's Triton may not be the GPU's."""
     rows = report["topk"]
     assert {(r["kernel"], r["block_size"]) for r in rows} == {(k, b) for k in ("threshold", "threshold_flags",
-                                                              "sample", "write", "keys") for b in (0, 64, 128)}
+                                                              "slice_counts", "sample", "write", "keys")
+                                                              for b in (0, 64, 128)}
     assert not [r for r in rows if "error" in r], rows
     assert all(r["spill_stores"] == 0 and r["spill_loads"] == 0 for r in rows if r["block_size"] == 0), rows
     assert all(r["spill_loads"] <= 64 for r in rows), rows

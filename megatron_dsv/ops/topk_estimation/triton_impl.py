@@ -9,7 +9,7 @@ Scores are recomputed in every pass (r is tiny), so memory is the output alone.
 Method "sample" (``_tk_sample``, see its docstring): each group's threshold from a sampled window, one
 scoring pass over all items that counts the items above the window and keeps the window's keys, and an
 exact search on those; groups whose window missed are redone by ``_tk_threshold`` (flagged groups only, no
-host sync); then ``_tk_write``'s ordered pass, as "search". Method "keys"
+host sync; over more than ``slice_items`` items its passes are spread over slices of them, ``_sliced_fallback``); then ``_tk_write``'s ordered pass, as "search". Method "keys"
 (``_tk_keys``): one scoring pass writing every item's key, then the selection kernel
 (``select_kernel._select_rows``, one launch per chunk of groups; its torch twin ``_select_from_keys``, a
 ``torch.topk`` on packed (key, index) values, for rows past ``select_kernel.MAX_ITEMS`` items); method "gemm":
@@ -246,6 +246,86 @@ def _tk_threshold(P, Kp, Counts, Tout, GTout, Flags, S, n_items, NG,
         lo, hi, c_hi = _narrow(lo, hi, c_hi, cnt, K, NPROBE)
     tl.store(Tout + bh * NG + offs_g, lo.to(tl.int32), mask=mask_g)
     tl.store(GTout + bh * NG + offs_g, c_hi, mask=mask_g)
+
+
+@triton.jit
+def _tk_slice_counts(P, Kp, Flags, Lo, Hi, Cnt, S, n_items, NG, L,
+                     R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr,
+                     NPROBE: tl.constexpr, DOT: tl.constexpr = False, PACK: tl.constexpr = 1):
+    """One pass of :func:`_tk_threshold`'s search for the groups flagged by "sample", spread over slices of L items
+    (a multiple of BN): program (tile, b * H + h, slice) adds its slice's counts at the probes of each flagged
+    group's (``Lo``, ``Hi``) to ``Cnt`` [B * H * NG, NPROBE] (atomics); :func:`_tk_slice_narrow` then narrows.
+    A tile without a flagged group returns at once."""
+    pid_g = tl.program_id(0)
+    bh = tl.program_id(1)
+    it_lo = tl.program_id(2) * L
+    offs_g = pid_g * BG + tl.arange(0, BG)
+    mask_g = offs_g < NG
+    fl = tl.load(Flags + bh * NG + offs_g, mask=mask_g, other=0)
+    mask_g = mask_g & (fl != 0)
+    it_hi = tl.where(tl.max(fl, axis=0) != 0, tl.minimum(it_lo + L, n_items), it_lo)
+    rows = bh.to(tl.int64) * NG + offs_g
+    pcol = tl.arange(0, NPROBE)
+    if it_hi > it_lo:
+        Pb = P + bh.to(tl.int64) * NG * R
+        Kb = Kp + bh.to(tl.int64) * S * R
+        lo = tl.load(Lo + rows, mask=mask_g, other=0)
+        hi = tl.load(Hi + rows, mask=mask_g, other=1)
+        cnt = tl.zeros([BG, NPROBE], tl.int32)
+        for it0 in range(it_lo, it_hi, BN):
+            key, items, valid = _item_scores(Pb, Kb, offs_g, mask_g, it0, S, n_items, R, BG, BN, BS, LSE, DOT)
+            cnt = _probe_counts(key, valid[None, :], lo, hi, cnt, NPROBE, PACK)
+        tl.atomic_add(Cnt + rows[:, None] * NPROBE + pcol[None, :], cnt, mask=mask_g[:, None])
+
+
+@triton.jit
+def _tk_slice_narrow(Counts, Flags, Lo, Hi, Chi, Cnt, Tout, GTout, NG,
+                     BG: tl.constexpr, NPROBE: tl.constexpr, LAST: tl.constexpr):
+    """The narrowing step after :func:`_tk_slice_counts`: each flagged group's (``Lo``, ``Hi``, ``Chi``) from the
+    summed counts, which it clears for the next pass; after the LAST pass its threshold and the count above it
+    (``Tout``, ``GTout``), as :func:`_tk_threshold` stores them."""
+    pid_g = tl.program_id(0)
+    bh = tl.program_id(1)
+    offs_g = pid_g * BG + tl.arange(0, BG)
+    mask_g = offs_g < NG
+    fl = tl.load(Flags + bh * NG + offs_g, mask=mask_g, other=0)
+    mask_g = mask_g & (fl != 0)
+    if tl.max(fl, axis=0) != 0:
+        K = tl.load(Counts + bh)
+        rows = bh.to(tl.int64) * NG + offs_g
+        cells = rows[:, None] * NPROBE + tl.arange(0, NPROBE)[None, :]
+        cnt = tl.load(Cnt + cells, mask=mask_g[:, None], other=0)
+        lo = tl.load(Lo + rows, mask=mask_g, other=0)
+        hi = tl.load(Hi + rows, mask=mask_g, other=1)
+        c_hi = tl.load(Chi + rows, mask=mask_g, other=0)
+        lo, hi, c_hi = _narrow(lo, hi, c_hi, cnt, K, NPROBE)
+        tl.store(Lo + rows, lo, mask=mask_g)
+        tl.store(Hi + rows, hi, mask=mask_g)
+        tl.store(Chi + rows, c_hi, mask=mask_g)
+        tl.store(Cnt + cells, tl.zeros([BG, NPROBE], tl.int32), mask=mask_g[:, None])
+        if LAST:
+            tl.store(Tout + rows, lo.to(tl.int32), mask=mask_g)
+            tl.store(GTout + rows, c_hi, mask=mask_g)
+
+
+def _sliced_fallback(P, proxies, k, counts, flags, thr, above, grid, n_slices: int, meta: dict) -> None:
+    """:func:`_tk_threshold`'s search on the groups "sample" flagged, each pass's counts spread over ``n_slices``
+    slices of the items (:func:`_tk_slice_counts`, then :func:`_tk_slice_narrow`): 2 * NPASS launches, and a
+    flagged tile's 9 passes over all items shared by n_slices programs instead of one (run 21, H100: 1-4 flagged
+    groups of 32K-64K took 12-25 ms in one program each, a quarter of the top-k's time)."""
+    rows = P.B * P.H * P.num_groups
+    dev = proxies.device
+    lo = torch.full((rows,), -2 ** 31, dtype=torch.int64, device=dev)
+    hi = torch.full((rows,), 2 ** 31, dtype=torch.int64, device=dev)
+    c_hi = torch.zeros(rows, dtype=torch.int32, device=dev)
+    cnt = torch.zeros(rows, _NPROBE, dtype=torch.int32, device=dev)
+    length = triton.cdiv(triton.cdiv(P.num_items, n_slices), meta["BN"]) * meta["BN"]
+    narrow_meta = dict(BG=meta["BG"], NPROBE=_NPROBE)
+    for p in range(_NPASS):
+        _tk_slice_counts[(*grid, triton.cdiv(P.num_items, length))](
+            proxies, k, flags, lo, hi, cnt, P.Sk, P.num_items, P.num_groups, length, NPROBE=_NPROBE, **meta)
+        _tk_slice_narrow[grid](counts, flags, lo, hi, c_hi, cnt, thr, above, P.num_groups,
+                               LAST=p == _NPASS - 1, **narrow_meta)
 
 
 @triton.jit
@@ -619,7 +699,8 @@ def kernel_meta(r: int, block_size: int, block_score: str = "max", BG: int = 16,
 def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="mean", block_score="max",
                          BG: int = 16, BN: int = 0, method: str = "auto", *, sample_size: int = 1024,
                          z: float = 4.0, capacity: int = 0, stats: dict | None = None, chunk_elems: int = 1 << 25,
-                         forced=None, forced_extra: bool = False, dot: bool | str = "auto", pack_counts: int = 0):
+                         forced=None, forced_extra: bool = False, dot: bool | str = "auto", pack_counts: int = 0,
+                         slice_items: int = 8192):
     """Same contract as :func:`estimate_topk`, on Triton (GPU, or CPU under TRITON_INTERPRET=1).
     q_lr [B, H, Sq, r], k_lr [B, H, Sk, r]: Sk may differ from Sq.
 
@@ -651,6 +732,8 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     groups "sample" left to the search kernel, and the tiles of BG groups that search had to scan: its cost) of
     ``groups`` and ``tiles``, and on a GPU each kernel's time (``ms_sample``, ``ms_threshold``, ``ms_write``);
     host syncs, for tests and benchmarks.
+    ``slice_items``: "sample"'s fallback search spreads each flagged group's passes over slices of about this many
+    items (:func:`_sliced_fallback`; one program scans all items where they are fewer).
     ``forced`` [NG, F] (local + predicted lists): items ranked first in their group; methods "keys" and
     "gemm" (their keys buffer takes the top key); "auto" then picks "gemm" for token lists too. ``forced_extra``
     (the budgets count only the other items; :func:`~.common.forced_union`): the forced items take the lowest key
@@ -664,6 +747,8 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     if forced is not None and method not in ("keys", "gemm"):
         raise ValueError(f"estimate_topk_triton: `forced` items need method 'keys', 'gemm' (or 'auto'), "
                          f"got {method!r}")
+    if slice_items < 1:
+        raise ValueError(f"estimate_topk_triton: `slice_items` must be >= 1, got {slice_items}")
     if chunk_elems < 1:
         raise ValueError(f"estimate_topk_triton: `chunk_elems` must be >= 1, got {chunk_elems}")
     P = check_problem(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score)
@@ -717,9 +802,13 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
                          fallback_tiles=int(padded.view(P.B * P.H, -1, BG).amax(dim=2).sum()))
     elif stats is not None:  # "search" scans every tile
         stats.update(fallback_groups=stats["groups"], fallback_tiles=stats["tiles"])
+    n_slices = triton.cdiv(P.num_items, slice_items) if fb else 1
     with _phase(stats, "threshold", q_lr.device):
-        _tk_threshold[grid](proxies, k, counts, thr, above, flags, P.Sk, P.num_items, P.num_groups,
-                            NPROBE=_NPROBE, NPASS=_NPASS, HAS_FLAGS=fb, **meta)
+        if n_slices > 1:
+            _sliced_fallback(P, proxies, k, counts, flags, thr, above, grid, n_slices, meta)
+        else:
+            _tk_threshold[grid](proxies, k, counts, thr, above, flags, P.Sk, P.num_items, P.num_groups,
+                                NPROBE=_NPROBE, NPASS=_NPASS, HAS_FLAGS=fb, **meta)
     with _phase(stats, "write", q_lr.device):
         _tk_write[grid](proxies, k, counts, thr, above, out, P.Sk, P.num_items, P.num_groups, P.kmax, **meta)
     return out, counts
