@@ -227,9 +227,12 @@ class Clips:
 _CLIPS_FORMAT = 1  # raise when rendering changes: cached clips of another version are then not reused
 
 
-def _readable_file(path: str) -> str:
+def _readable_file(path: str):
     """argparse type of --speedup-table (applied to its default too): a missing table stops the run at its start
-    on any device, not at its first GPU layer (run 21: a worker started from a copy of the code without it)."""
+    on any device, not at its first GPU layer (run 21: a worker started from a copy of the code without it).
+    '' or 'none': no table (the dispatcher's FLOP model)."""
+    if path in ("", "none"):
+        return None
     if not os.path.isfile(path):
         raise argparse.ArgumentTypeError(f"no such file: {path!r}")
     return path
@@ -663,9 +666,11 @@ def add_run_args(ap, preset="0.8b", layers=4, samples=64):
                          "step (the next call retrains the steps past it), so concurrent runs share validation steps")
     ap.add_argument("--clips-cache", default=None,
                     help="keep rendered clips in this folder (tensors only) so concurrent arms render once")
-    ap.add_argument("--speedup-table", type=_readable_file, default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                            "sparse_attention-h200-20261130.json"),
-                    help="the dispatcher's measured kernel speedups (DSVConfig.speedup_table; GPU runs only)")
+    ap.add_argument("--speedup-table", type=_readable_file,
+                    default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                         "sparse_attention-h200-20261130.json"),
+                    help="the dispatcher's measured kernel speedups (DSVConfig.speedup_table; GPU runs only; "
+                         "'none': the FLOP model)")
     ap.add_argument("--out-dir", default=None, help="results folder (default benchmarks/results)")
     ap.add_argument("--save-dir", default=None,
                     help="save each arm's run (model, DSV state, optimizer, RNG) as <label>.pt here at its end, and "

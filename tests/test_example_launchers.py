@@ -271,8 +271,8 @@ def test_frontier_start_runs_its_workers_from_a_copy_of_the_code(tmp_path):
     """A detached `start` launches its workers from a copy of the code made at the start: the next device call
     re-copies the working tree under running workers, and in run 20 a worker that started then died of
     ModuleNotFoundError. Here the repository's code is removed as soon as the start returns; the study still trains.
-    The arm is DSV's default, whose DSVConfig.speedup_table names a JSON under benchmarks/results: run 21's default
-    worker died of a copy without it."""
+    The arm is DSV's default, whose worker reads video_runs.py's --speedup-table default, a JSON under
+    benchmarks/results: run 21's default worker died of a copy without it."""
     repo = tmp_path / "repo"
     for part in ("tools", "benchmarks", "megatron_dsv"):
         shutil.copytree(os.path.join(ROOT, part), repo / part, ignore=shutil.ignore_patterns("__pycache__"))

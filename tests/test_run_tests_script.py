@@ -9,6 +9,9 @@ import time
 
 import pytest
 
+# may reinstall into the venv every test imports from: beside the other process-heavy files, in turn
+pytestmark = pytest.mark.xdist_group("processes")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

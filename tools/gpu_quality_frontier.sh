@@ -98,7 +98,7 @@ train() {  # $1: minutes per arm; the studies side by side ($2 = detach: launche
       # the launch and its workers run from a copy of the code made now: the next device call re-copies this
       # working tree under them, and a worker that imported a module mid-copy died of ModuleNotFoundError (run 20)
       local src=runs/src-$d-$$
-      # with benchmarks/results: DSVConfig.speedup_table's default names a JSON there (run 21's default arm died)
+      # with benchmarks/results: video_runs.py's --speedup-table default names a JSON there (run 21's default arm died)
       rm -rf "$src"; mkdir -p "$src/benchmarks/results"
       if ! cp -r megatron_dsv "$src"/ || ! cp benchmarks/*.py "$src/benchmarks"/ ||
         ! cp benchmarks/results/*.json "$src/benchmarks/results"/; then

@@ -77,7 +77,10 @@ fi
 workers=${DSV_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}
 [ "$workers" -gt 4 ] && workers=4
 parallel=()
-[ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist loadgroup)
+if [ "$workers" -gt 1 ]; then
+  parallel=(-n "$workers" --dist loadgroup)
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread a worker: two of torch's default 2 oversubscribe 2 cores
+fi
 set +e
 "$py" -m pytest -q --timeout=900 "${parallel[@]}" tests "$@"
 rc=$?

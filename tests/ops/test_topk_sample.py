@@ -1,7 +1,8 @@
 """Triton top-k, method "sample" (sampled threshold window, one pass into a candidate buffer, exact
 selection on the buffer, exact "search" fallback per group): the same lists as naive, exactly.
 
-Exactness needs the scores to be bit-identical: fp16 inputs (exact products), or fp32 inputs with
+Exactness needs the scores to be bit-identical: fp16 inputs (exact products; on continuous inputs with the
+FMA loop, ``dot=False``, since the default tensor-core scoring sums in the MMA's order), or fp32 inputs with
 exact proxies (integer keys and queries, "middle" or a mean over a power-of-two count). The Triton
 kernels sum with fma, naive with separate multiply and add, so an fp32 "mean" proxy that is not exact
 (a partial last group, G not a power of two) can make either Triton method differ from naive in the
@@ -69,7 +70,7 @@ def test_sample_continuous_planted_ties(dtype):
     q = torch.randn(1, 2, 128, 16).to(dtype).to(DEV)
     k = torch.randn(1, 2, 1200, 16).to(dtype).to(DEV)
     k[:, :, 600:700] = k[:, :, 11:12]  # 101 equal keys
-    nfb = _check(q, k, [40, 250], 32, sample_size=128)
+    nfb = _check(q, k, [40, 250], 32, sample_size=128, dot=False)  # the loop's order: naive's sums, bit for bit
     assert nfb == 0  # a well-behaved input: the window holds everywhere
 
 
@@ -103,7 +104,7 @@ def test_sliced_fallback_equals_naive(dtype, slice_items):
     st = {}
     got = estimate_topk_triton(q, k, budgets, 32, method="sample", sample_size=64, capacity=64, stats=st,
                                slice_items=slice_items)
-    assert st["fallback_groups"] == 2  # head 1's two groups
+    assert st["fallback_groups"] == 2 and st["fallback_slices"] == -(-400 // slice_items)  # head 1's two groups
     assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
     with pytest.raises(ValueError, match="slice_items"):
         estimate_topk_triton(q, k, budgets, 32, slice_items=0)
@@ -206,10 +207,10 @@ def test_tensor_core_scoring_equals_naive_on_integer_fp16_inputs(method, capacit
     assert kernel_meta(16, 0, dot="tc", pack_counts=pack)["DOT"] == 2  # the tensor-core branch, not the FMA dot's
 
 
-def test_default_scoring_is_tensor_cores_where_they_apply():
+def test_default_scoring_is_tensor_cores_where_they_apply(monkeypatch):
     """The defaults (``dot="auto"``, ``pack_counts=0``; run 21's timing): tensor cores for fp16/bf16 token lists with
-    r a power of two >= 16, the FMA loop elsewhere; 4 probes a reduction below 128 items a tile row. The default
-    call gives the lists of the explicit settings it resolves to (integer fp16 inputs: exact either way)."""
+    r a power of two >= 16, the FMA loop elsewhere; 4 probes a reduction below 128 items a tile row. A default call
+    on fp16 token lists launches its kernels with ("tc", 4), and its lists equal naive's (integer inputs)."""
     assert resolve_scoring("auto", 0, torch.bfloat16, 16, 0) == ("tc", 4)
     assert resolve_scoring("auto", 0, torch.float16, 32, 0) == ("tc", 4)
     assert resolve_scoring("auto", 0, torch.float32, 16, 0) == (False, 4)  # tensor cores would round to TF32
@@ -217,10 +218,20 @@ def test_default_scoring_is_tensor_cores_where_they_apply():
     assert resolve_scoring("auto", 0, torch.bfloat16, 16, 64) == (False, 4)  # block items: the loop's block max
     assert resolve_scoring("auto", 0, torch.bfloat16, 16, 0, BN=128) == ("tc", 1)  # 8-bit fields hold < 128
     assert resolve_scoring(True, 2, torch.bfloat16, 16, 0) == (True, 2)  # explicit values pass through
+    from megatron_dsv.ops.topk_estimation import triton_impl
+
+    seen = []
+
+    def spy(*args, **kw):
+        seen.append(args[5:7])  # (dot, pack_counts) as estimate_topk_triton passes them
+        return kernel_meta(*args, **kw)
+
+    monkeypatch.setattr(triton_impl, "kernel_meta", spy)
     q, k = _ints((1, 2, 96, 16), torch.float16, 45), _ints((1, 2, 800, 16), torch.float16, 46)
     budgets = torch.as_tensor([30, 90])
     got = estimate_topk_triton(q, k, budgets, 32, method="sample", sample_size=64)
     ref = estimate_topk_naive(q, k, budgets, 32)
+    assert seen == [("tc", 4)]
     assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
 
 

@@ -9,7 +9,8 @@ Scores are recomputed in every pass (r is tiny), so memory is the output alone.
 Method "sample" (``_tk_sample``, see its docstring): each group's threshold from a sampled window, one
 scoring pass over all items that counts the items above the window and keeps the window's keys, and an
 exact search on those; groups whose window missed are redone by ``_tk_threshold`` (flagged groups only, no
-host sync; over more than ``slice_items`` items its passes are spread over slices of them, ``_sliced_fallback``); then ``_tk_write``'s ordered pass, as "search". Method "keys"
+host sync; over more than ``slice_items`` items its passes are spread over slices of them,
+``_sliced_fallback``); then ``_tk_write``'s ordered pass, as "search". Method "keys"
 (``_tk_keys``): one scoring pass writing every item's key, then the selection kernel
 (``select_kernel._select_rows``, one launch per chunk of groups; its torch twin ``_select_from_keys``, a
 ``torch.topk`` on packed (key, index) values, for rows past ``select_kernel.MAX_ITEMS`` items); method "gemm":
@@ -93,7 +94,7 @@ def _scores_at(Pb, Kb, offs_g, mask_g, items, valid, S,
                R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr,
                DOT: tl.constexpr = False):
     """Ordered int32 keys [BG, BN] of the items ``items`` [BN] (any order, ``valid`` masks loads).
-    DOT (token lists, R a power of two >= 16, candidates until timed): the [BG, R] x [R, BN] product as one
+    DOT (token lists, R a power of two >= 16): the [BG, R] x [R, BN] product as one
     ``tl.dot`` on tiles loaded whole, instead of R dependent column loads. 1: in fp32 with IEEE precision (FMA
     units); 2: in the inputs' own fp16/bf16 on tensor cores with fp32 accumulation, as the CUDA kernel scores
     (exact products; the sum's rounding is the MMA's, so lists equal the column loop's up to near-exact ties).
@@ -146,7 +147,7 @@ def _probe_counts(key, ok, lo, hi, cnt, NPROBE: tl.constexpr, PACK: tl.constexpr
     """``cnt`` [BG, NPROBE] plus, per row, the ``ok`` keys (int32 [BG, BN]) at or above each probe of
     :func:`_probes` (lo, hi int64 [BG]); one probe at a time, so no [BG, BN, NPROBE] tensor (that one spilled:
     Triton 3.6, sm_90a, 4.6 KB of spill loads a thread). A probe lies in [lo, hi) with lo >= -2^31 and
-    hi <= 2^31, so it fits int32 and the compares run on int32. PACK (1, 2 or 4; a candidate until timed):
+    hi <= 2^31, so it fits int32 and the compares run on int32. PACK (1, 2 or 4; 4 the default, run 21):
     the indicators of PACK probes share one int32 as 8-bit fields (a row of a tile counts at most BN < 128 keys,
     so no field carries into the next), and one row sum counts them all: NPROBE / PACK cross-thread reductions a
     tile instead of NPROBE."""
@@ -658,12 +659,13 @@ def sample_positions(n_items: int, sample_size: int = 1024) -> torch.Tensor:
 
 def resolve_scoring(dot, pack_counts: int, dtype: torch.dtype, r: int, block_size: int, BG: int = 16,
                     BN: int = 0):
-    """The defaults of ``dot`` ("auto") and ``pack_counts`` (0), measured (run 21, H100, G = 32, 90%, bf16:
-    "sample" with tensor-core scoring and 4 probes a reduction took 2.72 / 45.7 ms at 16K / 64K against 3.74-3.98 /
-    53-73 ms scoring in the loop, its lists equal to the CUDA kernel's; NOTES_topk_estimation run 21):
+    """The defaults of ``dot`` ("auto") and ``pack_counts`` (0), measured on token lists (run 21, H100, G = 32, 90%,
+    bf16: "sample" with tensor-core scoring and 4 probes a reduction took 2.72 / 45.7 ms at 16K / 64K against
+    3.74-3.98 / 53-73 ms scoring in the loop, its lists equal to the CUDA kernel's; NOTES_topk_estimation run 21):
     ``dot="tc"`` for fp16/bf16 token lists with r a power of two >= 16 (:func:`kernel_meta`'s limits), else False
     (the exact FMA loop: fp32 inputs, block items); ``pack_counts`` 4 where a tile row counts fewer than 128 items,
-    else 1. Explicit values pass through."""
+    else 1 (block lists too: exact, untimed there, where "gemm" is the default method). Explicit values pass
+    through."""
     if dot == "auto":
         ok = (block_size == 0 and dtype in (torch.float16, torch.bfloat16) and r >= 16 and not r & (r - 1)
               and min(BG, BN or 64) >= 16)
@@ -733,15 +735,17 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     ``groups`` and ``tiles``, and on a GPU each kernel's time (``ms_sample``, ``ms_threshold``, ``ms_write``);
     host syncs, for tests and benchmarks.
     ``slice_items``: "sample"'s fallback search spreads each flagged group's passes over slices of about this many
-    items (:func:`_sliced_fallback`; one program scans all items where they are fewer).
+    items (:func:`_sliced_fallback`; one program scans all items where they are fewer); ``stats`` gets
+    ``fallback_slices``, the slices of a pass (1: one program).
     ``forced`` [NG, F] (local + predicted lists): items ranked first in their group; methods "keys" and
     "gemm" (their keys buffer takes the top key); "auto" then picks "gemm" for token lists too. ``forced_extra``
     (the budgets count only the other items; :func:`~.common.forced_union`): the forced items take the lowest key
     for the selection, then join each group's list: idx ``[B, H, NG, F + Kmax]``, counts ``[B, H, NG]``.
     ``dot``: the kernels score token tiles with one ``tl.dot`` (True: fp32 on FMA units; "tc": fp16/bf16 on tensor
     cores; False: a loop over r on FMA units); ``pack_counts``: probes per cross-thread reduction in the searches
-    (:func:`kernel_meta`); "auto" and 0: :func:`resolve_scoring`'s measured defaults. With "tc" the lists equal
-    naive's up to near-exact ties (the CUDA kernel's rule); the other scorings give naive's bit for bit.
+    (:func:`kernel_meta`); "auto" and 0: :func:`resolve_scoring`'s defaults. With "tc" the lists equal naive's up
+    to near-exact ties (the CUDA kernel's rule), and so may those of ``dot=True`` (its summation order is the
+    compiler's); the loop (False) gives naive's bit for bit.
     """
     method = "gemm" if forced is not None and method == "auto" else resolve_method(method, block_size)
     if forced is not None and method not in ("keys", "gemm"):
@@ -803,6 +807,8 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     elif stats is not None:  # "search" scans every tile
         stats.update(fallback_groups=stats["groups"], fallback_tiles=stats["tiles"])
     n_slices = triton.cdiv(P.num_items, slice_items) if fb else 1
+    if stats is not None:
+        stats["fallback_slices"] = n_slices
     with _phase(stats, "threshold", q_lr.device):
         if n_slices > 1:
             _sliced_fallback(P, proxies, k, counts, flags, thr, above, grid, n_slices, meta)
