@@ -28,19 +28,12 @@ def pytest_configure(config):
                                        "skipped where the interpreter is off (a GPU machine: the gpu-marked twins)")
 
 
-def _uses_module_fixture(item) -> bool:
-    info = getattr(item, "_fixtureinfo", None)
-    defs = info.name2fixturedefs.values() if info is not None else ()
-    return any(fd.scope == "module" for fds in defs for fd in fds)
-
-
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
-    """Skip markers (gpu, interpreter); and a test of no xdist_group that uses a module fixture (a compile, an
-    unpacked Megatron-LM tree, a trained checkpoint) runs in its file's group, so that the fixture is made on one
-    worker only; the other tests go to whichever worker is free."""
+    """Skip markers (gpu, interpreter); and a test of no xdist_group runs in its file's group, so that a module
+    fixture (a compile, an unpacked Megatron-LM tree, a trained checkpoint) is made on one worker only."""
     for item in items:
-        if item.get_closest_marker("xdist_group") is None and _uses_module_fixture(item):
+        if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     gpu = pytest.mark.skip(reason="needs a CUDA GPU (runs on the H200 device, not in CPU CI)")
     interp = pytest.mark.skip(reason="runs Triton on CPU tensors under the interpreter, which is off here "

@@ -72,9 +72,8 @@ if [ "${1:-}" = "--install-only" ]; then
 fi
 
 # One pytest worker per core, at most 4 (DSV_TEST_WORKERS overrides; 1 runs in this process): CI's 2 cores took
-# ~31 minutes one test at a time. Tests go to whichever worker is free, but those of a module fixture stay on one
-# worker (tests/conftest.py: the fixture is made once), and the files that start, count or stop processes by name
-# share one worker (xdist_group "processes").
+# ~31 minutes one test at a time. A file's tests run on one worker (tests/conftest.py: its module fixtures are
+# made once), and the files that start, count or stop processes by name share one worker (xdist_group "processes").
 workers=${DSV_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}
 [ "$workers" -gt 4 ] && workers=4
 parallel=()
