@@ -159,13 +159,13 @@ def topk_rows(block_sizes, r: int = 16) -> List[Dict[str, object]]:
     kind (block size, 0: token lists)."""
     import torch
 
-    from megatron_dsv.ops.topk_estimation import triton_impl as ti
+    from megatron_dsv.ops.topk_estimation import keys_impl, triton_impl as ti
 
     kernels = {"threshold": (ti._tk_threshold, dict(NPROBE=ti._NPROBE, NPASS=ti._NPASS, HAS_FLAGS=False)),
                "threshold_flags": (ti._tk_threshold, dict(NPROBE=ti._NPROBE, NPASS=ti._NPASS, HAS_FLAGS=True)),
                "slice_counts": (ti._tk_slice_counts, dict(NPROBE=ti._NPROBE)),
                "sample": (ti._tk_sample, dict(NPROBE=ti._NPROBE, NPASS=ti._NPASS)),
-               "write": (ti._tk_write, {}), "keys": (ti._tk_keys, {})}
+               "write": (ti._tk_write, {}), "keys": (keys_impl._tk_keys, {})}
     rows = []
     for bs in block_sizes:
         dot, pack = ti.resolve_scoring("auto", 0, torch.bfloat16, r, bs)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from megatron_dsv.ops.topk_estimation import estimate_topk_naive
-from megatron_dsv.ops.topk_estimation.triton_impl import _select_from_keys, estimate_topk_triton, resolve_method
+from megatron_dsv.ops.topk_estimation.keys_impl import _select_from_keys
+from megatron_dsv.ops.topk_estimation.triton_impl import estimate_topk_triton, resolve_method
 from tests.ops.test_topk_estimation import _near_tie_equal
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

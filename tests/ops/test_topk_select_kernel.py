@@ -11,8 +11,9 @@ import torch
 
 from megatron_dsv.ops.topk_estimation import select_kernel
 from megatron_dsv.ops.topk_estimation.select_kernel import select_from_keys_triton, select_rows_into
-from megatron_dsv.ops.topk_estimation.triton_impl import (_block_scores, _ordered_keys, _select_chunk_torch,
-                                                          _select_from_keys, estimate_topk_triton)
+from megatron_dsv.ops.topk_estimation.keys_impl import (_block_scores, _ordered_keys, _select_chunk_torch,
+                                                        _select_from_keys)
+from megatron_dsv.ops.topk_estimation.triton_impl import estimate_topk_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",

@@ -2,7 +2,7 @@
 
 :func:`select_rows_into` writes, for every row (bh, g) of a chunk, the ``counts[bh]`` items of highest
 ordered int32 key (ties: lower index first), ascending, then -1 up to the output's width: the lists of
-:func:`triton_impl._select_from_keys` (its torch twin, the reference), bit for bit. Its source is either the
+:func:`keys_impl._select_from_keys` (its torch twin, the reference), bit for bit. Its source is either the
 int32 keys of method "keys" or the float scores of method "gemm" (the batched product's float32 or float64
 output, ``[BH, n, Sk]``): the kernel then takes each block's max of the scores (float64 rounded to float32
 first, as torch's ``.float()``; the partial last block holds the tokens left), reads -0.0 as +0.0 and turns
@@ -191,7 +191,7 @@ def select_rows_into(out: torch.Tensor, src: torch.Tensor, counts: torch.Tensor,
 
 
 def select_from_keys_triton(keys: torch.Tensor, counts: torch.Tensor, kmax: int) -> torch.Tensor:
-    """:func:`triton_impl._select_from_keys`'s signature and lists, from the kernel: int32 keys
+    """:func:`keys_impl._select_from_keys`'s signature and lists, from the kernel: int32 keys
     ``[BH, n, n_items]``, counts ``[BH]`` -> int32 ``[BH, n, kmax]``."""
     BH, n, n_items = keys.shape
     out = torch.empty(BH, n, kmax, dtype=torch.int32, device=keys.device)
