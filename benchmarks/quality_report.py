@@ -341,6 +341,7 @@ def plot(rows: List[dict], prefix: str, title: str) -> List[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter
 
     written = []
     # a third panel: the same curves charged at the longest timed length (the speed target's length), when longer
@@ -369,7 +370,7 @@ def plot(rows: List[dict], prefix: str, title: str) -> List[str]:
                          label=f"{row['name']} (full's loss in {ratio:.2f}x its time)" if ratio else row["name"])
     axes[0].set_xlabel("training step")
     source = "measured step times" if phase else "training seconds logged by the seeds that ran alone"
-    axes[1].set_xlabel(f"training time alone on the GPU at {rows[0]['S']} tokens (s, {source})" if timed
+    axes[1].set_xlabel(f"training time alone on the GPU at {rows[0]['S']} tokens (s)\n({source})" if timed
                        else "training step (no step times in this study)")
     if longest:
         axes[2].set_xlabel(f"the same steps timed at {longest} tokens (s, measured step times)")
@@ -382,6 +383,8 @@ def plot(rows: List[dict], prefix: str, title: str) -> List[str]:
             continue
         ax.set_ylabel("validation loss (EMA weights, held-out clips)")
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FormatStrFormatter("%.4g"))  # plain numbers, not 1.1 x 10^0
+        ax.yaxis.set_minor_formatter(FormatStrFormatter("%.4g"))
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(prefix + "_curves.png", dpi=120)
