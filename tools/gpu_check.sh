@@ -14,7 +14,9 @@
 #   ms_fwd_kt* beside ms_fwd_rowmajor, ms_pack_atomic beside ms_pack)), d256tune (bench_sparse_attention.py --tune
 #   at D = 256, G = 128, then its 64K point), d256 (the same 64K point, block and token lists, on the defaults and
 #   against FlexAttention: issue 26's 1.15x), g128 (that point at D = 128, G = 128: issue 26's token 5.5x and
-#   block 1.15x Flex),
+#   block 1.15x Flex), artifact (bench_artifact.py: our token
+#   lists against the DSV artifact's kernel at G = 32 / 64 / 128, 64K, 90%; ARTIFACT_DIR [.artifact] = the root of
+#   a checkout of NetX-lab/DSV at branch ae, carried in an ignored folder, never committed),
 #   topk3x (the Triton top-k against the CUDA kernel as issue 26's 3x target reads, ~3 min: the GPU tests of
 #   "sample" and the selection kernel, then token lists (G = 32, "sample", with its kernels timed apart) at
 #   16K-128K, its candidates (bench_topk_estimation.TRITON_CANDIDATES, each with how many list entries differ
@@ -83,6 +85,8 @@ for s in $stages; do
               \$b --granularity block --group-size 32 --block-sizes 64,128 --out '$out/smallg-block'" ;;
     d256) run d256 240 python3 benchmarks/bench_sparse_attention.py --sweep --head-dim 256 --group-size 128 \
             --seq-lens 64K --sparsities 0.9 --out "$out/d256" ;;
+    artifact) run artifact 300 python3 benchmarks/bench_artifact.py --artifact-dir "${ARTIFACT_DIR:-.artifact}" \
+                --out "$out/artifact" ;;
     g128) run g128 240 python3 benchmarks/bench_sparse_attention.py --sweep --head-dim 128 --group-size 128 \
             --seq-lens 64K --sparsities 0.9 --out "$out/g128" ;;
     d256tune) run d256tune 540 python3 benchmarks/bench_sparse_attention.py --tune --head-dim 256 --group-size 128 \
@@ -95,6 +99,6 @@ for s in $stages; do
               --out '$out/topk3x-candidates'; \
               \$b --granularity block --group-size 128 --block-size 128 --out '$out/topk3x-block'" ;;
     *) echo "unknown stage $s (build tests train recall predictor topk e2e e2etok topksample topkkeys models sweep" \
-            "smallg d256 d256tune g128 topk3x)"; exit 2 ;;
+            "smallg d256 d256tune g128 artifact topk3x)"; exit 2 ;;
   esac
 done
