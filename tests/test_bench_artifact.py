@@ -4,6 +4,7 @@ checkout of the DSV artifact, neither of which CI has)."""
 import textwrap
 
 import pytest
+import torch
 
 from benchmarks import bench_artifact
 
@@ -44,3 +45,63 @@ def test_loader_rejects_a_file_of_another_version(tmp_path):
 def test_main_checks_groups_before_loading(tmp_path):
     with pytest.raises(ValueError, match="--groups"):
         bench_artifact.main(["--artifact-dir", str(tmp_path), "--groups", "40"])
+
+
+# one_row on a CPU: our op and the "artifact" are the naive twin (the artifact's argument order), the timer counts
+
+
+def _artifact_like(shift_lists=False):
+    from megatron_dsv.ops.sparse_attention.naive import sparse_attention_naive
+
+    def apply(q, k, v, causal, sm_scale, kv_index, topk_per_head, group_size):
+        assert causal is False and isinstance(sm_scale, float) and kv_index.dtype == torch.int32
+        assert topk_per_head.shape == q.shape[:2] and int(topk_per_head.min()) % 256 == 0
+        if shift_lists:  # an index bug: each group reads the next group's list
+            kv_index = kv_index.roll(1, dims=2)
+        return sparse_attention_naive(q, k, v, kv_index, topk_per_head, group_size, 0, sm_scale)
+    return apply
+
+
+def _ours(q, k, v, idx, cnt, G):
+    from megatron_dsv.ops.sparse_attention.naive import sparse_attention_naive
+
+    return sparse_attention_naive(q, k, v, idx, cnt, G)
+
+
+def _counting_timer():
+    calls = []
+
+    def timer(fn):
+        fn()
+        calls.append(len(calls) + 1)
+        return float(calls[-1])
+    return timer
+
+
+DENSE = {"ms_dense_fwd": 10.0, "ms_dense_bwd": 30.0}
+
+
+def test_one_row_rounds_lists_checks_and_times_in_order():
+    row = bench_artifact.one_row(_artifact_like(), 512, 32, 0.6, 64, 2, DENSE, device="cpu", dtype=torch.float32,
+                                 timer=_counting_timer(), attention=_ours)
+    assert "mismatch" not in row
+    assert row["kept_keys_per_group"] == 256 and row["sparsity"] == 0.5 and row["sparsity_asked"] == 0.6
+    assert max(row[f"rel_diff_{n}"] for n in ("out", "dq", "dk", "dv")) < 1e-5
+    # the timer's calls: ours fwd 1, bwd 2, the artifact's fwd 3, bwd 4; > 1 means ours is faster
+    assert (row["ms_ours_fwd"], row["ms_ours_bwd"], row["ms_artifact_fwd"], row["ms_artifact_bwd"]) == (1, 2, 3, 4)
+    assert row["ours_vs_artifact_fwd"] == 3.0 and row["ours_vs_artifact_bwd"] == 2.0
+    assert row["ours_vs_artifact_fwd_bwd"] == 7 / 3 and row["speedup_ours_vs_dense_fwd_bwd"] == 40 / 3
+
+
+def test_one_row_does_not_time_kernels_that_disagree():
+    row = bench_artifact.one_row(_artifact_like(shift_lists=True), 512, 32, 0.5, 64, 2, DENSE, device="cpu",
+                                 dtype=torch.float32, timer=_counting_timer(), attention=_ours)
+    assert "not timed" in row["mismatch"] and "ms_ours_fwd" not in row
+    assert row["rel_diff_out"] > bench_artifact.MISMATCH_REL
+
+
+def test_list_lengths_are_multiples_of_256():
+    assert bench_artifact.artifact_keys(65536, 0.9) == 6656
+    assert bench_artifact.artifact_keys(1024, 0.99) == 256
+    with pytest.raises(ValueError, match="--seq-lens: .*multiple of 256, got 1000"):
+        bench_artifact.artifact_keys(1000, 0.9)

@@ -87,8 +87,9 @@ for s in $stages; do
             --seq-lens 64K --sparsities 0.9 --out "$out/d256" ;;
     artifact) run artifact 300 python3 benchmarks/bench_artifact.py --artifact-dir "${ARTIFACT_DIR:-.artifact}" \
                 --out "$out/artifact" ;;
-    g128) run g128 240 python3 benchmarks/bench_sparse_attention.py --sweep --head-dim 128 --group-size 128 \
-            --seq-lens 64K --sparsities 0.9 --out "$out/g128" ;;
+    g128) run g128 300 sh -c "b='python3 benchmarks/bench_sparse_attention.py --sweep --head-dim 128 --group-size 128 \
+            --seq-lens 64K --sparsities 0.9'; \$b --out '$out/g128'; \$b --lists video --granularity token \
+            --out '$out/g128-video'" ;;
     d256tune) run d256tune 540 python3 benchmarks/bench_sparse_attention.py --tune --head-dim 256 --group-size 128 \
                 --seq-lens 64K --sparsities 0.9 --no-flex --time-budget-s 480 --out "$out/d256tune" ;;
     topk3x) run topk3x 360 sh -c "python3 -m pytest -q -p no:cacheprovider tests/ops/test_topk_sample.py \

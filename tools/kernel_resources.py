@@ -24,8 +24,8 @@ int64 fixed point: the deterministic backward's ``fixed``); ``bwd_kv`` (block li
 of the defaults (for forwards of fewer than 128 query rows also the keys-as-rows forward, cfg ``KT=1``, that the
 sweep times beside the default); ``--uneven-keys`` adds block lists over key lengths that are not a multiple of the
 block (their masked loads take more shared memory); ``--query-heads-per-kv`` compiles for GQA; ``--topk`` reports
-the Triton top-k's kernels (``topk_estimation.triton_impl``) instead. Needs Triton's compiler API and a ptxas in its
-build; runs without ``TRITON_INTERPRET``.
+the Triton top-k's kernels (``topk_estimation.triton_impl`` and ``keys_impl``) instead. Needs Triton's compiler API
+and a ptxas in its build; runs without ``TRITON_INTERPRET``.
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ Backend: ``DSV_TOPK_BACKEND`` in {auto, cuda, triton, naive}; auto = the CUDA ex
 (:data:`TRITON_FASTER_UP_TO`), else Triton on CUDA, else naive (CPU).
 Every backend selects the same lists (see ``common.py`` for the exact score definition).
 :func:`estimate_topk` logs (``logging``, once per backend and reason) which backend it uses and why:
-on a GPU without the extension the Triton fallback is 8-15x slower than the CUDA kernel on token lists
-(H100, run 19: ``benchmarks/NOTES_topk_estimation.md``), which a user should see (a warning).
+on a GPU without the extension the Triton fallback is 5-8x slower than the CUDA kernel on token lists
+(H100, run 22: ``benchmarks/NOTES_topk_estimation.md``), which a user should see (a warning).
 """
 
 from __future__ import annotations

@@ -493,12 +493,12 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     write pass), "sample" (:func:`_tk_sample`: a sampled threshold window, one pass over all items that
     counts those above the window and keeps the window's keys in a per-group buffer, the exact threshold
     from the buffer; groups whose window missed fall back to the search kernel, on those groups only,
-    without a host sync; then the ordered write pass of "search"), "keys" (:func:`_tk_keys`:
+    without a host sync; then the ordered write pass of "search"), "keys" (:func:`keys_impl._tk_keys`:
     ONE scoring pass writing every item's ordered key, ``chunk_elems`` keys at a time (but at least one
     group of every batch and head), then one selection launch per chunk (:func:`select_kernel.select_rows_into`;
-    rows past ``select_kernel.MAX_ITEMS`` items: one int64 ``torch.topk``, :func:`_select_from_keys`, about 12
+    rows past ``select_kernel.MAX_ITEMS`` items: one int64 ``torch.topk``, :func:`keys_impl._select_from_keys`, about 12
     bytes per key of a chunk), so meant for block lists, whose n_items is S / block_size, or
-    "gemm" (:func:`_gemm_scores`: the scores of "keys" from one batched matrix product per chunk, on cuBLAS,
+    "gemm" (:func:`keys_impl._gemm_scores`: the scores of "keys" from one batched matrix product per chunk, on cuBLAS,
     then ONE launch taking the block max, the forced items and the selection (log-sum-exp blocks reduced in
     torch first; ~3 host ops a chunk against ~34 in torch); the chunk's scores take ``4 * chunk_elems`` float32
     elements (float64 for float32 inputs: ``2 * chunk_elems``); the same lists up to items tied within a few
