@@ -24,6 +24,9 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: longer CPU tests")
     config.addinivalue_line("markers", "xdist_group(name): tests of one group run on one pytest-xdist worker, in "
                                        "turn (tools/run_tests.sh runs --dist loadgroup)")
+    config.addinivalue_line("markers", "alone: runs in tools/run_tests.sh's last phase, in one process after the "
+                                       "xdist workers have ended (real Slurm jobs: on 2 workers one's torchrun lost "
+                                       "its c10d rendezvous store beside the other worker's tests)")
     config.addinivalue_line("markers", "interpreter: runs Triton kernels on CPU tensors under TRITON_INTERPRET=1; "
                                        "skipped where the interpreter is off (a GPU machine: the gpu-marked twins)")
 
