@@ -31,6 +31,7 @@ from typing import Callable, Dict, List
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench_sparse_attention import _floats, _ints, _seq_lens, fwd_bwd_ms  # noqa: E402
 from benchmarks.common import bench_ms, collect_meta, dense_fwd_bwd_ms, write_results  # noqa: E402
 from benchmarks.list_shapes import video_lists  # noqa: E402
 
@@ -61,12 +62,16 @@ def check_groups(groups: List[int]) -> List[int]:
     return groups
 
 
+def check_seq_len(S: int) -> int:
+    if S % ARTIFACT_LIST_MULTIPLE:
+        raise ValueError(f"--seq-lens: the artifact's backward needs S a multiple of {ARTIFACT_LIST_MULTIPLE}, got {S}")
+    return S
+
+
 def artifact_keys(S: int, sparsity: float) -> int:
     """Kept keys per group: ``(1 - sparsity) * S`` rounded to a multiple of 256 (at least 256, at most S)."""
     m = ARTIFACT_LIST_MULTIPLE
-    if S % m:
-        raise ValueError(f"--seq-lens: the artifact's backward needs S a multiple of {m}, got {S}")
-    return min(S, max(m, round((1.0 - sparsity) * S / m) * m))
+    return min(check_seq_len(S), max(m, round((1.0 - sparsity) * S / m) * m))
 
 
 def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -84,12 +89,6 @@ def compare(ours: Callable, theirs: Callable, q, k, v) -> Dict[str, float]:
     for name, a, b in zip(("dq", "dk", "dv"), g_ours, g_theirs):
         out[f"rel_diff_{name}"] = _rel_diff(a, b)
     return out
-
-
-def fwd_bwd(fn, q, k, v, timer) -> Dict[str, float]:
-    o = fn()
-    do = torch.randn_like(o)
-    return {"fwd": timer(fn), "bwd": timer(lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True))}
 
 
 def one_row(artifact, S: int, G: int, sparsity: float, dim: int, heads: int, dense: Dict[str, float],
@@ -117,11 +116,11 @@ def one_row(artifact, S: int, G: int, sparsity: float, dim: int, heads: int, den
     if not worst <= MISMATCH_REL:
         row["mismatch"] = f"ours and the artifact's differ by {worst:.3g} of the largest value: not timed"
         return row
+    dense_ms = dense["ms_dense_fwd"] + dense["ms_dense_bwd"]
     for name, fn in (("ours", ours), ("artifact", theirs)):
-        t = fwd_bwd(fn, q, k, v, timer)
-        row[f"ms_{name}_fwd"], row[f"ms_{name}_bwd"] = t["fwd"], t["bwd"]
-        dense_ms = dense["ms_dense_fwd"] + dense["ms_dense_bwd"]
-        row[f"speedup_{name}_vs_dense_fwd_bwd"] = dense_ms / (t["fwd"] + t["bwd"])
+        fwd, bwd = fwd_bwd_ms(fn, q, k, v, timer)
+        row[f"ms_{name}_fwd"], row[f"ms_{name}_bwd"] = fwd, bwd
+        row[f"speedup_{name}_vs_dense_fwd_bwd"] = dense_ms / (fwd + bwd)
     # > 1: ours is faster
     row["ours_vs_artifact_fwd"] = row["ms_artifact_fwd"] / row["ms_ours_fwd"]
     row["ours_vs_artifact_bwd"] = row["ms_artifact_bwd"] / row["ms_ours_bwd"]
@@ -144,27 +143,19 @@ def print_rows(rows: List[Dict]) -> None:
               f"{r['ours_vs_artifact_fwd_bwd']:>6.2f} {worst:>7.4f}")
 
 
-def _ints(text: str) -> List[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
-def _seq_lens(text: str) -> List[int]:
-    return [int(x[:-1]) * 1024 if x.upper().endswith("K") else int(x) for x in text.split(",") if x]
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--artifact-dir", required=True, help="root of a checkout of NetX-lab/DSV at branch ae")
     ap.add_argument("--groups", type=_ints, default=[32, 64, 128], help="query group sizes (multiples of 32)")
     ap.add_argument("--seq-lens", type=_seq_lens, default=[65536], help="e.g. 16K,64K")
-    ap.add_argument("--sparsities", type=lambda t: [float(x) for x in t.split(",") if x], default=[0.9])
+    ap.add_argument("--sparsities", type=_floats, default=[0.9])
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     args = ap.parse_args(argv)
     check_groups(args.groups)
     for S in args.seq_lens:
-        artifact_keys(S, 0.9)
+        check_seq_len(S)
     artifact = load_artifact(args.artifact_dir)
     if not torch.cuda.is_available():
         raise SystemExit("bench_artifact.py times CUDA kernels: no GPU here")

@@ -85,12 +85,8 @@ if [ "$workers" -gt 1 ]; then
   parallel=(-n "$workers" --dist loadgroup)
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread a worker: two of torch's default 2 oversubscribe 2 cores
 fi
-run_pytest() {  # pytest's exit status; "no tests collected" (5) stays 5
-  set +e
+run_pytest() {  # called as `run_pytest ... || rc=$?`: set -e does not apply inside; pytest's status is kept
   "$py" -m pytest -q --timeout=900 "$@"
-  local rc=$?
-  set -e
-  return "$rc"
 }
 rc=0
 if [ "$workers" -gt 1 ]; then
