@@ -196,7 +196,7 @@ setup(
         # the sources of megatron_dsv/data/rendered.py: game engines (content shipped in their wheels) and
         # OpenCV to decode the real camera footage that tools/fetch_footage.py fetches
         "video": ["vizdoom>=1.2", "ale-py>=0.9", "opencv-python-headless>=4.6"],
-        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist", "matplotlib", "vizdoom>=1.2", "ale-py>=0.9",
+        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist>=3.8", "matplotlib", "vizdoom>=1.2", "ale-py>=0.9",
                  "opencv-python-headless>=4.6", "six", "regex", "pyyaml", "pydantic",
                  "diffusers>=0.33", "safetensors"],
         "plots": ["matplotlib"],

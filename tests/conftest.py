@@ -38,6 +38,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        _longest_groups_first(items)
     gpu = pytest.mark.skip(reason="needs a CUDA GPU (runs on the H200 device, not in CPU CI)")
     interp = pytest.mark.skip(reason="runs Triton on CPU tensors under the interpreter, which is off here "
                                      "(TRITON_INTERPRET != 1, as on a GPU machine); "
@@ -47,6 +49,28 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(gpu)
         if "interpreter" in item.keywords and not INTERPRETER_ON:
             item.add_marker(interp)
+
+
+DURATIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
+
+
+def _longest_groups_first(items, durations: str = DURATIONS):
+    """Order the xdist groups by their measured seconds, longest first (tests/durations.json; a file not in it counts
+    half a second a test), keeping each group's own order. The workers take groups in collection order
+    (tools/run_tests.sh passes --no-loadscope-reorder; xdist would otherwise order them by their number of tests,
+    which put a one-test file of two minutes last, on one worker, while the other idled)."""
+    with open(durations) as f:
+        seconds = json.load(f)["seconds"]
+    path = {id(it): it.nodeid.split("::")[0] for it in items}
+    tests_in = {}
+    for it in items:
+        tests_in[path[id(it)]] = tests_in.get(path[id(it)], 0) + 1
+    group = {id(it): it.get_closest_marker("xdist_group").args[0] for it in items}
+    cost = {}
+    for it in items:  # a file's measured seconds, shared among its collected tests
+        p = path[id(it)]
+        cost[group[id(it)]] = cost.get(group[id(it)], 0.0) + seconds.get(p, 0.5 * tests_in[p]) / tests_in[p]
+    items.sort(key=lambda it: -cost[group[id(it)]])  # stable: a group's tests keep their order
 
 
 @pytest.fixture(scope="session")

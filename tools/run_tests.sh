@@ -75,14 +75,16 @@ fi
 # most 4). A file's tests run on one worker (tests/conftest.py: its module fixtures are made once), and the files that
 # start, count or stop processes by name share one worker (xdist_group "processes"). Tests marked "alone" (the real
 # Slurm jobs: on 2 workers one's torchrun lost its c10d rendezvous store at the start, in 2 of 3 runs, never in one
-# process) run afterwards in one process. Arguments are pytest's, added to both runs (e.g. --durations=50).
+# process) run afterwards in one process. The workers take the groups longest first, by the seconds in
+# tests/durations.json (tools/test_durations.py writes it from a --durations=0 run). Arguments are pytest's, added to
+# both runs (e.g. --durations=50).
 # On CI's 2 cores: ~1890 s in one process; 1489 s on 2 workers, then 68 s for the alone tests (2026-12-06).
 cores=$(nproc 2>/dev/null || echo 1)
 workers=${DSV_TEST_WORKERS:-$(( cores >= 2 ? 2 : 1 ))}
 [ "$workers" -gt 4 ] && workers=4
 parallel=()
 if [ "$workers" -gt 1 ]; then
-  parallel=(-n "$workers" --dist loadgroup)
+  parallel=(-n "$workers" --dist loadgroup --no-loadscope-reorder)  # in tests/conftest.py's order: longest first
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread a worker: two of torch's default 2 oversubscribe 2 cores
 fi
 run_pytest() {  # called as `run_pytest ... || rc=$?`: set -e does not apply inside; pytest's status is kept
