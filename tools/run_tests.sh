@@ -78,7 +78,8 @@ fi
 # process) run afterwards in one process. The workers take the groups longest first, by the seconds in
 # tests/durations.json (tools/test_durations.py writes it from a --durations=0 run). Arguments are pytest's, added to
 # both runs (e.g. --durations=50).
-# On CI's 2 cores: ~1890 s in one process; 1489 s on 2 workers, then 68 s for the alone tests (2026-12-06).
+# On this 2-core machine (CI's size), 2026-12-06: ~1890 s in one process; 1245 s on 2 workers in xdist's own order
+# (it put a one-test file of two minutes last), 1006 s longest first, then 66 s for the alone tests.
 cores=$(nproc 2>/dev/null || echo 1)
 workers=${DSV_TEST_WORKERS:-$(( cores >= 2 ? 2 : 1 ))}
 [ "$workers" -gt 4 ] && workers=4

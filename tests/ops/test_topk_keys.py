@@ -55,8 +55,9 @@ def test_keys_chunks_with_a_remainder(bs, BG):
     tied within an ulp: none at this seed), zero and full budgets, Sq != Sk."""
     g = torch.Generator().manual_seed(45)
     q = torch.randn(2, 2, 9 * 32 - 5, 16, generator=g).to(DEV)
-    k = torch.randn(2, 2, 1100, 16, generator=g).to(DEV)
-    n_items = 1100 if bs == 0 else -(-1100 // bs)
+    Sk = 600
+    k = torch.randn(2, 2, Sk, 16, generator=g).to(DEV)
+    n_items = Sk if bs == 0 else -(-Sk // bs)
     budgets = torch.tensor([[0, n_items], [3, n_items // 4]])
     ref = estimate_topk_naive(q, k, budgets, 32, bs)
     for groups in (3, 5):
@@ -64,7 +65,7 @@ def test_keys_chunks_with_a_remainder(bs, BG):
         assert torch.equal(ref[1], got[1]) and torch.equal(ref[0], got[0]), groups
         # "gemm" chunks by its scores (float64 for these float32 inputs: 2 * chunk_elems of them, at least one
         # key's worth per item): 3 and 5 groups a chunk again
-        per_group = 4 * max(n_items, 1100 // 2)
+        per_group = 4 * max(n_items, Sk // 2)
         got = estimate_topk_triton(q, k, budgets, 32, bs, method="gemm", chunk_elems=groups * per_group + 1)
         _near_tie_equal(q, k, ref[0], got[0], ref[1], 32, bs, "mean", "max", who=f"gemm {groups}")
 

@@ -84,7 +84,7 @@ def test_sample_all_items_and_zero():
 
 def test_fallback_capacity_overflow():
     """A buffer smaller than the candidates: every group overflows and is redone by "search"."""
-    q, k = _ints((1, 2, 96, 16), torch.float32, 28), _ints((1, 2, 800, 16), torch.float32, 29)
+    q, k = _ints((1, 2, 64, 16), torch.float32, 28), _ints((1, 2, 400, 16), torch.float32, 29)
     nfb = _check(q, k, [30, 90], 32, sample_size=64, capacity=95)
     assert nfb > 0
     # the same input with the planned capacity: fewer (here no) fallbacks, same lists
@@ -134,7 +134,7 @@ def test_fallback_adversarial_sample(dtype, hidden):
 
 
 def test_methods_agree_and_validate():
-    q, k = _ints((1, 2, 64, 16), torch.float32, 31), _ints((1, 2, 300, 16), torch.float32, 32)
+    q, k = _ints((1, 1, 64, 16), torch.float32, 31), _ints((1, 1, 300, 16), torch.float32, 32)
     a = estimate_topk_triton(q, k, 20, 32, method="search")
     b = estimate_topk_triton(q, k, 20, 32, method="auto")
     c = estimate_topk_triton(q, k, 20, 32, method="sample", sample_size=32)
@@ -180,7 +180,7 @@ def test_candidates_equal_naive_on_integer_inputs(method, r, capacity, dot, pack
     (``pack_counts``), in every kernel they change: the sample pass, the search it falls back to (a small buffer
     forces it), the write pass, "keys", block lists' search. Integer inputs make every sum exact in any order and
     tie heavily, so the lists equal naive's bit for bit (on continuous inputs the dot's order is the compiler's)."""
-    q, k = _ints((1, 2, 96, r), torch.float32, 33), _ints((1, 2, 800, r), torch.float32, 34)
+    q, k = _ints((1, 2, 64, r), torch.float32, 33), _ints((1, 2, 400, r), torch.float32, 34)
     budgets = torch.as_tensor([30, 90] if bs == 0 else [2, 5])
     ref = estimate_topk_naive(q, k, budgets, 32, bs)
     st = {}
@@ -196,7 +196,7 @@ def test_tensor_core_scoring_equals_naive_on_integer_fp16_inputs(method, capacit
     """``dot="tc"`` (the tile product in the inputs' fp16 on tensor cores, fp32 accumulation) in the sample pass,
     its fallback search (a small buffer forces it), the write pass and "keys": integer inputs and their group means
     (multiples of 1/32) make every product and sum exact, so the lists equal naive's bit for bit."""
-    q, k = _ints((1, 2, 96, 16), torch.float16, 43), _ints((1, 2, 800, 16), torch.float16, 44)
+    q, k = _ints((1, 2, 64, 16), torch.float16, 43), _ints((1, 2, 400, 16), torch.float16, 44)
     budgets = torch.as_tensor([30, 90])
     ref = estimate_topk_naive(q, k, budgets, 32)
     st = {}
