@@ -72,6 +72,8 @@ struct Shared {
 
 static_assert(sizeof(uint32_t) * TG * NB >= sizeof(int32_t) * NWARPS * 1024,
               "the compaction's staging buffers live in Shared::u");
+// the launch asks for sizeof(Shared) bytes of dynamic shared memory, which no compiler checks: Hopper's limit here
+static_assert(sizeof(Shared) <= 227 * 1024, "Shared exceeds an sm_90 block's 227 KB of shared memory");
 
 }  // namespace
 }  // namespace dsv

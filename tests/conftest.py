@@ -22,24 +22,17 @@ INTERPRETER_ON = os.environ.get("TRITON_INTERPRET") == "1"
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one")
     config.addinivalue_line("markers", "slow: longer CPU tests")
-    config.addinivalue_line("markers", "xdist_group(name): tests of one group run on one pytest-xdist worker, in "
-                                       "turn (tools/run_tests.sh runs --dist loadgroup)")
     config.addinivalue_line("markers", "alone: runs in tools/run_tests.sh's last phase, in one process after the "
                                        "xdist workers have ended (real Slurm jobs: on 2 workers one's torchrun lost "
                                        "its c10d rendezvous store beside the other worker's tests)")
     config.addinivalue_line("markers", "interpreter: runs Triton kernels on CPU tensors under TRITON_INTERPRET=1; "
                                        "skipped where the interpreter is off (a GPU machine: the gpu-marked twins)")
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker
+        config.pluginmanager.register(_LongestGroupsFirst(), "dsv-longest-groups-first")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
-    """Skip markers (gpu, interpreter); and a test of no xdist_group runs in its file's group, so that a module
-    fixture (a compile, an unpacked Megatron-LM tree, a trained checkpoint) is made on one worker only."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        _longest_groups_first(items)
+    """Skip markers (gpu, interpreter)."""
     gpu = pytest.mark.skip(reason="needs a CUDA GPU (runs on the H200 device, not in CPU CI)")
     interp = pytest.mark.skip(reason="runs Triton on CPU tensors under the interpreter, which is off here "
                                      "(TRITON_INTERPRET != 1, as on a GPU machine); "
@@ -51,26 +44,58 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(interp)
 
 
+# The pytest-xdist groups (tools/run_tests.sh: 2 workers). A group's tests run on one worker, in turn: a file's module
+# fixtures (a compile, an unpacked Megatron-LM tree, a trained checkpoint) are made once, and the files below, which
+# start, count (frontier_launch.running_workers) or stop processes by name, or reinstall the venv every test imports
+# from, never run beside each other. xdist's own --dist loadgroup cannot do this under pytest 9 (it renames test ids
+# through an attribute pytest 9 no longer reads, so every test was its own group): the scheduler below groups by path.
+PROCESS_FILES = ("tests/test_bench_quality.py", "tests/test_slurm.py", "tests/test_video_runs_arms.py",
+                 "tests/test_benchmarks_smoke.py", "tests/test_example_launchers.py", "tests/test_run_tests_script.py")
 DURATIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
+
+
+def group_of(nodeid: str) -> str:
+    """A test's xdist group: "processes" for :data:`PROCESS_FILES`, else its file."""
+    path = nodeid.split("::")[0]
+    return "processes" if path in PROCESS_FILES else path
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which a GPU machine's pytest may not have
+def pytest_xdist_make_scheduler(config, log):
+    """The xdist controller's scheduler: whole groups (:func:`group_of`) to a worker, in the workers' collection
+    order, which :func:`_longest_groups_first` sets (tools/run_tests.sh passes --no-loadscope-reorder)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    return GroupScheduling(config, log)
+
+
+class _LongestGroupsFirst:
+    """On an xdist worker (whose collection order the controller schedules by), the groups longest first."""
+
+    @pytest.hookimpl(trylast=True)  # after -m / -k / --deselect have removed what will not run
+    def pytest_collection_modifyitems(self, config, items):
+        _longest_groups_first(items)
 
 
 def _longest_groups_first(items, durations: str = DURATIONS):
     """Order the xdist groups by their measured seconds, longest first (tests/durations.json; a file not in it counts
-    half a second a test), keeping each group's own order. The workers take groups in collection order
-    (tools/run_tests.sh passes --no-loadscope-reorder; xdist would otherwise order them by their number of tests,
-    which put a one-test file of two minutes last, on one worker, while the other idled)."""
+    half a second a test), keeping each group's own order. Without it xdist orders the groups by their number of
+    tests, which put a one-test file of two minutes last, on one worker, while the other idled."""
     with open(durations) as f:
         seconds = json.load(f)["seconds"]
     path = {id(it): it.nodeid.split("::")[0] for it in items}
     tests_in = {}
     for it in items:
         tests_in[path[id(it)]] = tests_in.get(path[id(it)], 0) + 1
-    group = {id(it): it.get_closest_marker("xdist_group").args[0] for it in items}
     cost = {}
     for it in items:  # a file's measured seconds, shared among its collected tests
-        p = path[id(it)]
-        cost[group[id(it)]] = cost.get(group[id(it)], 0.0) + seconds.get(p, 0.5 * tests_in[p]) / tests_in[p]
-    items.sort(key=lambda it: -cost[group[id(it)]])  # stable: a group's tests keep their order
+        p, g = path[id(it)], group_of(it.nodeid)
+        cost[g] = cost.get(g, 0.0) + seconds.get(p, 0.5 * tests_in[p]) / tests_in[p]
+    items.sort(key=lambda it: -cost[group_of(it.nodeid)])  # stable: a group's tests keep their order
 
 
 @pytest.fixture(scope="session")

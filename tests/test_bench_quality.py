@@ -15,8 +15,7 @@ from benchmarks.quality_report import (_sparse_share_at, cut_records, equal_step
                                        mean_se, time_to_reach, unpaired_delta, wall_clock)
 from benchmarks.frontier_launch import died_of_oom, launch, running_workers, wait_for_slot  # noqa: E402
 
-# start, count (frontier_launch.running_workers) or stop processes by name: one xdist worker runs these in turn
-pytestmark = pytest.mark.xdist_group("processes")
+# starts, counts (frontier_launch.running_workers) or stops processes by name: in tests/conftest.py's PROCESS_FILES
 
 
 def _rec(curve):

@@ -13,8 +13,7 @@ import sys
 import pytest
 import torch
 
-# start, count (frontier_launch.running_workers) or stop processes by name: one xdist worker runs these in turn
-pytestmark = pytest.mark.xdist_group("processes")
+# starts, counts (frontier_launch.running_workers) or stops processes by name: in tests/conftest.py's PROCESS_FILES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

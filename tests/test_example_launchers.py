@@ -12,8 +12,7 @@ import time
 
 import pytest
 
-# start, count (frontier_launch.running_workers) or stop processes by name: one xdist worker runs these in turn
-pytestmark = pytest.mark.xdist_group("processes")
+# starts, counts (frontier_launch.running_workers) or stops processes by name: in tests/conftest.py's PROCESS_FILES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "examples", "**", "*.sh"), recursive=True)

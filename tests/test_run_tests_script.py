@@ -9,8 +9,7 @@ import time
 
 import pytest
 
-# may reinstall into the venv every test imports from: beside the other process-heavy files, in turn
-pytestmark = pytest.mark.xdist_group("processes")
+# may reinstall into the venv every test imports from: in tests/conftest.py's PROCESS_FILES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

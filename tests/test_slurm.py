@@ -21,9 +21,8 @@ import time
 
 import pytest
 
-# start, count (frontier_launch.running_workers) or stop processes by name: one xdist worker runs these in turn
-# ... and with no xdist worker beside them (tools/run_tests.sh's last phase: the marker alone)
-pytestmark = [pytest.mark.xdist_group("processes"), pytest.mark.alone]
+# run with no xdist worker beside them (tools/run_tests.sh's last phase: the marker alone)
+pytestmark = pytest.mark.alone
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SBATCH_SCRIPT = os.path.join(ROOT, "examples", "video_dit", "train_slurm.sbatch")

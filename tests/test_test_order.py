@@ -1,14 +1,14 @@
-"""The xdist workers start the longest groups first: tools/test_durations.py reads a --durations report into
-tests/durations.json, and tests/conftest.py orders the collected groups by it."""
+"""The xdist groups and their order: a file's tests on one worker, the process files together (tests/conftest.py's
+scheduler); the longest groups first (tools/test_durations.py reads a --durations report into tests/durations.json,
+and tests/conftest.py orders the collected groups by it)."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
-import pytest
-
-from tests.conftest import DURATIONS, _longest_groups_first
+from tests.conftest import DURATIONS, PROCESS_FILES, _longest_groups_first, group_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,25 +41,55 @@ def test_durations_tool_sums_each_files_phases(tmp_path):
 
 
 class _Item:
-    def __init__(self, nodeid, group=None):
+    def __init__(self, nodeid):
         self.nodeid = nodeid
-        self.marker = pytest.mark.xdist_group(group or nodeid.split("::")[0]).mark
-
-    def get_closest_marker(self, name):
-        return self.marker if name == "xdist_group" else None
 
 
 def test_groups_are_ordered_by_their_measured_seconds(tmp_path):
-    seconds = {"tests/slow_one.py": 100.0, "tests/many.py": 30.0, "tests/proc_a.py": 20.0, "tests/proc_b.py": 20.0}
+    seconds = {"tests/slow_one.py": 100.0, "tests/many.py": 30.0, "tests/test_slurm.py": 20.0,
+               "tests/test_run_tests_script.py": 20.0}
     (tmp_path / "durations.json").write_text(json.dumps({"measured": "test", "seconds": seconds}))
-    items = ([_Item(f"tests/many.py::t{i}") for i in range(5)] + [_Item("tests/proc_a.py::t", "processes")]
+    items = ([_Item(f"tests/many.py::t{i}") for i in range(5)] + [_Item("tests/test_slurm.py::t")]
              + [_Item("tests/unknown.py::t0"), _Item("tests/unknown.py::t1")] + [_Item("tests/slow_one.py::t")]
-             + [_Item("tests/proc_b.py::t", "processes")])
+             + [_Item("tests/test_run_tests_script.py::t")])
     _longest_groups_first(items, str(tmp_path / "durations.json"))
-    # slow_one (100 s) before the two "processes" files together (40 s), then many (30 s), then unknown (2 x 0.5 s)
-    assert [it.nodeid for it in items] == ["tests/slow_one.py::t", "tests/proc_a.py::t", "tests/proc_b.py::t",
+    # slow_one (100 s) before the two PROCESS_FILES together (40 s), then many (30 s), then unknown (2 x 0.5 s)
+    assert [it.nodeid for it in items] == ["tests/slow_one.py::t", "tests/test_slurm.py::t",
+                                           "tests/test_run_tests_script.py::t",
                                            *[f"tests/many.py::t{i}" for i in range(5)],
                                            "tests/unknown.py::t0", "tests/unknown.py::t1"]
+
+
+def test_groups_are_files_and_the_process_files_share_one():
+    assert group_of("tests/ops/test_a.py::test_x[fp16-tok]") == "tests/ops/test_a.py"
+    assert {group_of(f"{p}::t") for p in PROCESS_FILES} == {"processes"}
+    assert all(os.path.isfile(os.path.join(ROOT, p)) for p in PROCESS_FILES)
+
+
+PROBE = """
+def pytest_sessionfinish(session):
+    sched = session.config.pluginmanager.getplugin("dsession").sched
+    print("SCHEDULER", type(sched).__name__)
+"""
+
+
+def test_two_workers_run_each_file_on_one(tmp_path):
+    """A real 2-worker run of two small files: the controller uses tests/conftest.py's scheduler, and each file's
+    tests run on one worker."""
+    (tmp_path / "dsv_sched_probe.py").write_text(PROBE)
+    files = ["tests/attention/test_local_lists.py", "tests/attention/test_block.py"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "dsv_sched_probe", "-s",
+                           "-n", "2", "--dist", "loadscope", "--no-loadscope-reorder", "-v", *files], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "SCHEDULER GroupScheduling" in proc.stdout, proc.stdout[-3000:]
+    workers = {}
+    for line in proc.stdout.splitlines():
+        m = re.match(r"\[(gw\d+)\].* PASSED (\S+?)::", line)
+        if m:
+            workers.setdefault(m.group(2), set()).add(m.group(1))
+    assert set(workers) == set(files) and all(len(w) == 1 for w in workers.values()), workers
 
 
 def test_every_measured_file_exists():

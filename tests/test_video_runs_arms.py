@@ -9,8 +9,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.video_runs import parse_arm  # noqa: E402
 
-# start, count (frontier_launch.running_workers) or stop processes by name: one xdist worker runs these in turn
-pytestmark = pytest.mark.xdist_group("processes")
+# starts, counts (frontier_launch.running_workers) or stops processes by name: in tests/conftest.py's PROCESS_FILES
 
 
 def test_gran_key_parses_labels_and_rejects_unknown():

@@ -72,20 +72,21 @@ if [ "${1:-}" = "--install-only" ]; then
 fi
 
 # The tests run on DSV_TEST_WORKERS pytest-xdist workers (default: 2 where the machine has 2 cores or more, else 1; at
-# most 4). A file's tests run on one worker (tests/conftest.py: its module fixtures are made once), and the files that
-# start, count or stop processes by name share one worker (xdist_group "processes"). Tests marked "alone" (the real
+# most 4). A file's tests run on one worker (its module fixtures are made once), and the files that start, count or stop
+# processes by name share one worker (tests/conftest.py's scheduler and PROCESS_FILES; until 2026-12-06 --dist
+# loadgroup, which pytest 9 broke: every test was its own group). Tests marked "alone" (the real
 # Slurm jobs: on 2 workers one's torchrun lost its c10d rendezvous store at the start, in 2 of 3 runs, never in one
 # process) run afterwards in one process. The workers take the groups longest first, by the seconds in
 # tests/durations.json (tools/test_durations.py writes it from a --durations=0 run). Arguments are pytest's, added to
 # both runs (e.g. --durations=50).
-# On this 2-core machine (CI's size), 2026-12-06: ~1890 s in one process; 1245 s on 2 workers in xdist's own order
-# (it put a one-test file of two minutes last), 1006 s longest first, then 66 s for the alone tests.
+# On CI's 2 cores, 2026-12-06: 1245 s on 2 workers, every test its own group, in xdist's order (it put one-test files
+# of minutes last, on one worker), then 69 s alone (CI, ca1477b); 1023 + 64 s longest first, -G csrc compiles (c330aeb).
 cores=$(nproc 2>/dev/null || echo 1)
 workers=${DSV_TEST_WORKERS:-$(( cores >= 2 ? 2 : 1 ))}
 [ "$workers" -gt 4 ] && workers=4
 parallel=()
 if [ "$workers" -gt 1 ]; then
-  parallel=(-n "$workers" --dist loadgroup --no-loadscope-reorder)  # in tests/conftest.py's order: longest first
+  parallel=(-n "$workers" --dist loadscope --no-loadscope-reorder)  # tests/conftest.py's groups, longest first
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread a worker: two of torch's default 2 oversubscribe 2 cores
 fi
 run_pytest() {  # called as `run_pytest ... || rc=$?`: set -e does not apply inside; pytest's status is kept

@@ -1,6 +1,8 @@
 """megatron-core 0.19 on the CPU: the plugin's model, attention, Wan and trainer tests against the megatron.core
 that Megatron-LM core_v0.19.0 carries (0.19.1; ../shared/megatron-lm/, unpacked once per session), in a
-subprocess whose PYTHONPATH puts that tree first.
+subprocess whose PYTHONPATH puts that tree first. Left out there (``DESELECT``): the 30 Adam steps of the tiny
+video DiT (0.19's layers train on the H200 instead: tools/gpu_megatron_lm_check.sh) and the 4-rank CP worlds (the
+2-rank worlds make the same calls).
 
 The suite itself runs on the megatron-core wheel CI installs (0.16.1, the newest for Python 3.11). core_v0.19.0's
 megatron.core imports on Python 3.11, its megatron.training does not (it needs 3.12's ``typing.override``), so
@@ -8,6 +10,7 @@ Megatron-LM's training loop at that tag is checked on the H200 only (tools/gpu_m
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -19,8 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SUBSET = ["tests/models", "tests/attention/test_local_lists.py", "tests/attention/test_block.py",
           "tests/training/test_pretrained_wan.py", "tests/training/test_resume_rules.py",
           "tests/parallel/test_cp_attention.py"]
-# the same code paths as tests kept in the subset, at more cost: 30 Adam steps (the loss test of 0.16 covers them),
-# worlds of 4 ranks (the worlds of 2 run the same CP calls)
+# costly beside what they add on 0.19 (the module's doc)
 DESELECT = ["tests/models/test_flow_and_sampling.py::test_tiny_loss_decreases_with_adam",
             "tests/parallel/test_cp_attention.py::test_core_attention_under_cp_matches_one_process[4]",
             "tests/parallel/test_cp_attention.py::test_cp_attention_every_layout_matches_one_process[4]"]
@@ -40,4 +42,5 @@ def test_plugin_tests_pass_on_megatron_core_0_19(megatron_lm_tree):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=840)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
-    assert f"{len(DESELECT)} deselected" in proc.stdout.splitlines()[-1], proc.stdout[-2000:]  # the ids still exist
+    # the ids still exist
+    assert re.search(rf"\b{len(DESELECT)} deselected", proc.stdout.splitlines()[-1]), proc.stdout[-2000:]

@@ -87,7 +87,7 @@ def test_fallback_capacity_overflow():
     q, k = _ints((1, 2, 64, 16), torch.float32, 28), _ints((1, 2, 400, 16), torch.float32, 29)
     nfb = _check(q, k, [30, 90], 32, sample_size=64, capacity=95)
     assert nfb > 0
-    # the same input with the planned capacity: fewer (here no) fallbacks, same lists
+    # the same input with the planned capacity: fewer fallbacks, same lists
     assert _check(q, k, [30, 90], 32, sample_size=64) < nfb
 
 

@@ -6,17 +6,19 @@ group through a file store in ``tmp_path`` and call ``fn(rank, world, *args)``; 
 fails the test, and workers still running at the deadline are killed. Workers use one thread each
 (two cores run four ranks).
 
-A world in which a rank dies of a signal of its own (SIGABRT, SIGSEGV: not a Python exception, not the SIGTERM that
-stops the other ranks) runs once more, with a warning: in CI (two
-pytest-xdist workers on two cores) a rank once died of SIGABRT inside gloo ("terminate called without an active
-exception") in a test that passes alone and beside other worlds. Python's fault handler prints every thread's stack
-of a rank that dies so; a second crash, or any Python exception alone, fails the test.
+A gloo world that crashed runs once more, with a warning: in CI (two pytest-xdist workers on two cores) a rank once
+died of SIGABRT inside gloo ("terminate called without an active exception", no Python traceback) in a test that
+passes alone and beside other worlds. Crashed means: a rank died of a signal of its own (SIGABRT, SIGSEGV; not the
+SIGTERM / SIGKILL that stop the other ranks) and no rank raised a Python exception other than gloo's "connection
+closed / reset by peer", which is the crash seen from the other side. An assertion or any other exception, a deadline,
+a second crash, or an NCCL world (whose watchdog aborts on a real hang) fails at once. Each rank's fault-handler stacks
+and traceback go to files beside the store, and the warning quotes them.
 """
 
 import datetime
 import faulthandler
+import os
 import signal
-import sys
 import time
 import traceback
 import warnings
@@ -26,11 +28,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
+# how gloo reports a peer that is gone: the crash itself, seen from a surviving rank
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
+
 
 def _entry(rank, fn, world, store, args, backend):
     import torch
 
-    faulthandler.enable()  # a rank killed by a signal (SIGABRT, SIGSEGV) prints its threads' Python stacks
+    log = open(f"{store}.rank{rank}.log", "w")  # noqa: SIM115 (open for the process's life: faulthandler writes it)
+    faulthandler.enable(file=log)  # a rank killed by a signal (SIGABRT, SIGSEGV) writes its threads' Python stacks
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -40,10 +46,10 @@ def _entry(rank, fn, world, store, args, backend):
         fn(rank, world, *args)
         dist.barrier()
     except BaseException:
-        # printed here, first: tearing down a gloo group after a failed collective can abort the process
-        # (SIGABRT, "terminate called without an active exception") before spawn reports the exception
-        traceback.print_exc()
-        sys.stderr.flush()
+        # written first: tearing down a gloo group after a failed collective can abort the process (SIGABRT) before
+        # spawn reports the exception; the file also tells run_world that this rank raised
+        with open(f"{store}.raised{rank}", "w") as f:
+            f.write(traceback.format_exc())
         raise
     finally:
         from megatron_dsv.parallel.cp_attention import CPContext
@@ -54,21 +60,45 @@ def _entry(rank, fn, world, store, args, backend):
 
 def run_world(fn, world: int, tmp_path, deadline_s: float = 120.0, args=(), backend: str = "gloo") -> None:
     """``fn(rank, world, *args)`` on each rank of a new world (``fn`` must be importable: module level);
-    ``backend="nccl"``: rank r on GPU r. A world in which a rank crashed runs once more (the module's doc)."""
+    ``backend="nccl"``: rank r on GPU r. A gloo world that crashed runs once more (the module's doc)."""
     try:
         _run_world_once(fn, world, tmp_path / f"store{world}", deadline_s, args, backend)
     except ProcessException as e:
-        crashed = getattr(e, "crashed", [])
+        crashed = getattr(e, "crashed", "")
         if not crashed:
             raise
-        warnings.warn(f"{', '.join(crashed)} of a world of {world} ranks: the world runs once more "
-                      f"(tests/parallel/spawn.py)", stacklevel=2)
+        warnings.warn(f"a world of {world} ranks crashed, so it runs once more (tests/parallel/spawn.py): {crashed}",
+                      stacklevel=2)
         _run_world_once(fn, world, tmp_path / f"store{world}-again", deadline_s, args, backend)
 
 
+def _signal_name(exitcode: int) -> str:
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
+def _tail(path: str, chars: int = 1500) -> str:
+    if not os.path.exists(path):
+        return ""
+    with open(path, errors="replace") as f:
+        return f.read()[-chars:]
+
+
+def _crash_report(ctx, store, backend) -> str:
+    """"" unless the world crashed (the module's doc); else which ranks died of what, with their stacks."""
+    stopped = (signal.SIGTERM, signal.SIGKILL)
+    dead = [(r, p.exitcode) for r, p in enumerate(ctx.processes)
+            if p.exitcode is not None and p.exitcode < 0 and -p.exitcode not in stopped]
+    raised = [_tail(f"{store}.raised{r}") for r in range(len(ctx.processes))]
+    if backend != "gloo" or not dead or any(t and not any(s in t for s in PEER_GONE) for t in raised):
+        return ""
+    return "; ".join(f"rank {r} died of {_signal_name(code)}: {_tail(f'{store}.rank{r}.log')!r}" for r, code in dead)
+
+
 def _run_world_once(fn, world, store, deadline_s, args, backend):
-    """One world; a failure's exception carries ``crashed``: the ranks that died of a signal of their own (not the
-    SIGTERM / SIGKILL with which spawn and this function stop the others), as "rank r died of SIGNAME"."""
+    """One world; a failure's exception carries ``crashed``: :func:`_crash_report`."""
     ctx = mp.start_processes(_entry, args=(fn, world, str(store), tuple(args), backend),
                              nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + deadline_s
@@ -79,9 +109,7 @@ def _run_world_once(fn, world, store, deadline_s, args, backend):
     except ProcessException as e:
         for p in ctx.processes:
             p.join(5)
-        stopped = (signal.SIGTERM, signal.SIGKILL)
-        e.crashed = [f"rank {r} died of {signal.Signals(-p.exitcode).name}" for r, p in enumerate(ctx.processes)
-                     if p.exitcode is not None and p.exitcode < 0 and -p.exitcode not in stopped]
+        e.crashed = _crash_report(ctx, str(store), backend)
         raise
     finally:
         for p in ctx.processes:
