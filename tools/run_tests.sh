@@ -80,7 +80,8 @@ fi
 # tests/durations.json (tools/test_durations.py writes it from a --durations=0 run). Arguments are pytest's, added to
 # both runs (e.g. --durations=50).
 # On CI's 2 cores, 2026-12-06: 1245 s on 2 workers, every test its own group, in xdist's order (it put one-test files
-# of minutes last, on one worker), then 69 s alone (CI, ca1477b); 1023 + 64 s longest first, -G csrc compiles (c330aeb).
+# of minutes last, on one worker), then 69 s alone (CI, ca1477b); 1000 + 72 s with the groups held, longest first
+# and -G csrc compiles (.ci/run here, 2 cores).
 cores=$(nproc 2>/dev/null || echo 1)
 workers=${DSV_TEST_WORKERS:-$(( cores >= 2 ? 2 : 1 ))}
 [ "$workers" -gt 4 ] && workers=4
