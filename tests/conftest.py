@@ -6,6 +6,7 @@ must be set before the first ``import triton``, so it is set here.
 
 import json
 import os
+from collections import Counter
 
 import pytest
 import torch
@@ -87,14 +88,11 @@ def _longest_groups_first(items, durations: str = DURATIONS):
     tests, which put a one-test file of two minutes last, on one worker, while the other idled."""
     with open(durations) as f:
         seconds = json.load(f)["seconds"]
-    path = {id(it): it.nodeid.split("::")[0] for it in items}
-    tests_in = {}
-    for it in items:
-        tests_in[path[id(it)]] = tests_in.get(path[id(it)], 0) + 1
-    cost = {}
-    for it in items:  # a file's measured seconds, shared among its collected tests
-        p, g = path[id(it)], group_of(it.nodeid)
-        cost[g] = cost.get(g, 0.0) + seconds.get(p, 0.5 * tests_in[p]) / tests_in[p]
+    paths = [it.nodeid.split("::")[0] for it in items]
+    tests_in = Counter(paths)
+    cost = Counter()
+    for it, p in zip(items, paths):  # a file's measured seconds, shared among its collected tests
+        cost[group_of(it.nodeid)] += seconds.get(p, 0.5 * tests_in[p]) / tests_in[p]
     items.sort(key=lambda it: -cost[group_of(it.nodeid)])  # stable: a group's tests keep their order
 
 
