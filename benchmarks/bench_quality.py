@@ -52,14 +52,14 @@ from megatron_dsv.config import DSVConfig  # noqa: E402
 _D = DSVConfig()
 _DEFAULT_LISTS = (f"attn=dsv,rule={_D.budget_rule},recall={_D.recall_target:g},local=auto,"
                   f"thr={_D.sparsity_threshold:g},cap={_D.max_density or 0:g},"
-                  f"s1local={'.'.join(map(str, _D.stage1_local_radius)) if _D.stage1_local_radius else 'auto'}")
+                  f"s1local={'.'.join(map(str, _D.stage1_local_radius)) if _D.stage1_local_radius else 'auto'}"
+                  + (f",stage1={_D.stage_switch_steps}" if _D.stage_switch_rule == "steps" else ""))
 FRONTIER: Dict[str, str] = {
     "full": "attn=full",
     "control": "attn=dsv,stage1=1000000000",
-    # the library's defaults as committed (DSVConfig), whatever they are
+    # the library's defaults as committed (DSVConfig), whatever they are: its lists and its stage switch (by steps,
+    # at DSVConfig.stage_switch_steps; run 5's "default_s400" is this arm since the library switches at step 400)
     "default": _DEFAULT_LISTS,
-    # the default with stage 2 from step 400 (the study's stage1 is 700): what a shorter dense stage costs
-    "default_s400": f"{_DEFAULT_LISTS},stage1=400",
     # fixed designs (they do not follow the defaults): the paper's rule + the (1, 1, 1) neighbourhood, threshold 0.7
     # (the default of runs 3-5), and the same with every head's list capped at 25% of the keys (run 6; the default
     # since): layers run sparse from the switch instead of waiting for their measured sparsity
@@ -107,7 +107,7 @@ def arm_of(name: str, base: str, args) -> dict:
 
 def check_distinct_runs(names: List[str], args) -> None:
     """Two arm names that are the same design share a run path (its label): two workers would write one
-    checkpoint. Refused, naming both (e.g. default_s400 is cap25_s400 while the library caps at 25%)."""
+    checkpoint. Refused, naming both (e.g. default and s1win_cap25_s400 where their windows agree)."""
     seen: Dict[str, str] = {}
     for name in names:
         label = arm_of(name, args.arm, args)["label"]

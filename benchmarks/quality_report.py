@@ -19,10 +19,15 @@ from benchmarks.video_runs import parse_arm, schedule_key, tokens_of
 from megatron_dsv.config import DSVConfig
 
 def is_library_default(arm: dict) -> bool:
-    """True when a DSV arm's lists are the library's defaults as committed (DSVConfig) on its token grid."""
+    """True when a DSV arm's lists and stage switch are the library's defaults as committed (DSVConfig) on its token
+    grid. The harness switches by steps (``stage1``), as the default does; its profiler runs every
+    ``--profile-every`` steps throughout, where the library's slows to ``profile_interval_after_warmup`` after
+    ``profile_warmup_steps`` (1000): not compared."""
     if arm.get("attn") != "dsv":
         return False
     d = DSVConfig()
+    if d.stage_switch_rule != "steps" or arm.get("stage1") != d.stage_switch_steps:
+        return False
     grid = (arm["frames"], arm["res"] // 8, arm["res"] // 8)
     local = DSVConfig(local_radius=arm.get("local_radius")).local_radius_for(grid)
     return (arm.get("gran") == d.granularity and arm.get("rule") == d.budget_rule

@@ -87,13 +87,25 @@ class DSVConfig:
 
     # ---- two-stage schedule -------------------------------------------------
     stage_switch_rule: str = _knob(
-        "loss_or_steps", "When stage 2 (sparse) starts: on the loss rule, the step rule, either, or both.",
+        "steps", "When stage 2 (sparse) starts: on the loss rule, the step rule, either, or both.",
         choices=STAGE_SWITCH_RULES)
-    """Which rule moves training from stage 1 (dense) to stage 2 (sparse)."""
+    """Which rule moves training from stage 1 to stage 2 (sparse lists from the predictors).
+
+    Default 'steps' at :attr:`stage_switch_steps`: the schedule every quality study of the default trained
+    (benchmarks/NOTES_quality.md runs 10-22). The loss rule alone seldom fires: over the 4,046 layer profiles
+    the committed recall and emergence benchmarks recorded, the predictor loss had a median of 0.079 and a minimum
+    of 0.0087, against the rule's 0.01, so 'loss' or a 'loss_or_steps' without a step would leave most runs in
+    stage 1 (the window) for good."""
     stage_switch_loss: float = _knob(0.01, "Loss rule: mean predictor loss over layers below this.")
     """Loss rule threshold on the mean predictor loss over layers."""
-    stage_switch_steps: Optional[int] = _knob(None, "Step rule: switch after this many steps (None: never by steps).")
-    """Step rule: the step at which stage 2 starts (None disables the rule)."""
+    stage_switch_steps: Optional[int] = _knob(400, "Step rule: switch after this many steps (None: never by steps).")
+    """Step rule: the step at which stage 2 starts (None disables the rule).
+
+    Default 400, the step at which the default's quality was measured (stage 2 from step 400 at 16K, 32K and 64K
+    tokens, 1000-6000 steps in all: NOTES_quality.md runs 10-22); the predictors keep training in stage 2
+    (:attr:`predictor_train_interval`), and the always-on neighbourhood and the 25% cap bound what an early list
+    can miss. Runs much longer than these may switch later at no quality risk measured here, only at the window's
+    step time for longer."""
     stage1_local_radius: Optional[Tuple[int, int, int]] = _knob(
         None, "What stage 1 attends: rt rh rw = only the keys of the query cubes within that many cubes of each query "
         "cube (a 3D window), through the sparse kernel; 0 0 0 = every key (dense, the paper's stage 1). None (auto): "
@@ -117,7 +129,8 @@ class DSVConfig:
     over seeds): ViZDoom 16K -2.04 +- 0.42% at 3000 steps (8 seeds, runs 10, 14, 15; the same schedule with a dense
     stage 1: -0.20 +- 0.34%, 4 seeds), footage 16K -6.95 +- 1.51% (5 seeds, 1024 training clips, run 16; with 256
     clips -5.24 +- 4.42%, 4 seeds), ViZDoom trained at 32K -3.80 +- 0.66% at step 1750 (2 seeds), reaching full
-    attention's loss in 0.47x its time at 32K. Unmeasured in quality beyond 32K."""
+    attention's loss in 0.47x its time at 32K; at 64K -2.65 +- 0.64% at step 1000 (4 seeds, runs 20-22, H100), steps
+    1-1000 in 0.41-0.46x full attention's time. Unmeasured in quality beyond 64K."""
 
     # ---- dispatcher ---------------------------------------------------------
     budget_rule: str = _knob(

@@ -14,6 +14,7 @@ from benchmarks.bench_quality import FRONTIER, arm_of, build_parser, profile_per
 from benchmarks.quality_report import (_sparse_share_at, cut_records, equal_step, is_library_default,  # noqa: E402
                                        mean_se, time_to_reach, unpaired_delta, wall_clock)
 from benchmarks.frontier_launch import died_of_oom, launch, running_workers, wait_for_slot  # noqa: E402
+from megatron_dsv.config import DSVConfig  # noqa: E402
 
 # starts, counts (frontier_launch.running_workers) or stops processes by name: in tests/conftest.py's PROCESS_FILES
 
@@ -83,12 +84,12 @@ def test_wall_clock_charges_stage_two_by_the_share_of_layers_that_ran_sparse():
 
 
 def test_two_arm_names_for_one_run_are_refused(monkeypatch):
-    """Two names for one design (as default_s400 was cap25_s400 while the default stage 1 was dense): one run
-    path, two workers."""
+    """Two names for one design (as run 5's default_s400 was cap25_s400 while the default stage 1 was dense): one
+    run path, two workers."""
     from benchmarks.bench_quality import check_distinct_runs
 
     args = build_parser().parse_args(["--arm", "data=vizdoom,frames=16,res=256,steps=1500", "--save-dir", "x"])
-    check_distinct_runs(["full", "cap25_s400", "default_s400", "s1win_cap25_s400", "window"], args)
+    check_distinct_runs(["full", "cap25_s400", "s1win_cap25_s400", "window"], args)
     monkeypatch.setitem(FRONTIER, "cap25_again", FRONTIER["cap25_s400"])
     with pytest.raises(SystemExit, match="'cap25_s400' and 'cap25_again' are the same run"):
         check_distinct_runs(["full", "cap25_s400", "cap25_again"], args)
@@ -117,8 +118,9 @@ def test_frontier_arms_parse_with_their_settings():
     assert not is_library_default(arm_of("cap25_s400", "data=vizdoom,frames=16,res=256,steps=1500", args))
     assert arm_of("s1win_windowpred35_s400", args.arm, args)["lmode"] == "window"
     study = "data=synthetic,frames=4,res=64,steps=1500,stage1=700"
-    own, base = arm_of("default_s400", study, args), arm_of("default", study, args)
-    assert own["stage1"] == 400 and base["stage1"] == 700 and own["label"] != base["label"]  # two runs, two paths
+    own, base = arm_of("default", study, args), arm_of("paper", study, args)
+    # the default switches where the library does (DSVConfig.stage_switch_steps), whatever the study's stage1
+    assert own["stage1"] == DSVConfig().stage_switch_steps == 400 and base["stage1"] == 700
     assert arm_of("uncapped_s400", study, args)["cap"] == 0 and own["cap"] == 0.25
     args.extra_steps = 20  # every arm but full trains 20% longer
     assert arm_of("full", args.arm, args)["steps"] == 100 and arm_of("default", args.arm, args)["steps"] == 120
@@ -128,11 +130,13 @@ def test_library_default_marks_the_arms_whose_lists_are_the_defaults():
     # 16K ViZDoom grid (16, 32, 32): the 4x4x8 cube tiles it, so the auto neighbourhood is (1, 1, 1)
     args = build_parser().parse_args(["--arm", "data=vizdoom,frames=16,res=256", "--save-dir", "x"])
     marked = {name for name in FRONTIER if is_library_default(arm_of(name, args.arm, args))}
-    # local111 keeps the old threshold (0.8); default_s400 has the default lists with an earlier stage switch
-    # the library caps every list at 25% of the keys (DSVConfig.max_density) and, on this grid, attends the (2, 2, 1)
-    # window in stage 1 (DSVConfig.stage1_local_radius auto): s1win_cap25_s400 (runs 10-11) is the default with an
-    # earlier stage switch; cap25_s400 (run 6, dense stage 1) and the uncapped designs of runs 2-5 are not
-    assert marked == {"default", "default_s400", "s1win_cap25_s400"}
+    # local111 keeps the old threshold (0.8); the library caps every list at 25% of the keys (DSVConfig.max_density),
+    # on this grid attends the (2, 2, 1) window in stage 1 (DSVConfig.stage1_local_radius auto) and switches at step
+    # 400: s1win_cap25_s400 (runs 10-22) is the default; cap25_s400 (run 6, dense stage 1) and the uncapped
+    # designs of runs 2-5 are not
+    assert marked == {"default", "s1win_cap25_s400"}
+    # a switch at another step is not the default, whatever the lists
+    assert not is_library_default(dict(arm_of("default", args.arm, args), stage1=700))
 
 
 def test_profile_period_is_the_schedules_at_the_runs_step():

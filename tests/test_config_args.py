@@ -52,8 +52,11 @@ def test_args_round_trip():
 
 
 def test_optional_none_flag():
-    c = dsv_config_from_args(_parse(["--use-dsv-attention", "--dsv-stage-switch-steps", "none"]))
-    assert c.stage_switch_steps is None
+    c = dsv_config_from_args(_parse(["--use-dsv-attention", "--dsv-stage-switch-rule", "loss",
+                                     "--dsv-stage-switch-steps", "none"]))
+    assert c.stage_switch_steps is None and c.stage_switch_rule == "loss"
+    c = dsv_config_from_args(_parse(["--use-dsv-attention"]))  # the default: stage 2 by steps, where measured
+    assert (c.stage_switch_rule, c.stage_switch_steps) == ("steps", 400)
 
 
 def test_local_radius_flag_takes_three_ints_or_auto():
@@ -96,8 +99,8 @@ def test_missing_provider_is_reported():
     (dict(stage_switch_rule="never"), "stage_switch_rule"),
     (dict(stage_switch_loss=-1), "stage_switch_loss"),
     (dict(stage_switch_steps=-5), "stage_switch_steps"),
-    (dict(stage_switch_rule="steps"), "stage_switch_steps"),
-    (dict(stage_switch_rule="loss_and_steps"), "stage_switch_steps"),
+    (dict(stage_switch_rule="steps", stage_switch_steps=None), "stage_switch_steps"),
+    (dict(stage_switch_rule="loss_and_steps", stage_switch_steps=None), "stage_switch_steps"),
     (dict(sparsity_threshold=1.5), "sparsity_threshold"),
     (dict(k_min=0), "k_min"),
     (dict(query_group_shape=(2, 4)), "query_group_shape"),

@@ -165,7 +165,7 @@ def test_profile_uses_at_most_the_cap(megatron_cpu, monkeypatch):
 
 @pytest.mark.parametrize("kw,name", [
     (dict(predictor_input="both"), "predictor_input"), (dict(profile_max_queries=-1), "profile_max_queries"), (dict(stage_switch_rule="never"), "stage_switch_rule"),
-    (dict(stage_switch_rule="steps"), "stage_switch_steps"), (dict(theta=1.0), "theta"),
+    (dict(stage_switch_rule="steps", stage_switch_steps=None), "stage_switch_steps"), (dict(theta=1.0), "theta"),
     (dict(sparsity_momentum=1.0), "sparsity_momentum"), (dict(query_group_shape=(3, 3, 3)), "query_group_shape"),
     (dict(predictor_rank=12), "predictor_rank"), (dict(k_min=0), "k_min"),
     (dict(budget_rule="tokens"), "budget_rule"), (dict(recall_target=0.0), "recall_target"),

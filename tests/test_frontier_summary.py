@@ -1,0 +1,61 @@
+"""benchmarks/frontier_summary.py: one frontier over every study's results (most seeds wins, joined seeds placed by
+their sources, the default's verdict against issue 24's targets)."""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import frontier_summary as fs  # noqa: E402
+
+
+def _row(name, seeds, delta, se, steps=3000, data="vizdoom", S=16384, kept=0.23):
+    return dict(bench="quality_frontier", kind="arm", name=name, data=data, S=S, steps=steps, seeds=seeds,
+                delta_vs_full_pct=delta, delta_vs_full_se_pct=se, kept_fraction=kept, sparse_layer_fraction=1.0,
+                recall=0.5, time_to_full_loss_ratio=None)
+
+
+def _study(path, date, rows, gpu="NVIDIA H200"):
+    with open(path, "w") as f:
+        json.dump(dict(meta=dict(gpu=gpu, date=date, note=os.path.basename(path)),
+                       rows=[_row("full", r["seeds"], 0.0, 0.0) for r in rows[:1]] + rows), f)
+    return str(path)
+
+
+def test_most_seeds_win_and_joined_seeds_take_their_sources_place(tmp_path):
+    a = _study(tmp_path / "quality-frontier-runA.json", "2026-12-01", [
+        _row(fs.DEFAULT_ARM, [0, 1], -1.0, 0.9), _row("window", [0, 1], -2.0, 0.5, kept=0.29),
+        _row("paper", [0, 1], float("nan"), None)])  # a row without a delta: left out
+    b = _study(tmp_path / "quality-frontier-runB.json", "2026-12-05", [
+        _row(fs.DEFAULT_ARM, [2, 3, 4], -3.0, 0.6), _row("window", [2, 3], -1.0, 0.4, kept=0.29),
+        _row(fs.DEFAULT_ARM, [5, 6, 7], +2.5, 0.3, data="footage")], gpu="NVIDIA H100 80GB HBM3")
+    joined = tmp_path / "quality-joined-x.json"
+    per_seed = [dict(seed=s, file=os.path.basename(f), gpu=g) for s, f, g in
+                [(0, a, "NVIDIA H200"), (1, a, "NVIDIA H200"), (2, b, "NVIDIA H100 80GB HBM3")]]
+    with open(joined, "w") as f:
+        json.dump(dict(meta=dict(date="2026-12-06"), result=dict(
+            arm=fs.DEFAULT_ARM, step=3000, seeds=[0, 1, 2], per_seed=per_seed, delta_vs_full_pct=-2.0,
+            delta_vs_full_se_pct=0.45)), f)
+    rows = fs.collect([a, b, str(joined)])
+    by = {(r["data"], r["name"]): r for r in rows}
+    assert len(rows) == 3 and ("vizdoom", "paper") not in by
+    # three seeds in each of B's row and the joined one: the newer (the joined result) wins the tie
+    assert by[("vizdoom", fs.DEFAULT_ARM)]["source"] == "quality-joined-x.json"
+    assert by[("vizdoom", fs.DEFAULT_ARM)]["gpu"] == "NVIDIA H100 80GB HBM3 + NVIDIA H200"
+    assert by[("vizdoom", "window")]["delta_vs_full_pct"] == -1.0  # two seeds each: the newer file's row
+    verdict = {v["data"]: v for v in fs.default_verdict(rows)}
+    assert verdict["vizdoom"]["se_target_met"] and verdict["vizdoom"]["within_1pct"]
+    assert not verdict["footage"]["within_1pct"] and verdict["footage"]["se_target_met"]
+
+
+def test_main_writes_json_and_png_from_the_committed_results(tmp_path, capsys):
+    out = tmp_path / "summary"
+    assert fs.main(["--out", str(out)]) == 0
+    doc = json.loads((tmp_path / "summary.json").read_text())
+    assert os.path.getsize(tmp_path / "summary.png") > 10_000
+    names = {(r["data"], r["name"]) for r in doc["rows"]}
+    assert ("vizdoom", "window") in names and ("vizdoom", "paper") in names and ("footage", fs.DEFAULT_ARM) in names
+    assert all(r["seeds"] and r["steps"] for r in doc["rows"])
+    assert {p["S"] for p in doc["default"]["points"] if p["data"] == "vizdoom"} >= {16384, 32768, 65536}
+    assert "wrote" in capsys.readouterr().out
