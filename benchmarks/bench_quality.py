@@ -75,6 +75,15 @@ FRONTIER: Dict[str, str] = {
     "s1win_cap25_s400": "attn=dsv,rule=sparsity,local=auto,thr=0.7,cap=0.25,stage1=400,s1local=2.2.1",
     "s1win_windowpred35_s400": "attn=dsv,rule=sparsity,local=2.2.1,lmode=window,thr=0.6,cap=0.35,stage1=400,"
                                "s1local=2.2.1",
+    # issue 24's frontier over the list design, each the default but for one knob: query cubes of 64 (2x4x8) and 32
+    # (2x4x4) tokens, their stage-1 window radius in cubes widened in t (and w) to span about the default's tokens
+    # (18-20 frames x 20 x 20-24 against 20 x 20 x 24); token lists of 128-query cubes (no neighbourhood: auto
+    # takes it only with key blocks); the recall rule at 0.9 and 0.8 in place of the paper's (not yet measured)
+    "g64_s1win_cap25_s400": f"{_DEFAULT_LISTS},group=2.4.8,s1local=4.2.1,stage1=400",
+    "g32_s1win_cap25_s400": f"{_DEFAULT_LISTS},group=2.4.4,s1local=4.2.2,stage1=400",
+    "tok_s1win_cap25_s400": f"{_DEFAULT_LISTS},gran=token,stage1=400",
+    "recall90_s1win_cap25_s400": f"{_DEFAULT_LISTS},rule=recall,recall=0.9,stage1=400",
+    "recall80_s1win_cap25_s400": f"{_DEFAULT_LISTS},rule=recall,recall=0.8,stage1=400",
     "recall90": "attn=dsv,rule=recall,recall=0.9",
     "recall80": "attn=dsv,rule=recall,recall=0.8",
     "paper": "attn=dsv,rule=sparsity",

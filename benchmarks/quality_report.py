@@ -28,6 +28,8 @@ def is_library_default(arm: dict) -> bool:
     d = DSVConfig()
     if d.stage_switch_rule != "steps" or arm.get("stage1") != d.stage_switch_steps:
         return False
+    if tuple(arm.get("query_group_shape", d.query_group_shape)) != d.query_group_shape:
+        return False
     grid = (arm["frames"], arm["res"] // 8, arm["res"] // 8)
     local = DSVConfig(local_radius=arm.get("local_radius")).local_radius_for(grid)
     return (arm.get("gran") == d.granularity and arm.get("rule") == d.budget_rule

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -46,11 +47,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import MainWeightsAdamW, flow_matching_step, sync  # noqa: E402
 from megatron_dsv.attention import dsv_layers, dsv_metrics, dsv_on_step_end, dsv_stage  # noqa: E402
 from megatron_dsv.attention.schedule import is_profile_step  # noqa: E402
-from megatron_dsv.config import LOCAL_MODES, DSVConfig  # noqa: E402
+from megatron_dsv.config import LOCAL_MODES, SUPPORTED_GROUP_SIZES, DSVConfig  # noqa: E402
 
 ARM_DEFAULTS = dict(data="vizdoom", frames=32, res=256, attn="dsv", lr=3e-4, qk_norm=1, qk_lr=1.0, rope=10000.0,
                     gran="block", rule="recall", recall=0.96, local="0.0.0", lmode="shared", thr=0.8, cap=0.0,
-                    s1local="0.0.0", steps=1000, minutes=3.0, stage1=None, window_frac=0.1, label=None)
+                    s1local="0.0.0", group="4.4.8", steps=1000, minutes=3.0, stage1=None, window_frac=0.1, label=None)
 _INT_KEYS = ("frames", "res", "qk_norm", "steps", "stage1")
 _FLOAT_KEYS = ("lr", "qk_lr", "rope", "minutes", "window_frac", "recall", "thr", "cap")
 DATA_SOURCES = ("vizdoom", "ale", "footage", "synthetic")
@@ -81,6 +82,10 @@ def parse_arm(text: str) -> dict:
         raise ValueError(f"arm lmode must be one of {LOCAL_MODES}, got {arm['lmode']!r}")
     arm["local_radius"] = local_radius(arm["local"])
     arm["stage1_local_radius"] = local_radius(arm["s1local"], "s1local")
+    arm["query_group_shape"] = three_ints(arm["group"], "group")
+    if math.prod(arm["query_group_shape"]) not in SUPPORTED_GROUP_SIZES:
+        raise ValueError(f"arm group (the query cube t.h.w, DSVConfig.query_group_shape) must hold one of "
+                         f"{SUPPORTED_GROUP_SIZES} tokens, got {arm['group']!r}")
     if arm["res"] % 8:
         raise ValueError(f"arm res must be a multiple of 8 (4x downsampler, 2x2 patches), got {arm['res']}")
     if arm["qk_lr"] != 1.0 and not arm["qk_norm"]:
@@ -100,6 +105,7 @@ def parse_arm(text: str) -> dict:
             variants += [f"lmode{arm['lmode']}"] if arm["lmode"] != ARM_DEFAULTS["lmode"] else []
             variants += ([f"s1local{arm['s1local']}"] if arm["stage1_local_radius"] is None
                          or any(arm["stage1_local_radius"]) else [])
+            variants += [f"group{arm['group']}"] if arm["group"] != ARM_DEFAULTS["group"] else []
             variants += ["staysdense"] if arm["stage1"] >= arm["steps"] else []
         if arm["attn"] == "window":
             variants += [f"frac{arm['window_frac']:g}"]
@@ -107,15 +113,21 @@ def parse_arm(text: str) -> dict:
     return arm
 
 
-def local_radius(text: str, key: str = "local"):
-    """``"0.1.1"`` -> ``(0, 1, 1)``, ``"auto"`` -> None (the ``local`` and ``s1local`` arm keys:
-    DSVConfig.local_radius / stage1_local_radius in cubes; None is the library's automatic choice)."""
-    if str(text) == "auto":
+def three_ints(text: str, key: str, auto: bool = False):
+    """``"0.1.1"`` -> ``(0, 1, 1)`` (an arm key of three ints joined by dots); ``"auto"`` -> None where allowed."""
+    if auto and str(text) == "auto":
         return None
     parts = str(text).split(".")
     if len(parts) != 3 or not all(p.isdigit() for p in parts):
-        raise ValueError(f"arm {key} must be three ints >= 0 joined by dots (rt.rh.rw) or auto, got {text!r}")
+        raise ValueError(f"arm {key} must be three ints >= 0 joined by dots (t.h.w){' or auto' if auto else ''}, "
+                         f"got {text!r}")
     return tuple(int(p) for p in parts)
+
+
+def local_radius(text: str, key: str = "local"):
+    """``"0.1.1"`` -> ``(0, 1, 1)``, ``"auto"`` -> None (the ``local`` and ``s1local`` arm keys:
+    DSVConfig.local_radius / stage1_local_radius in cubes; None is the library's automatic choice)."""
+    return three_ints(text, key, auto=True)
 
 
 def tokens_of(arm: dict) -> int:
@@ -262,6 +274,7 @@ def build_model(arm: dict, args, device, dtype):
         dsv = DSVConfig(stage_switch_rule="steps", stage_switch_steps=arm["stage1"], granularity=arm["gran"],
                         budget_rule=arm["rule"], recall_target=arm["recall"], local_radius=arm["local_radius"],
                         local_mode=arm["lmode"], stage1_local_radius=arm["stage1_local_radius"],
+                        query_group_shape=arm["query_group_shape"],
                         sparsity_threshold=arm["thr"], max_density=arm["cap"] or None,
                         profile_interval=args.profile_every, profile_warmup_steps=10**9,
                         speedup_table=args.speedup_table if device.type == "cuda" else None)

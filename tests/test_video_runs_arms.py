@@ -277,3 +277,42 @@ def test_training_seconds_are_counted_and_marked_shared_beside_another_worker(tm
     train_arm(parse_arm(arm + ",minutes=0.0000001"), args, on_val=lambda s, v, c, b: None)
     saved = torch.load(next((tmp_path / "runs").glob("*.pt")), map_location="cpu", weights_only=True)
     assert saved["step"] == 1 and saved["counters"]["train_s"] > 0
+
+
+def test_group_key_reaches_the_config_and_the_label():
+    """group (DSVConfig.query_group_shape t.h.w): 4.4.8 by default and absent from the label (runs saved before the
+    key keep their paths); another cube is named in it and reaches the DSV config; a cube of an unsupported size
+    or a malformed one is refused naming the key."""
+    from benchmarks.bench_quality import FRONTIER
+    from benchmarks.quality_report import is_library_default
+
+    base = parse_arm("data=synthetic,frames=4,res=64")
+    assert base["query_group_shape"] == (4, 4, 8) and "group" not in base["label"]
+    arm = parse_arm("data=synthetic,frames=4,res=64,group=2.4.4")
+    assert arm["query_group_shape"] == (2, 4, 4) and arm["label"] == "synthetic-dsv-group2.4.4-S256"
+    with pytest.raises(ValueError, match=r"arm group .* must hold one of \(16, 32, 64, 128\) tokens"):
+        parse_arm("group=3.3.3")
+    with pytest.raises(ValueError, match="arm group must be three ints"):
+        parse_arm("group=4.4")
+    study = "data=vizdoom,frames=16,res=256"
+    g64 = parse_arm(f"{study},{FRONTIER['g64_s1win_cap25_s400']}")
+    assert g64["query_group_shape"] == (2, 4, 8) and g64["stage1_local_radius"] == (4, 2, 1)
+    assert not is_library_default(g64) and is_library_default(parse_arm(f"{study},{FRONTIER['default']}"))
+
+
+@pytest.mark.timeout(300)
+def test_small_group_and_token_arms_train_into_stage_two(megatron_cpu, tmp_path):
+    """The frontier's G = 32 cube (with its stage-1 window) and token lists with a stage-1 window train through both
+    stages: the cube reaches every layer and stage 2 runs."""
+    from benchmarks.video_runs import train_arm
+    from megatron_dsv.attention import dsv_layers
+    from tests.test_benchmarks_smoke import _run_args
+
+    common = "data=synthetic,frames=4,res=64,stage1=3,steps=6,rule=sparsity,thr=0,cap=0.25"
+    for extra, cube, gran in (("group=2.4.4,s1local=0.2.2", (2, 4, 4), "block"),
+                              ("gran=token,s1local=0.1.1", (4, 4, 8), "token")):
+        model, _, summary = train_arm(parse_arm(f"{common},{extra}"), _run_args(tmp_path / gran))
+        layers = dsv_layers(model)
+        assert layers and all(m.dsv_config.query_group_shape == cube and m.dsv_config.granularity == gran
+                              for m in layers)
+        assert summary["steps"] == 6 and all(m.stage_host == 2 for m in layers), extra
