@@ -17,8 +17,8 @@ default: ``DSVConfig.local_radius``), ``lmode`` (how those lists size each cube'
 ``window``, ``DSVConfig.local_mode``), ``thr`` (the dispatcher's ``DSVConfig.sparsity_threshold``), ``cap``
 (``DSVConfig.max_density``, the cap on every head's kept fraction; 0 = none), ``s1local`` (what stage 1 attends:
 ``0.0.0`` every key, ``rt.rh.rw`` the 3D window of that radius in cubes, ``auto`` the library's default:
-``DSVConfig.stage1_local_radius``),
-``steps`` and ``minutes`` (the run
+``DSVConfig.stage1_local_radius``), ``group`` (the query cube ``t.h.w`` of 16-128 tokens that shares one list:
+``DSVConfig.query_group_shape``, default ``4.4.8``), ``steps`` and ``minutes`` (the run
 stops at whichever comes first, so a run fits the device time; with ``--align-stops`` a run stopped by its minutes is saved
 where it stopped and reports its last validation step), ``stage1`` (DSV's stage-1 steps; default
 half of ``steps``), ``window_frac`` (the window baseline's kept fraction of keys), ``label`` (a
