@@ -54,11 +54,12 @@ _DEFAULT_LISTS = (f"attn=dsv,rule={_D.budget_rule},recall={_D.recall_target:g},l
                   f"thr={_D.sparsity_threshold:g},cap={_D.max_density or 0:g},"
                   f"s1local={'.'.join(map(str, _D.stage1_local_radius)) if _D.stage1_local_radius else 'auto'}"
                   + (f",stage1={_D.stage_switch_steps}" if _D.stage_switch_rule == "steps" else ""))
+_S1WIN = "attn=dsv,rule=sparsity,local=auto,thr=0.7,cap=0.25,stage1=400,s1local=2.2.1"
 FRONTIER: Dict[str, str] = {
     "full": "attn=full",
     "control": "attn=dsv,stage1=1000000000",
     # the library's defaults as committed (DSVConfig), whatever they are: its lists and its stage switch (by steps,
-    # at DSVConfig.stage_switch_steps; run 5's "default_s400" is this arm since the library switches at step 400)
+    # at DSVConfig.stage_switch_steps; the name "default_s400" of runs 5-6 is gone: this arm switches there now)
     "default": _DEFAULT_LISTS,
     # fixed designs (they do not follow the defaults): the paper's rule + the (1, 1, 1) neighbourhood, threshold 0.7
     # (the default of runs 3-5), and the same with every head's list capped at 25% of the keys (run 6; the default
@@ -72,18 +73,19 @@ FRONTIER: Dict[str, str] = {
     # the default and windowpred35_s400 with the 3D window (radius 2 2 1, the `window` arm's at 16K) in stage 1
     # instead of dense attention (DSVConfig.stage1_local_radius): the window's lead from the first validation on,
     # then the predicted lists (not yet measured)
-    "s1win_cap25_s400": "attn=dsv,rule=sparsity,local=auto,thr=0.7,cap=0.25,stage1=400,s1local=2.2.1",
+    "s1win_cap25_s400": _S1WIN,
     "s1win_windowpred35_s400": "attn=dsv,rule=sparsity,local=2.2.1,lmode=window,thr=0.6,cap=0.35,stage1=400,"
                                "s1local=2.2.1",
-    # issue 24's frontier over the list design, each the default but for one knob: query cubes of 64 (2x4x8) and 32
-    # (2x4x4) tokens, their stage-1 window radius in cubes widened in t (and w) to span about the default's tokens
-    # (18-20 frames x 20 x 20-24 against 20 x 20 x 24); token lists of 128-query cubes (no neighbourhood: auto
-    # takes it only with key blocks); the recall rule at 0.9 and 0.8 in place of the paper's (not yet measured)
-    "g64_s1win_cap25_s400": f"{_DEFAULT_LISTS},group=2.4.8,s1local=4.2.1,stage1=400",
-    "g32_s1win_cap25_s400": f"{_DEFAULT_LISTS},group=2.4.4,s1local=4.2.2,stage1=400",
-    "tok_s1win_cap25_s400": f"{_DEFAULT_LISTS},gran=token,stage1=400",
-    "recall90_s1win_cap25_s400": f"{_DEFAULT_LISTS},rule=recall,recall=0.9,stage1=400",
-    "recall80_s1win_cap25_s400": f"{_DEFAULT_LISTS},rule=recall,recall=0.8,stage1=400",
+    # issue 24's frontier over the list design: s1win_cap25_s400 (the default since run 11) with one design choice
+    # changed: query cubes of 64 (2x4x8) and 32 (2x4x4) tokens, the stage-1 window's radius in cubes widened in t
+    # (and w) to span about the default's tokens (18-20 frames x 20 x 20-24 against 20 x 20 x 24; the (1, 1, 1)
+    # neighbourhood stays in cubes, so it spans fewer tokens); token lists of the 128-query cubes (no neighbourhood:
+    # it needs key blocks), the same stage-1 window; the recall rule at 0.9 and 0.8 in place of the paper's
+    "g64_s1win_cap25_s400": f"{_S1WIN},group=2.4.8,s1local=4.2.1",
+    "g32_s1win_cap25_s400": f"{_S1WIN},group=2.4.4,s1local=4.2.2",
+    "tok_s1win_cap25_s400": f"{_S1WIN},gran=token",
+    "recall90_s1win_cap25_s400": f"{_S1WIN},rule=recall,recall=0.9",
+    "recall80_s1win_cap25_s400": f"{_S1WIN},rule=recall,recall=0.8",
     "recall90": "attn=dsv,rule=recall,recall=0.9",
     "recall80": "attn=dsv,rule=recall,recall=0.8",
     "paper": "attn=dsv,rule=sparsity",
@@ -116,7 +118,7 @@ def arm_of(name: str, base: str, args) -> dict:
 
 def check_distinct_runs(names: List[str], args) -> None:
     """Two arm names that are the same design share a run path (its label): two workers would write one
-    checkpoint. Refused, naming both (e.g. default and s1win_cap25_s400 where their windows agree)."""
+    checkpoint. Refused, naming both (two FRONTIER names whose keys give one label)."""
     seen: Dict[str, str] = {}
     for name in names:
         label = arm_of(name, args.arm, args)["label"]

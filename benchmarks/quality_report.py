@@ -267,6 +267,10 @@ def report(args, names: List[str]) -> List[dict]:
                    seeds=sorted(at), attn=arm["attn"], budget_rule=arm.get("rule"), recall_target=arm.get("recall"),
                    local_radius=arm.get("local"), local_mode=arm.get("lmode") if arm["attn"] == "dsv" else None,
                    granularity=arm.get("gran"), stage1=arm.get("stage1"),
+                   query_group_shape=arm.get("query_group_shape") if arm["attn"] == "dsv" else None,
+                   stage1_local=arm.get("s1local") if arm["attn"] == "dsv" else None,
+                   sparsity_threshold=arm.get("thr") if arm["attn"] == "dsv" else None,
+                   max_density=(arm.get("cap") or None) if arm["attn"] == "dsv" else None,
                    window_frac=arm.get("window_frac") if arm["attn"] == "window" else None,
                    library_default=is_library_default(arm),
                    val_loss=loss, val_loss_se=loss_se, val_loss_per_seed=at, val_loss_full=sum(full_at.values()) /
