@@ -62,7 +62,7 @@ class DSVConfig:
         1, "Stage 2 trains the predictors every this many steps (0: never); stage 1 trains every step.")
     """Predictor training period in stage 2 (steps; 0 switches stage-2 training off).
 
-    Stage 1 always trains (the switch to stage 2 waits on the predictor loss). In stage 2 the
+    Stage 1 always trains (stage 2 starts by :attr:`stage_switch_rule`). In stage 2 the
     predictor only has to track slow drift, so training every N-th step divides its cost by N.
     The loss logged on a step without training is the last one measured."""
 

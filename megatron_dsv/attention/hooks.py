@@ -14,8 +14,8 @@ group of every layer's step accumulators and predictor gradients, flattened into
 single buffer, so profiled sparsity, budget densities, losses and predictor weights stay
 identical on all data-parallel replicas; (2) one all-reduce over the default (world)
 group of the predictor losses and the stage, so every layer on every rank (pipeline and
-tensor ranks included) takes the same stage decision from the mean predictor loss over all
-layers; (3) **one** device-to-host copy of every layer's step scalars (and of (2)'s result),
+tensor ranks included) takes the same stage decision (the step rule, or the mean predictor loss over
+all layers for the loss rules); (3) **one** device-to-host copy of every layer's step scalars (and of (2)'s result),
 the only stream sync of the step end (none of its own when :func:`dsv_prefetch_step_end` issued (0)-(3) before
 the trainer's gradient-norm read); (4) the predictors' Adam step (at the rate of the
 stage the gradients were computed in); (5) counters, smoothing and the new stage, on host

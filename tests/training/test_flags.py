@@ -82,7 +82,7 @@ def test_help_shows_the_defaults_in_effect(capsys):
         parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: 0.4) [the demo's; DSVConfig default: 0.7]" in text  # --dsv-sparsity-threshold
-    assert "(default: 150) [the demo's; DSVConfig default:" in text  # --dsv-stage-switch-steps
+    assert "(default: 150) [the demo's; DSVConfig default: 400]" in text  # --dsv-stage-switch-steps
 
 
 def test_run_starts_with_megatrons_arguments_block(tmp_path, capsys):
