@@ -367,7 +367,26 @@ def check_dsv_state(state: dict, model, directory: str, load_dsv_state: bool = T
             print(f" > checkpoint {directory} was saved before --dsv-stage1-local-radius existed (its stage 1 was "
                   "dense); this run's default (auto) attends a 3D window in stage 1 where it applies: pass "
                   "--dsv-stage1-local-radius 0 0 0 to keep a dense stage 1", flush=True)
+    if saved_dsv and is_rank0():
+        _note_switch_change(state["dsv_config"], model, directory)
     return []
+
+
+def _note_switch_change(saved: dict, model, directory: str) -> None:
+    """One line when this run's stage switch is not the checkpoint's: a run saved in stage 1 under the loss rule
+    (the default before 2026-12-06) and resumed past step 400 on today's default switches at once."""
+    from megatron_dsv.attention import dsv_layers
+
+    layers = dsv_layers(model)
+    if not layers:
+        return
+    cfg = layers[0].dsv_config
+    was = (saved.get("stage_switch_rule", "loss_or_steps"), saved.get("stage_switch_steps"))
+    now = (cfg.stage_switch_rule, cfg.stage_switch_steps)
+    if was != now:
+        print(f" > checkpoint {directory} was trained with the stage switch rule {was[0]!r} at step {was[1]}; this "
+              f"run's is {now[0]!r} at step {now[1]} (--dsv-stage-switch-rule, --dsv-stage-switch-steps): a run still "
+              "in stage 1 past that step moves to stage 2 at its next step", flush=True)
 
 
 def load_checkpoint(path: str, model, optimizer, scheduler, model_config=None, load_optim: bool = True,

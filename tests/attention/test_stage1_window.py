@@ -256,3 +256,17 @@ def test_stage1_window_on_the_gpu_kernel(make_layer):
     for a, b, c in zip(got, want, lowp):
         err, floor = (a.double() - b).abs().max().item(), (c.double() - b).abs().max().item()
         assert err <= 2 * floor + 1e-2 * b.abs().max().item(), (err, floor)
+
+
+def test_resume_under_another_stage_switch_says_so(make_layer, capsys):
+    """A checkpoint saved under the loss rule (the default before the step rule at 400) resumed with today's switch
+    is told the switch changed; the same switch says nothing."""
+    from megatron_dsv.training.checkpointing import check_dsv_state
+
+    layer = torch.nn.ModuleList([make_layer(stage_switch_rule="steps", stage_switch_steps=400)])
+    old = dict(DSVConfig().to_dict(), stage_switch_rule="loss_or_steps", stage_switch_steps=None)
+    assert check_dsv_state({"dsv_config": old}, layer, "ckpt") == []
+    out = capsys.readouterr().out
+    assert "rule 'loss_or_steps' at step None; this run's is 'steps' at step 400" in out
+    check_dsv_state({"dsv_config": DSVConfig().to_dict()}, layer, "ckpt")
+    assert "stage switch" not in capsys.readouterr().out
