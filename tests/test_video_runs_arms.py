@@ -42,17 +42,19 @@ def test_lmode_key_reaches_the_label_and_rejects_unknown():
 
 @pytest.mark.timeout(300)
 def test_token_lists_arm_trains_into_stage_two(megatron_cpu, tmp_path):
-    """gran=token reaches the DSV layers (token lists, no key blocks) and a short run profiles and
-    switches stage with them."""
+    """gran=token reaches the DSV layers (token lists, no key blocks) and a short run with a stage-1 window (the
+    frontier's tok_s1win_cap25_s400) profiles and switches stage with them."""
     from benchmarks.video_runs import train_arm
     from megatron_dsv.attention import dsv_layers
     from tests.test_benchmarks_smoke import _run_args
 
-    model, _, summary = train_arm(parse_arm("data=synthetic,frames=4,res=64,stage1=3,steps=6,gran=token"),
-                                  _run_args(tmp_path))
+    model, _, summary = train_arm(parse_arm("data=synthetic,frames=4,res=64,stage1=3,steps=6,gran=token,"
+                                            "s1local=0.1.1"), _run_args(tmp_path))
     layers = dsv_layers(model)
-    assert layers and all(m.dsv_config.granularity == "token" and m.dsv_config.block_size == 0 for m in layers)
+    assert layers and all(m.dsv_config.granularity == "token" and m.dsv_config.block_size == 0
+                          and m.dsv_config.stage1_local_radius == (0, 1, 1) for m in layers)
     assert summary["steps"] == 6 and 0.0 < summary["budget_density"] <= 1.0 and summary["recall"] > 0.0
+    assert all(m.stage_host == 2 for m in layers)
 
 
 @pytest.mark.timeout(300)
@@ -303,18 +305,16 @@ def test_group_key_reaches_the_config_and_the_label():
 
 
 @pytest.mark.timeout(300)
-def test_small_group_and_token_arms_train_into_stage_two(megatron_cpu, tmp_path):
-    """The frontier's G = 32 cube (with its stage-1 window) and token lists with a stage-1 window train through both
-    stages: the cube reaches every layer and stage 2 runs."""
+def test_small_group_arm_trains_into_stage_two(megatron_cpu, tmp_path):
+    """The frontier's G = 32 cube (with its stage-1 window) trains through both stages: the cube reaches every
+    layer and stage 2 runs."""
     from benchmarks.video_runs import train_arm
     from megatron_dsv.attention import dsv_layers
     from tests.test_benchmarks_smoke import _run_args
 
-    common = "data=synthetic,frames=4,res=64,stage1=3,steps=6,rule=sparsity,thr=0,cap=0.25"
-    for extra, cube, gran in (("group=2.4.4,s1local=0.2.2", (2, 4, 4), "block"),
-                              ("gran=token,s1local=0.1.1", (4, 4, 8), "token")):
-        model, _, summary = train_arm(parse_arm(f"{common},{extra}"), _run_args(tmp_path / gran))
-        layers = dsv_layers(model)
-        assert layers and all(m.dsv_config.query_group_shape == cube and m.dsv_config.granularity == gran
-                              for m in layers)
-        assert summary["steps"] == 6 and all(m.stage_host == 2 for m in layers), extra
+    arm = parse_arm("data=synthetic,frames=4,res=64,stage1=3,steps=6,rule=sparsity,thr=0,cap=0.25,group=2.4.4,"
+                    "s1local=0.2.2")
+    model, _, summary = train_arm(arm, _run_args(tmp_path))
+    layers = dsv_layers(model)
+    assert layers and all(m.dsv_config.query_group_shape == (2, 4, 4) for m in layers)
+    assert summary["steps"] == 6 and all(m.stage_host == 2 for m in layers)
