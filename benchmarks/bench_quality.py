@@ -86,6 +86,10 @@ FRONTIER: Dict[str, str] = {
     "tok_s1win_cap25_s400": f"{_S1WIN},gran=token",
     "recall90_s1win_cap25_s400": f"{_S1WIN},rule=recall,recall=0.9",
     "recall80_s1win_cap25_s400": f"{_S1WIN},rule=recall,recall=0.8",
+    # the finer lists with budgets sized by the critical mass (recall 0.9, capped at 25% like the default) instead
+    # of the paper's rule, which gave them fewer keys than the default in run 23 (0.195 and 0.128 against ~0.22)
+    "g32_recall90_s1win_cap25_s400": f"{_S1WIN},group=2.4.4,s1local=4.2.2,rule=recall,recall=0.9",
+    "tok_recall90_s1win_cap25_s400": f"{_S1WIN},gran=token,rule=recall,recall=0.9",
     "recall90": "attn=dsv,rule=recall,recall=0.9",
     "recall80": "attn=dsv,rule=recall,recall=0.8",
     "paper": "attn=dsv,rule=sparsity",
