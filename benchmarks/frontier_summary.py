@@ -157,6 +157,33 @@ def default_verdict(rows: List[dict]) -> List[dict]:
     return out
 
 
+def _point(r: dict) -> str:
+    se = "" if r["delta_vs_full_se_pct"] is None else f" +- {r['delta_vs_full_se_pct']:.2f}"
+    kept = "" if r["kept_fraction"] is None else f", kept {r['kept_fraction']:.2f}"
+    return f"{r['name']} {r['delta_vs_full_pct']:+.2f}{se}% ({len(r['seeds'])} seeds{kept})"
+
+
+def why_default(rows: List[dict]) -> str:
+    """Why the default is the default, from the rows themselves (no figure written by hand): per data source and
+    length, the default's point, and every other arm measured at the same steps that came out below it."""
+    parts = []
+    for v in default_verdict(rows):
+        mine = next(r for r in rows if r["library_default"] and (r["data"], r["S"], r["steps"]) ==
+                    (v["data"], v["S"], v["steps"]) and len(r["seeds"]) == v["seeds"])
+        peers = [r for r in rows if not r["library_default"] and (r["data"], r["S"], r["steps"]) ==
+                 (v["data"], v["S"], v["steps"])]
+        lower = sorted((r for r in peers if r["delta_vs_full_pct"] < mine["delta_vs_full_pct"]),
+                       key=lambda r: r["delta_vs_full_pct"])
+        text = f"{v['data']} {v['S'] // 1024}K @{v['steps']}: {_point(mine)}"
+        if peers:
+            text += f"; of {len(peers)} other arms at these steps, " + (
+                "below it: " + ", ".join(_point(r) for r in lower) if lower else "none below it")
+        parts.append(text)
+    return ("vs full attention of each study at equal steps, the default's point with the most seeds per data "
+            "source and length (arms below it are candidates only where their se and kept fraction hold up; "
+            "benchmarks/NOTES_quality.md gives each run's reading): " + "; ".join(parts))
+
+
 def plot(rows: List[dict], path: str) -> None:
     import matplotlib
 
@@ -206,11 +233,7 @@ def main(argv=None) -> int:
         raise SystemExit("frontier_summary: no arm rows in the files given")
     doc = dict(meta=dict(collect_meta(), sources=[os.path.basename(p) for p in paths]), default=dict(
         arm=DEFAULT_ARM, settings=FRONTIER[DEFAULT_ARM], points=default_verdict(rows),
-        why="the only arm measured at every length trained here (16K-64K) and on both sources, below full "
-            "attention's loss at equal steps at each, at 0.17-0.23 of the keys with every stage-2 layer-step "
-            "sparse; the 3D window alone kept 0.29 of the keys at 16K for -1.50 +- 0.76% (ViZDoom, 3000 steps, 4 "
-            "seeds) against the default's -2.04 +- 0.42% (8 seeds), and the paper's rule alone cost +0.55 to "
-            "+0.66% (benchmarks/NOTES_quality.md runs 1-22)"),
+        why=why_default(rows)),
         rows=[{k: r[k] for k in COLUMNS} for r in rows])
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".json", "w") as f:

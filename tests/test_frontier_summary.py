@@ -68,3 +68,15 @@ def test_default_rows_are_todays_design_and_settings_are_the_studys_own():
     new = dict(_row("default", [0, 1], -1.0, 0.2), library_default=True, stage1=400, budget_rule="sparsity")
     assert not fs.is_default(old) and fs.is_default(new) and fs.is_default(_row(fs.DEFAULT_ARM, [0], 0.0, None))
     assert fs.settings_of(old) == "budget_rule=recall,stage1=700"
+
+
+def test_why_is_built_from_the_rows():
+    """The default's justification names its own points and every arm at the same steps that came out below it."""
+    rows = [dict(_row(fs.DEFAULT_ARM, [0, 1, 2], -1.0, 0.3), library_default=True, source="a"),
+            dict(_row("window", [0, 1], -1.8, 0.5, kept=0.29), library_default=False),
+            dict(_row("paper", [0, 1], +0.6, 0.2), library_default=False),
+            dict(_row("tok", [0, 1], -3.0, 0.2), steps=1500, library_default=False)]  # other steps: not a peer
+    why = fs.why_default(rows)
+    assert f"vizdoom 16K @3000: {fs.DEFAULT_ARM} -1.00 +- 0.30% (3 seeds, kept 0.23)" in why
+    assert "of 2 other arms at these steps, below it: window -1.80 +- 0.50% (2 seeds, kept 0.29)" in why
+    assert "paper" not in why and "tok" not in why
