@@ -15,7 +15,13 @@ Per (S, G, sparsity): the video-shaped token lists of ``list_shapes.video_lists`
 outputs and the gradients of both are checked against each other first (a row whose largest difference exceeds
 ``MISMATCH_REL`` of the largest value is marked ``mismatch`` and not timed: bf16 rounding gives ~0.3%, a tenth of
 the lists wrong ~50%); then fwd and bwd ms of ours (the public op on its Triton backend), the artifact's, and cuDNN
-dense, each the median of ``triton.testing.do_bench``. Writes ``artifact_compare-<gpu>-<date>.json``.
+dense, each the median of ``triton.testing.do_bench``. Writes ``artifact_compare-<gpu>-<date>.json`` and a PNG of
+ours against the artifact per (S, G) beside it.
+
+    PYTHONPATH=. python benchmarks/bench_artifact.py --join A.json B.json ... --out DIR
+
+joins the rows of several calls of one machine (no GPU needed; each row keeps its call's date, the meta is the first
+file's, and the files must name one GPU) into one JSON and PNG.
 """
 
 from __future__ import annotations
@@ -143,16 +149,70 @@ def print_rows(rows: List[Dict]) -> None:
               f"{r['ours_vs_artifact_fwd_bwd']:>6.2f} {worst:>7.4f}")
 
 
+def plot_rows(rows: List[Dict], path: str) -> None:
+    """ours / artifact (fwd, bwd, fwd+bwd; > 1: ours faster) per (S, G), and both against same-run cuDNN."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted((r for r in rows if "mismatch" not in r), key=lambda r: (r["S"], r["G"]))
+    labels = [f"{r['S'] // 1024}K\nG={r['G']}" for r in rows]
+    x = range(len(rows))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(max(8, 1.3 * len(rows) * 2), 4.5))
+    for i, (key, name) in enumerate([("fwd", "fwd"), ("bwd", "bwd"), ("fwd_bwd", "fwd+bwd")]):
+        a.bar([j + (i - 1) * 0.27 for j in x], [r[f"ours_vs_artifact_{key}"] for r in rows], 0.27, label=name)
+    a.axhline(1.0, color="k", lw=0.8)
+    a.set_title("ours vs the DSV artifact (its ms / ours; > 1: ours faster)", fontsize=9)
+    for i, who in enumerate(("ours", "artifact")):
+        b.bar([j + (i - 0.5) * 0.4 for j in x], [r[f"speedup_{who}_vs_dense_fwd_bwd"] for r in rows], 0.4, label=who)
+    b.axhline(1.0, color="k", lw=0.8)
+    b.set_title("fwd+bwd speedup over same-run cuDNN", fontsize=9)
+    for ax in (a, b):
+        ax.set_xticks(list(x), labels, fontsize=7)
+        ax.legend(fontsize=7)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle("token lists (video-shaped), D = 128, H = 16, bf16, ~90% sparse", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def join(paths: List[str], out_dir: str | None) -> Path:
+    """One JSON (and PNG) from several calls' JSONs of one GPU; each row keeps the date of its call."""
+    import json
+
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    gpus = {d["meta"].get("gpu") for d in docs}
+    if len(gpus) != 1:
+        raise ValueError(f"--join: the files name {len(gpus)} GPUs ({sorted(map(str, gpus))}); join one GPU's calls")
+    rows = [dict(r, call_date=d["meta"].get("date")) for d in docs for r in d["rows"]]
+    meta = dict(docs[0]["meta"], joined_from=[dict(file=os.path.basename(p), date=d["meta"].get("date"),
+                                                   commit=d["meta"].get("commit")) for p, d in zip(paths, docs)])
+    path = write_results("artifact_compare", rows, out_dir, meta)
+    plot_rows(rows, str(path.with_suffix(".png")))
+    return path
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--artifact-dir", required=True, help="root of a checkout of NetX-lab/DSV at branch ae")
+    ap.add_argument("--artifact-dir", default=None, help="root of a checkout of NetX-lab/DSV at branch ae")
     ap.add_argument("--groups", type=_ints, default=[32, 64, 128], help="query group sizes (multiples of 32)")
     ap.add_argument("--seq-lens", type=_seq_lens, default=[65536], help="e.g. 16K,64K")
     ap.add_argument("--sparsities", type=_floats, default=[0.9])
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    ap.add_argument("--join", nargs="+", default=None, metavar="JSON",
+                    help="join these calls' results into one JSON and PNG (no GPU, no artifact needed)")
     args = ap.parse_args(argv)
+    if args.join:
+        path = join(args.join, args.out)
+        print(f"wrote {path} and its PNG")
+        return 0
+    if not args.artifact_dir:
+        raise SystemExit("bench_artifact.py: --artifact-dir is required (the root of a checkout of NetX-lab/DSV "
+                         "at branch ae), unless --join")
     check_groups(args.groups)
     for S in args.seq_lens:
         check_seq_len(S)
@@ -169,6 +229,7 @@ def main(argv=None) -> int:
     meta = collect_meta()
     meta["artifact"] = {"file": ARTIFACT_FILE, "dir": os.path.abspath(args.artifact_dir)}
     path = write_results("artifact_compare", rows, args.out, meta)
+    plot_rows(rows, str(path.with_suffix(".png")))
     print_rows(rows)
     print(f"wrote {path}")
     return 0

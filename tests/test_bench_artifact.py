@@ -105,3 +105,35 @@ def test_list_lengths_are_multiples_of_256():
     assert bench_artifact.artifact_keys(1024, 0.99) == 256
     with pytest.raises(ValueError, match="--seq-lens: .*multiple of 256, got 1000"):
         bench_artifact.artifact_keys(1000, 0.9)
+
+
+def _call(path, gpu, date, S, G):
+    import json
+
+    row = dict(S=S, G=G, sparsity=0.9, ms_ours_fwd=1.0, ms_ours_bwd=2.0, ms_artifact_fwd=0.9, ms_artifact_bwd=6.0,
+               ms_dense_fwd=3.0, ms_dense_bwd=9.0, speedup_ours_vs_dense_fwd_bwd=4.0,
+               speedup_artifact_vs_dense_fwd_bwd=12.0 / 6.9, ours_vs_artifact_fwd=0.9, ours_vs_artifact_bwd=3.0,
+               ours_vs_artifact_fwd_bwd=6.9 / 3.0)
+    path.write_text(json.dumps(dict(meta=dict(gpu=gpu, date=date, commit="c" + date), rows=[row])))
+    return str(path)
+
+
+def test_join_keeps_each_calls_date_and_refuses_two_gpus(tmp_path):
+    import json
+
+    a = _call(tmp_path / "a.json", "NVIDIA H100 80GB HBM3", "d1", 65536, 32)
+    b = _call(tmp_path / "b.json", "NVIDIA H100 80GB HBM3", "d2", 16384, 32)
+    assert bench_artifact.main(["--join", a, b, "--out", str(tmp_path / "out")]) == 0
+    (path,) = (tmp_path / "out").glob("artifact_compare-*.json")
+    doc = json.loads(path.read_text())
+    assert [(r["S"], r["call_date"]) for r in doc["rows"]] == [(65536, "d1"), (16384, "d2")]
+    assert [j["date"] for j in doc["meta"]["joined_from"]] == ["d1", "d2"] and doc["meta"]["gpu"].startswith("NVIDIA")
+    assert path.with_suffix(".png").stat().st_size > 10_000
+    c = _call(tmp_path / "c.json", "NVIDIA H200", "d3", 65536, 64)
+    with pytest.raises(ValueError, match="--join: the files name 2 GPUs"):
+        bench_artifact.join([a, c], str(tmp_path / "out2"))
+
+
+def test_timing_needs_the_artifact_dir_unless_joining():
+    with pytest.raises(SystemExit, match="--artifact-dir is required"):
+        bench_artifact.main(["--groups", "32"])
