@@ -290,13 +290,14 @@ def _time_pass(kind, cfg, q, k, v, o, lse, do, idx, cnt, G, BS, scale):
     return bench_ms(lambda: launch.sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, BS, scale, cfg_q=cq, cfg_kv=ckv))
 
 
-def tune(S, G, sparsity=0.9, dim=D, heads=H):
-    """Sweep each pass's configs at one shape; install winners in launch.CONFIG_OVERRIDES."""
+def tune(S, G, sparsity=0.9, dim=D, heads=H, lists="random", granularity="both"):
+    """Sweep each pass's configs at one shape; install winners in launch.CONFIG_OVERRIDES. ``lists``: the lists'
+    kind (:func:`make_lists`); ``granularity``: block (128-key blocks), token or both."""
     rows = []
     scale = 1 / math.sqrt(dim)
-    for BS in (128, 0):
+    for BS in {"block": (128,), "token": (0,), "both": (128, 0)}[granularity]:
         q, k, v = (t.detach() for t in inputs(S, dim=dim, heads=heads))
-        idx, cnt, _ = make_lists(S, G, BS, sparsity, heads=heads)
+        idx, cnt, _ = make_lists(S, G, BS, sparsity, heads=heads, kind=lists)
         o, lse = launch.sparse_fwd(q, k, v, idx, cnt, G, BS, scale)
         do = torch.randn_like(o)
         passes = ("fwd", "bwd_q", "bwd_kv") if BS else ("fwd_tok", "bwd_q_tok")
@@ -310,7 +311,8 @@ def tune(S, G, sparsity=0.9, dim=D, heads=H):
                 except Exception as e:  # out of shared memory etc.: not a candidate
                     ms = float("inf")
                     print(f"  {name} {cfg} failed: {type(e).__name__}: {str(e)[:80]}", flush=True)
-                rows.append(dict(pass_=name, S=S, D=dim, H=heads, G=G, block_size=BS, sparsity=sparsity, ms=ms, **cfg))
+                rows.append(dict(pass_=name, S=S, D=dim, H=heads, G=G, block_size=BS, sparsity=sparsity, lists=lists,
+                                 ms=ms, **cfg))
                 print(f"  tune {name:10s} BM={BM:3d} BN={BN:3d} w={w} s={st}: {ms:8.3f} ms", flush=True)
                 best = min(best, (ms, cfg), key=lambda t: t[0])
             launch.CONFIG_OVERRIDES[(kind, dim, G, BS)] = best[1]
@@ -720,7 +722,8 @@ def main(argv=None):
     dims, groups = args.head_dim or [D], args.group_size or [128]
     if args.tune:
         t0 = time.time()
-        trows = [r for d in dims for g in groups for r in tune(65536, g, dim=d, heads=args.heads)]
+        trows = [r for d in dims for g in groups
+                 for r in tune(65536, g, dim=d, heads=args.heads, lists=args.lists, granularity=args.granularity)]
         write_results("sparse_attention-tune", trows, args.out, meta)
         print(f"tuning took {time.time() - t0:.0f} s; configs: {json.dumps({str(k): v for k, v in launch.CONFIG_OVERRIDES.items()})}")
     points = sweep_grid(dims, groups, args.granularity, args.block_sizes, seqs, sparsities, args.heads)

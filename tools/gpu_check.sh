@@ -16,7 +16,9 @@
 #   against FlexAttention: issue 26's 1.15x), g128 (that point at D = 128, G = 128: issue 26's token 5.5x and
 #   block 1.15x Flex), artifact (bench_artifact.py: our token
 #   lists against the DSV artifact's kernel at G = 32 / 64 / 128, 64K, 90%; ARTIFACT_DIR [.artifact] = the root of
-#   a checkout of NetX-lab/DSV at branch ae, carried in an ignored folder, never committed),
+#   a checkout of NetX-lab/DSV at branch ae, carried in an ignored folder, never committed), tok32 (the token
+#   forward's and dq kernel's tiles at G = 32 on video lists, 64K, 90% (--tune), then that point on the winners:
+#   run 24's artifact forward was 10-12% faster than ours there),
 #   topk3x (the Triton top-k against the CUDA kernel as issue 26's 3x target reads, ~3 min: the GPU tests of
 #   "sample" and the selection kernel, then token lists (G = 32, "sample", with its kernels timed apart) at
 #   16K-128K, its candidates (bench_topk_estimation.TRITON_CANDIDATES, each with how many list entries differ
@@ -87,6 +89,8 @@ for s in $stages; do
             --seq-lens 64K --sparsities 0.9 --out "$out/d256" ;;
     artifact) run artifact 300 python3 benchmarks/bench_artifact.py --artifact-dir "${ARTIFACT_DIR:-.artifact}" \
                 --out "$out/artifact" ;;
+    tok32) run tok32 300 python3 benchmarks/bench_sparse_attention.py --tune --head-dim 128 --group-size 32 \
+             --granularity token --lists video --seq-lens 64K --sparsities 0.9 --out "$out/tok32" ;;
     g128) run g128 300 sh -c "b='python3 benchmarks/bench_sparse_attention.py --sweep --head-dim 128 --group-size 128 \
             --seq-lens 64K --sparsities 0.9'; \$b --out '$out/g128'; \$b --lists video --granularity token \
             --out '$out/g128-video'" ;;
@@ -100,6 +104,6 @@ for s in $stages; do
               --out '$out/topk3x-candidates'; \
               \$b --granularity block --group-size 128 --block-size 128 --out '$out/topk3x-block'" ;;
     *) echo "unknown stage $s (build tests train recall predictor topk e2e e2etok topksample topkkeys models sweep" \
-            "smallg d256 d256tune g128 artifact topk3x)"; exit 2 ;;
+            "smallg d256 d256tune g128 artifact tok32 topk3x)"; exit 2 ;;
   esac
 done
