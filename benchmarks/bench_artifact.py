@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import math
 import os
 import sys
@@ -180,8 +181,6 @@ def plot_rows(rows: List[Dict], path: str) -> None:
 
 def join(paths: List[str], out_dir: str | None) -> Path:
     """One JSON (and PNG) from several calls' JSONs of one GPU; each row keeps the date of its call."""
-    import json
-
     docs = [json.loads(Path(p).read_text()) for p in paths]
     gpus = {d["meta"].get("gpu") for d in docs}
     if len(gpus) != 1:
