@@ -141,15 +141,20 @@ def collect(paths: List[str]) -> List[dict]:
     return best_rows(rows)
 
 
+def default_rows(rows: List[dict]) -> List[dict]:
+    """The library default's row per data source and length: most seeds, then longest training."""
+    keys = sorted({(r["data"], r["S"]) for r in rows if r["library_default"]})
+    return [max((r for r in rows if r["library_default"] and (r["data"], r["S"]) == key),
+                key=lambda c: (len(c["seeds"]), c["steps"] or 0)) for key in keys]
+
+
 def default_verdict(rows: List[dict]) -> List[dict]:
-    """The library default's point per data source and length (most seeds, then longest training), against the
-    targets of issue 24: within 1.0% of full attention with se <= 0.5% over >= 2 seeds, >= 60% sparse layer-steps."""
+    """The library default's point per data source and length (:func:`default_rows`), against the targets of
+    issue 24: within 1.0% of full attention with se <= 0.5% over >= 2 seeds, >= 60% sparse layer-steps."""
     out = []
-    for key in sorted({(r["data"], r["S"]) for r in rows if r["library_default"]}):
-        cands = [r for r in rows if r["library_default"] and (r["data"], r["S"]) == key]
-        r = max(cands, key=lambda c: (len(c["seeds"]), c["steps"] or 0))
+    for r in default_rows(rows):
         se = r["delta_vs_full_se_pct"]
-        out.append(dict(data=key[0], S=key[1], steps=r["steps"], seeds=len(r["seeds"]),
+        out.append(dict(data=r["data"], S=r["S"], steps=r["steps"], seeds=len(r["seeds"]),
                         delta_vs_full_pct=round(r["delta_vs_full_pct"], 3), se_pct=None if se is None else round(se, 3),
                         at_most_1pct_above_full=r["delta_vs_full_pct"] <= 1.0,
                         se_target_met=se is not None and se <= SE_TARGET_PCT,
@@ -167,14 +172,12 @@ def why_default(rows: List[dict]) -> str:
     """Why the default is the default, from the rows themselves (no figure written by hand): per data source and
     length, the default's point, and every other arm measured at the same steps that came out below it."""
     parts = []
-    for v in default_verdict(rows):
-        mine = next(r for r in rows if r["library_default"] and (r["data"], r["S"], r["steps"]) ==
-                    (v["data"], v["S"], v["steps"]) and len(r["seeds"]) == v["seeds"])
-        peers = [r for r in rows if not r["library_default"] and (r["data"], r["S"], r["steps"]) ==
-                 (v["data"], v["S"], v["steps"])]
+    for mine in default_rows(rows):
+        at = (mine["data"], mine["S"], mine["steps"])
+        peers = [r for r in rows if not r["library_default"] and (r["data"], r["S"], r["steps"]) == at]
         lower = sorted((r for r in peers if r["delta_vs_full_pct"] < mine["delta_vs_full_pct"]),
                        key=lambda r: r["delta_vs_full_pct"])
-        text = f"{v['data']} {v['S'] // 1024}K @{v['steps']}: {_point(mine)}"
+        text = f"{mine['data']} {mine['S'] // 1024}K @{mine['steps']}: {_point(mine)}"
         if peers:
             text += f"; of {len(peers)} other arms at these steps, " + (
                 "below it: " + ", ".join(_point(r) for r in lower) if lower else "none below it")
