@@ -311,6 +311,19 @@ def test_sparse_attention_sweep_overrides_and_skipped_reasons():
     assert sweep.flex_skip_reason(64, 128) and sweep.flex_skip_reason(128, 64)
 
 
+def test_tune_space_adds_the_artifact_shape_for_small_token_groups():
+    """--tune times the DSV artifact's token-forward shape (4 warps, 128- or 256-key steps) only where its
+    forward was the faster one (G = 32, D <= 128); other passes, groups and head dims keep their spaces."""
+    from benchmarks import bench_sparse_attention as sweep
+
+    small = sweep.tune_space("fwd_tok", 128, 32)
+    assert small[:len(sweep.TUNE_SPACE["fwd_tok"])] == sweep.TUNE_SPACE["fwd_tok"]
+    assert (32, 128, 4, 3) in small and (32, 256, 4, 2) in small and len(set(small)) == len(small)
+    assert sweep.tune_space("fwd_tok", 128, 128) == sweep.TUNE_SPACE["fwd_tok"]
+    assert sweep.tune_space("fwd_tok", 256, 32) == sweep.TUNE_SPACE_BIG["fwd_tok"]
+    assert sweep.tune_space("bwd_q_tok", 128, 32) == sweep.TUNE_SPACE["bwd_q_tok"]
+
+
 def test_sparse_attention_sweep_heatmap(tmp_path):
     """The heatmap from rows written here (no committed numbers): D down, (G, granularity) across,
     blank cells for a skipped point and where flex did not run; the PNG is written."""

@@ -192,7 +192,7 @@ def configs(kind: str, D: int, G: int, BS: int, space: str) -> List[Dict[str, in
     from benchmarks.bench_sparse_attention import tune_space
 
     name = {("fwd", True): "fwd_tok", ("bwd_q", True): "bwd_q_tok"}.get((kind, BS == 0), kind)
-    out = [dict(BM=min(BM, G), BN=BN, num_warps=w, num_stages=st) for BM, BN, w, st in tune_space(name, D)]
+    out = [dict(BM=min(BM, G), BN=BN, num_warps=w, num_stages=st) for BM, BN, w, st in tune_space(name, D, G)]
     if kind == "fwd" and G < 128 and D <= 128:  # the keys-as-rows forward the sweep times beside the default
         from benchmarks.bench_sparse_attention import KT_FWD_CONFIGS
 
