@@ -311,9 +311,13 @@ def tune(S, G, sparsity=0.9, dim=D, heads=H, lists="random", granularity="both")
         passes = ("fwd", "bwd_q", "bwd_kv") if BS else ("fwd_tok", "bwd_q_tok")
         for name in passes:
             kind = name.replace("_tok", "")
+            # the token dq kernel runs on packed groups of P * G rows (launch.sparse_bwd): its query tile and its
+            # config's key are the packed group's (timing 32-row tiles of a 128-row packed group repeats the
+            # dK/dV atomics: 150-169 ms against the packed default's 53 in run 25)
+            group_rows = G * token_pack_factor(G, BS) if name == "bwd_q_tok" else G
             best = (float("inf"), None)
             for BM, BN, w, st in tune_space(name, dim, G):
-                cfg = dict(BM=min(BM, G), BN=BN, num_warps=w, num_stages=st)
+                cfg = dict(BM=min(BM, group_rows), BN=BN, num_warps=w, num_stages=st)
                 try:
                     ms = _time_pass(kind, cfg, q, k, v, o, lse, do, idx, cnt, G, BS, scale)
                 except Exception as e:  # out of shared memory etc.: not a candidate
@@ -321,9 +325,9 @@ def tune(S, G, sparsity=0.9, dim=D, heads=H, lists="random", granularity="both")
                     print(f"  {name} {cfg} failed: {type(e).__name__}: {str(e)[:80]}", flush=True)
                 rows.append(dict(pass_=name, S=S, D=dim, H=heads, G=G, block_size=BS, sparsity=sparsity, lists=lists,
                                  ms=ms, **cfg))
-                print(f"  tune {name:10s} BM={BM:3d} BN={BN:3d} w={w} s={st}: {ms:8.3f} ms", flush=True)
+                print(f"  tune {name:10s} BM={cfg['BM']:3d} BN={BN:3d} w={w} s={st}: {ms:8.3f} ms", flush=True)
                 best = min(best, (ms, cfg), key=lambda t: t[0])
-            launch.CONFIG_OVERRIDES[(kind, dim, G, BS)] = best[1]
+            launch.CONFIG_OVERRIDES[(kind, dim, group_rows, BS)] = best[1]
             print(f"tune {name}: best {best[1]} {best[0]:.3f} ms", flush=True)
         if BS:
             cq = dict(BM=128, BN=64, num_warps=8, num_stages=2)  # the atomic variant needs smaller tiles
@@ -738,8 +742,10 @@ def main(argv=None):
     points.sort(key=lambda p: (p["S"], p["D"], p["G"], -p["block_size"] if p["block_size"] else 0, p["sparsity"]))
 
     def tuned(row):
+        G, BS = row["G"], row["block_size"]  # the token dq kernel's config is its packed group's (tune)
         row["tuned_configs"] = {f"{k[0]}": v for k, v in launch.CONFIG_OVERRIDES.items()
-                                if k[1:] == (row["D"], row["G"], row["block_size"])}
+                                if k[1] == row["D"] and k[3] == BS
+                                and k[2] == (G * token_pack_factor(G, BS) if k[0] == "bwd_q" else G)}
 
     rows = run_points(points, "sparse_attention", args, meta, t_start, on_row=tuned)
     print_table(rows)
