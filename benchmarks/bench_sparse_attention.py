@@ -274,7 +274,9 @@ TUNE_SPACE_BIG = {
 
 
 # token forwards of 32-query groups at D <= 128, added to fwd_tok's candidates: the DSV artifact's shape (4 warps over
-# 128- or 256-key steps, 3 or 5 stages), whose G = 32 forward was 10-12% faster than ours in run 24
+# 128- or 256-key steps; its own autotuning takes 3 or 5 stages, but tools/kernel_resources.py reports the same
+# shared memory at 2 and 3: the gathered K/V tiles are not multi-buffered) and the 8-warp 128-key step beside it. Its
+# G = 32 forward was 10-12% faster than ours in run 24; run 25 took (32, 128, 4, 2) as the default
 TUNE_SPACE_SMALL_G_TOK = [(32, 128, 4, 3), (32, 128, 4, 2), (32, 256, 4, 2), (32, 128, 8, 3)]
 
 

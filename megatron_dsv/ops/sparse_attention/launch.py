@@ -54,9 +54,9 @@ def pick_config(kind: str, D: int, G: int, BS: int, keys_as_rows: bool = True) -
     # earlier 28.1 (128-row query tiles), dq 21.1 against 36.8, dk/dv 69.4 against 85.2 (64-row tiles), token
     # forward 24.7 against 49.0, token dq 155.9 against 189.1 (three stages)
     if kind == "fwd":
-        if BS == 0 and G == 32 and not big:
+        if BS == 0 and G == 32 and D == 128:
             # 128-key steps on 4 warps (the DSV artifact's shape): 17.65 ms against BN = 64's 20.40 and the
-            # artifact's 18.13 at 64K, 90%, video lists, D = 128 (run 25, H100, --tune)
+            # artifact's 18.13 at 64K, 90%, video lists, D = 128 (run 25, H100, --tune); D = 64 / 96 untimed
             cfg = dict(BM=32, BN=128, num_warps=4, num_stages=2)
         elif BS == 0:  # gathered rows: 4 warps won over 8 at D <= 128
             cfg = dict(BM=min(G, 128), BN=64, num_warps=8, num_stages=2) if big else \
