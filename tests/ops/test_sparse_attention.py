@@ -79,6 +79,7 @@ CASES = [
     (1, 2, 2, 200, 128, 32, 128, torch.float16),
     (1, 2, 1, 1000, 64, 128, 128, torch.float16),
     (1, 2, 2, 1000, 128, 64, 0, torch.float32),
+    (1, 2, 1, 300, 128, 32, 0, torch.float16),  # G = 32 token forward's 128-key steps (pick_config), last one partial
     (1, 2, 1, 150, 256, 32, 0, torch.float32),  # D=256's half-size tiles: a packed group of 128 rows in two programs
 ]
 
