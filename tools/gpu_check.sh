@@ -16,7 +16,8 @@
 #   against FlexAttention: issue 26's 1.15x), g128 (that point at D = 128, G = 128: issue 26's token 5.5x and
 #   block 1.15x Flex), artifact (bench_artifact.py: our token
 #   lists against the DSV artifact's kernel at G = 32 / 64 / 128, 64K, 90%; ARTIFACT_DIR [.artifact] = the root of
-#   a checkout of NetX-lab/DSV at branch ae, carried in an ignored folder, never committed), tok32 (the token
+#   a checkout of NetX-lab/DSV at branch ae, carried in an ignored folder, never committed; ARTIFACT_ARGS: other
+#   bench_artifact.py arguments, e.g. "--groups 32 --seq-lens 16K,32K,128K"), tok32 (the token
 #   forward's and dq kernel's tiles at G = 32 on video lists, 64K, 90% (--tune), then that point on the winners:
 #   run 24's artifact forward was 10-12% faster than ours there),
 #   topk3x (the Triton top-k against the CUDA kernel as issue 26's 3x target reads, ~3 min: the GPU tests of
@@ -87,8 +88,9 @@ for s in $stages; do
               \$b --granularity block --group-size 32 --block-sizes 64,128 --out '$out/smallg-block'" ;;
     d256) run d256 240 python3 benchmarks/bench_sparse_attention.py --sweep --head-dim 256 --group-size 128 \
             --seq-lens 64K --sparsities 0.9 --out "$out/d256" ;;
-    artifact) run artifact 300 python3 benchmarks/bench_artifact.py --artifact-dir "${ARTIFACT_DIR:-.artifact}" \
-                --out "$out/artifact" ;;
+    artifact) read -r -a aargs <<< "${ARTIFACT_ARGS:-}"
+              run artifact 300 python3 benchmarks/bench_artifact.py --artifact-dir "${ARTIFACT_DIR:-.artifact}" \
+                "${aargs[@]}" --out "$out/artifact" ;;
     tok32) run tok32 300 python3 benchmarks/bench_sparse_attention.py --tune --head-dim 128 --group-size 32 \
              --granularity token --lists video --seq-lens 64K --sparsities 0.9 --out "$out/tok32" ;;
     g128) run g128 300 sh -c "b='python3 benchmarks/bench_sparse_attention.py --sweep --head-dim 128 --group-size 128 \
