@@ -288,6 +288,12 @@ def tune_space(name: str, dim: int, group_size: int = 128):
     return space
 
 
+def config_group(kind: str, G: int, BS: int) -> int:
+    """The group size ``launch.pick_config`` sees for pass ``kind`` (its CONFIG_OVERRIDES key): the token dq kernel
+    runs on packed groups of P * G rows (``launch.sparse_bwd``), every other pass on groups of G."""
+    return G * token_pack_factor(G, BS) if kind == "bwd_q" else G
+
+
 def _time_pass(kind, cfg, q, k, v, o, lse, do, idx, cnt, G, BS, scale):
     if kind == "fwd":
         return bench_ms(lambda: launch.sparse_fwd(q, k, v, idx, cnt, G, BS, scale, cfg=cfg))
@@ -313,10 +319,9 @@ def tune(S, G, sparsity=0.9, dim=D, heads=H, lists="random", granularity="both")
         passes = ("fwd", "bwd_q", "bwd_kv") if BS else ("fwd_tok", "bwd_q_tok")
         for name in passes:
             kind = name.replace("_tok", "")
-            # the token dq kernel runs on packed groups of P * G rows (launch.sparse_bwd): its query tile and its
-            # config's key are the packed group's (timing 32-row tiles of a 128-row packed group repeats the
-            # dK/dV atomics: 150-169 ms against the packed default's 53 in run 25)
-            group_rows = G * token_pack_factor(G, BS) if name == "bwd_q_tok" else G
+            # the token dq kernel's query tile and config key are its packed group's (timing 32-row tiles of a
+            # 128-row packed group repeats the dK/dV atomics: 150-169 ms against the packed default's 53 in run 25)
+            group_rows = config_group(kind, G, BS)
             best = (float("inf"), None)
             for BM, BN, w, st in tune_space(name, dim, G):
                 cfg = dict(BM=min(BM, group_rows), BN=BN, num_warps=w, num_stages=st)
@@ -744,10 +749,9 @@ def main(argv=None):
     points.sort(key=lambda p: (p["S"], p["D"], p["G"], -p["block_size"] if p["block_size"] else 0, p["sparsity"]))
 
     def tuned(row):
-        G, BS = row["G"], row["block_size"]  # the token dq kernel's config is its packed group's (tune)
+        G, BS = row["G"], row["block_size"]
         row["tuned_configs"] = {f"{k[0]}": v for k, v in launch.CONFIG_OVERRIDES.items()
-                                if k[1] == row["D"] and k[3] == BS
-                                and k[2] == (G * token_pack_factor(G, BS) if k[0] == "bwd_q" else G)}
+                                if k[1:] == (row["D"], config_group(k[0], G, BS), BS)}
 
     rows = run_points(points, "sparse_attention", args, meta, t_start, on_row=tuned)
     print_table(rows)

@@ -1,6 +1,7 @@
 """benchmarks/bench_artifact.py on a CPU: its argument checks and its loader (the timing itself needs a GPU and a
 checkout of the DSV artifact, neither of which CI has)."""
 
+import json
 import textwrap
 
 import pytest
@@ -108,8 +109,6 @@ def test_list_lengths_are_multiples_of_256():
 
 
 def _call(path, gpu, date, S, G):
-    import json
-
     row = dict(S=S, G=G, sparsity=0.9, ms_ours_fwd=1.0, ms_ours_bwd=2.0, ms_artifact_fwd=0.9, ms_artifact_bwd=6.0,
                ms_dense_fwd=3.0, ms_dense_bwd=9.0, speedup_ours_vs_dense_fwd_bwd=4.0,
                speedup_artifact_vs_dense_fwd_bwd=12.0 / 6.9, ours_vs_artifact_fwd=0.9, ours_vs_artifact_bwd=3.0,
@@ -119,8 +118,6 @@ def _call(path, gpu, date, S, G):
 
 
 def test_join_keeps_each_calls_date_and_refuses_two_gpus(tmp_path):
-    import json
-
     a = _call(tmp_path / "a.json", "NVIDIA H100 80GB HBM3", "d1", 65536, 32)
     b = _call(tmp_path / "b.json", "NVIDIA H100 80GB HBM3", "d2", 16384, 32)
     assert bench_artifact.main(["--join", a, b, "--out", str(tmp_path / "out")]) == 0
