@@ -56,7 +56,13 @@ def measure(fn, rep=100):
 TRITON_CANDIDATES = {"triton_loop": dict(dot=False, pack_counts=1), "triton_pack4": dict(dot=False, pack_counts=4),
                      "triton_dot": dict(dot=True, pack_counts=1), "triton_dot_pack4": dict(dot=True, pack_counts=4),
                      "triton_tc": dict(dot="tc", pack_counts=1), "triton_tc_pack4": dict(dot="tc", pack_counts=4)}
-BACKENDS = ("cuda", "triton", *TRITON_CANDIDATES, "torch_topk")
+# block lists, method "keys" scoring each tile's blocks with one tensor-core product over their tokens then the
+# block max (scoring._scores_at, new after run 22; the default "gemm" writes every token's score through cuBLAS
+# and reads it back): BG groups x BN blocks a tile
+TRITON_BLOCK_CANDIDATES = {"triton_keys_tc": dict(method="keys", dot="tc"),
+                           "triton_keys_tc_g32": dict(method="keys", dot="tc", BG=32),
+                           "triton_keys_tc_g64": dict(method="keys", dot="tc", BG=64, BN=2)}
+BACKENDS = ("cuda", "triton", *TRITON_CANDIDATES, *TRITON_BLOCK_CANDIDATES, "torch_topk")
 
 
 def run(sizes, triton_max_s, out_dir, G=32, block=64, backends=("cuda", "triton", "torch_topk"), triton_method="auto",
@@ -88,9 +94,12 @@ def run(sizes, triton_max_s, out_dir, G=32, block=64, backends=("cuda", "triton"
                  *[(name, "token", K, lambda st=None, kw=kw: estimate_topk_triton(q, k, K, G, method=triton_method,
                                                                                    stats=st, **kw))
                    for name, kw in TRITON_CANDIDATES.items()],
+                 *[(name, "block", Kb, lambda kw=kw: estimate_topk_triton(q, k, Kb, G, block, **kw))
+                   for name, kw in TRITON_BLOCK_CANDIDATES.items()],
                  ("torch_topk", "token", K, lambda: artifact_topk(q, k, K, G))]
         size_rows = []
         cuda_lists = None  # the CUDA kernel's token lists: how many entries each Triton candidate's differ by
+        cuda_block_lists = None  # and its block lists, for the block candidates
         for backend, gran, kk, fn in cases:
             if backend not in backends or gran not in granularities or (backend == "cuda" and cuda_extension() is None):
                 continue
@@ -98,6 +107,8 @@ def run(sizes, triton_max_s, out_dir, G=32, block=64, backends=("cuda", "triton"
                        out_bytes=NG * H * kk * 4)
             if backend.startswith("triton"):  # the method that ran ("auto" has meant different ones over time)
                 row["triton_method"] = resolve_method(triton_method, row["block_size"])
+            if backend in TRITON_BLOCK_CANDIDATES:
+                row.update(triton_method="keys", candidate=TRITON_BLOCK_CANDIDATES[backend])
             if backend.startswith("triton") and S > triton_max_s:
                 row["skipped"] = f"S > {triton_max_s} (too slow for the lease)"
                 size_rows.append(row)
@@ -114,13 +125,17 @@ def run(sizes, triton_max_s, out_dir, G=32, block=64, backends=("cuda", "triton"
                     if gran == "token" and cuda_lists is not None:  # near-exact ties may go either way
                         row["entries_differ_from_cuda"] = int((lists != cuda_lists).sum())
                     del lists
+                elif backend in TRITON_BLOCK_CANDIDATES and cuda_block_lists is not None:  # near-exact ties
+                    row["entries_differ_from_cuda"] = int((fn()[0] != cuda_block_lists).sum())
                 elif backend == "cuda" and gran == "token":
                     cuda_lists = fn()[0]
+                elif backend == "cuda":
+                    cuda_block_lists = fn()[0]
             except torch.cuda.OutOfMemoryError as err:
                 row["skipped"] = f"OOM: {str(err)[:120]}"
             torch.cuda.empty_cache()
             size_rows.append(row)
-        cuda_lists = None  # (3.5 GB at 128K) freed before the dense baseline
+        cuda_lists = cuda_block_lists = None  # (3.5 GB at 128K) freed before the dense baseline
         dense = dense_fwd_bwd_ms(1, H, S, D)
         torch.cuda.empty_cache()
         dense_total = dense["ms_dense_fwd"] + dense["ms_dense_bwd"]
@@ -163,7 +178,8 @@ def main():
     ap.add_argument("--group-size", type=int, default=32, help="query group size G (results file tagged when not 32)")
     ap.add_argument("--block-size", type=int, default=64, help="KV block size of the block-level rows")
     ap.add_argument("--backends", default="cuda,triton,torch_topk",
-                    help=f"comma-separated, of {', '.join(BACKENDS)} (triton_*: token lists, TRITON_CANDIDATES)")
+                    help=f"comma-separated, of {', '.join(BACKENDS)} (triton_*: token lists, TRITON_CANDIDATES; "
+                         "triton_keys_*: block lists, TRITON_BLOCK_CANDIDATES)")
     ap.add_argument("--granularity", default="token,block", help="comma-separated list kinds: token, block")
     ap.add_argument("--triton-method", default="auto", choices=METHODS,
                     help="method of the Triton backend (auto: sample for token lists, gemm for block lists)")

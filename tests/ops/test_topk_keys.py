@@ -48,6 +48,38 @@ def test_keys_equals_naive_integer_ties(B, H, Sq, Sk, r, G, bs, proxy, bscore, b
     assert torch.equal(ref[0], got[0])
 
 
+@pytest.mark.parametrize("B,H,Sq,Sk,r,G,bs,proxy,bscore,budgets", [c for c in CASES if c.values[6] > 0])
+@pytest.mark.parametrize("method,dtype,dot", [("keys", torch.float16, "tc"), ("keys", torch.float32, True),
+                                              ("search", torch.float16, "tc"), ("sample", torch.float16, "tc")],
+                         ids=["keys-fp16-tc", "keys-fp32-dot", "search-fp16-tc", "sample-fp16-tc"])
+def test_block_items_scored_by_one_product_equal_naive(B, H, Sq, Sk, r, G, bs, proxy, bscore, budgets, method, dtype,
+                                                       dot):
+    """``dot`` on block lists: each tile's [BG, r] x [r, BN * block_size] product over its blocks' tokens, then
+    the block max or log-sum-exp (:func:`scoring._scores_at`), in every kernel that scores (keys, the search, the
+    sample pass and its write). Integer inputs make every sum exact in any order, so the lists equal naive's bit for
+    bit: partial last blocks (Sk 300, 301, 2000), clipped and zero budgets, both block scores."""
+    q, k = _ints((B, H, Sq, r), dtype, 51), _ints((B, H, Sk, r), dtype, 52)
+    budgets = torch.tensor(budgets)
+    ref = estimate_topk_naive(q, k, budgets, G, bs, proxy, bscore)
+    got = estimate_topk_triton(q, k, budgets, G, bs, proxy, bscore, method=method, dot=dot, sample_size=8)
+    assert torch.equal(ref[1], got[1])
+    assert torch.equal(ref[0], got[0])
+
+
+@pytest.mark.parametrize("dtype,dot", [(torch.float16, "tc"), (torch.float32, True), (torch.float32, False)],
+                         ids=["fp16-tc", "fp32-dot", "fp32-loop"])
+@pytest.mark.parametrize("bscore", ["max", "lse"])
+def test_partial_last_block_padding_scores_nothing(dtype, dot, bscore):
+    """Positive queries and negative keys: every real score is negative, so a padded token of the partial last
+    block scored as 0 (not -inf) would lift that block to the top of every list."""
+    q, k = _ints((1, 2, 64, 16), dtype, 53, 1, 4), _ints((1, 2, 300, 16), dtype, 54, -3, 0)
+    budgets = torch.tensor([1, 2])
+    ref = estimate_topk_naive(q, k, budgets, 32, 128, "mean", bscore)
+    assert not (ref[0] == 2).any()  # the partial block (44 tokens) is no group's best here
+    got = estimate_topk_triton(q, k, budgets, 32, 128, "mean", bscore, method="keys", dot=dot)
+    assert torch.equal(ref[0], got[0])
+
+
 @pytest.mark.parametrize("bs,BG", [(64, 2), (0, 16)], ids=["blk64-BG2", "tok-BG16"])
 def test_keys_chunks_with_a_remainder(bs, BG):
     """Chunks of 3 and 5 of the 9 groups (the last chunk partial), tiles of BG rows smaller than a chunk,
@@ -91,3 +123,21 @@ def test_select_from_keys_tie_rule_and_padding():
     assert out.tolist() == [[[0, 2, 3]], [[0, 1, -1]]]
     out = _select_from_keys(keys, torch.tensor([6, 0]), 6)
     assert out.tolist() == [[[0, 1, 2, 3, 4, 5]], [[-1] * 6]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles the tensor-core product: needs a CUDA GPU")
+@pytest.mark.parametrize("BG,BN", [(16, 0), (32, 0), (64, 2)], ids=["BG16", "BG32", "BG64-BN2"])
+def test_block_items_on_tensor_cores_give_naives_lists_up_to_near_ties_on_the_gpu(BG, BN):
+    """Continuous bf16 inputs, the library's block lists (G = 128, blocks of 128 keys, a partial last block):
+    method "keys" with ``dot="tc"`` (the bench's block candidates' tiles) must give naive's lists except items within
+    a few ulps of a group's threshold (the CUDA kernel's rule), every list its count of ascending items."""
+    torch.manual_seed(55)
+    S = 16384 + 77
+    q = torch.randn(1, 4, S, 16, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 4, S, 16, device="cuda", dtype=torch.bfloat16)
+    budgets = torch.tensor([13, 4, 30, 129], device="cuda")
+    ref = estimate_topk_naive(q, k, budgets, 128, 128)
+    got = estimate_topk_triton(q, k, budgets, 128, 128, method="keys", dot="tc", BG=BG, BN=BN)
+    assert torch.equal(ref[1], got[1])
+    _near_tie_equal(q, k, ref[0], got[0], ref[1], 128, 128, "mean", "max", who=f"keys tc BG{BG}")

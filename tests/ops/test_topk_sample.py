@@ -240,8 +240,8 @@ def test_dot_scoring_rejects_what_it_cannot_score():
     with pytest.raises(ValueError, match="dot=True .* r=8"):
         estimate_topk_triton(q, k, 20, 32, method="sample", dot=True)
     q, k = _ints((1, 1, 64, 16), torch.float32, 35), _ints((1, 1, 256, 16), torch.float32, 36)
-    with pytest.raises(ValueError, match="block_size=64"):
-        estimate_topk_triton(q, k, 2, 32, 64, method="search", dot=True)
+    with pytest.raises(ValueError, match="BG=8"):
+        estimate_topk_triton(q, k, 2, 32, 64, method="search", dot=True, BG=8)
     for budget in (20, 0):  # refused before the early return of empty lists too
         with pytest.raises(ValueError, match="dot='tc' scores fp16/bf16 inputs .* torch.float32"):
             estimate_topk_triton(q, k, budget, 32, method="sample", dot="tc")

@@ -26,11 +26,12 @@ def _scores_at(Pb, Kb, offs_g, mask_g, items, valid, S,
                R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr,
                DOT: tl.constexpr = False):
     """Ordered int32 keys [BG, BN] of the items ``items`` [BN] (any order, ``valid`` masks loads).
-    DOT (token lists, R a power of two >= 16): the [BG, R] x [R, BN] product as one
-    ``tl.dot`` on tiles loaded whole, instead of R dependent column loads. 1: in fp32 with IEEE precision (FMA
-    units); 2: in the inputs' own fp16/bf16 on tensor cores with fp32 accumulation, as the CUDA kernel scores
-    (exact products; the sum's rounding is the MMA's, so lists equal the column loop's up to near-exact ties).
-    Both are exact on integer-valued inputs, and their summation order is the compiler's."""
+    DOT (R a power of two >= 16): the [BG, R] x [R, BN] product (block items: [BG, R] x [R, BN * BS], the items'
+    tokens side by side, then each block's max or log-sum-exp) as one ``tl.dot`` on tiles loaded whole, instead
+    of R dependent column loads. 1: in fp32 with IEEE precision (FMA units); 2: in the inputs' own fp16/bf16 on
+    tensor cores with fp32 accumulation, as the CUDA kernel scores (exact products; the sum's rounding is the
+    MMA's, so lists equal the column loop's up to near-exact ties). Both are exact on integer-valued inputs, and
+    their summation order is the compiler's."""
     if BS == 0 and DOT:
         rr = tl.arange(0, R)
         pt = tl.load(Pb + offs_g[:, None] * R + rr[None, :], mask=mask_g[:, None], other=0.0)
@@ -50,6 +51,18 @@ def _scores_at(Pb, Kb, offs_g, mask_g, items, valid, S,
             pd = tl.load(Pb + offs_g * R + d, mask=mask_g, other=0.0).to(tl.float32)
             kd = tl.load(Kb + items * R + d, mask=valid, other=0.0).to(tl.float32)
             s = tl.fma(tl.broadcast_to(pd[:, None], (BG, BN)), tl.broadcast_to(kd[None, :], (BG, BN)), s)
+    elif DOT:
+        # block items on one product: [BG, R] x [R, BN * BS] over the items' tokens, then [BG, BN, BS]
+        rr = tl.arange(0, R)
+        toks = tl.reshape(items[:, None] * BS + tl.arange(0, BS)[None, :], (BN * BS,))
+        tval = toks < S
+        pt = tl.load(Pb + offs_g[:, None] * R + rr[None, :], mask=mask_g[:, None], other=0.0)
+        kt = tl.load(Kb + toks[None, :] * R + rr[:, None], mask=tval[None, :], other=0.0)
+        if DOT == 2:
+            s2 = tl.dot(pt, kt, out_dtype=tl.float32)
+        else:
+            s2 = tl.dot(pt.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
+        s3 = tl.reshape(tl.where(tval[None, :], s2, float("-inf")), (BG, BN, BS))
     else:
         toks = items[:, None] * BS + tl.arange(0, BS)[None, :]  # [BN, BS]
         tval = toks < S
@@ -62,6 +75,7 @@ def _scores_at(Pb, Kb, offs_g, mask_g, items, valid, S,
             s3 = tl.fma(tl.broadcast_to(pd[:, None, None], (BG, BN, BS)),
                         tl.broadcast_to(kd[None, :, :], (BG, BN, BS)), s3)
         s3 = tl.where(tval[None, :, :], s3, float("-inf"))
+    if BS > 0:  # [BG, BN, BS] token scores (padding -inf) -> each block's max or log-sum-exp
         m = tl.max(s3, axis=2)
         if LSE:
             m_safe = tl.where(m == float("-inf"), 0.0, m)

@@ -446,7 +446,8 @@ def resolve_scoring(dot, pack_counts: int, dtype: torch.dtype, r: int, block_siz
     bf16: "sample" with tensor-core scoring and 4 probes a reduction took 2.72 / 45.7 ms at 16K / 64K against
     3.74-3.98 / 53-73 ms scoring in the loop, its lists equal to the CUDA kernel's; NOTES_topk_estimation run 21):
     ``dot="tc"`` for fp16/bf16 token lists with r a power of two >= 16 (:func:`kernel_meta`'s limits), else False
-    (the exact FMA loop: fp32 inputs, block items); ``pack_counts`` 4 where a tile row counts fewer than 128 items,
+    (the exact FMA loop: fp32 inputs, block items: their tensor-core scoring is not yet timed against "gemm");
+    ``pack_counts`` 4 where a tile row counts fewer than 128 items,
     else 1 (block lists too: exact, untimed there, where "gemm" is the default method). Explicit values pass
     through."""
     if dot == "auto":
@@ -464,16 +465,17 @@ def kernel_meta(r: int, block_size: int, block_score: str = "max", BG: int = 16,
     """The launch settings of the search, sample, write and keys kernels (constexprs and ``num_warps``): tiles
     of BG groups x BN items (BN 0: 64 tokens, or blocks of 512 tokens in all) that 8 warps hold without
     spilling (Triton 3.6 and 3.9, sm_90a, ``tools/kernel_resources.py --topk``; 4 warps spilled in "sample",
-    16 x 16 x 128 block tiles in every kernel). ``dot``: token scores as one ``tl.dot`` a tile (:func:`_scores_at`;
-    token lists, r a power of two >= 16, BG and BN >= 16). ``pack_counts`` (1, 2 or 4): probes counted per
+    16 x 16 x 128 block tiles in every kernel). ``dot``: a tile's scores as one ``tl.dot`` (:func:`_scores_at`; r a
+    power of two >= 16, BG >= 16 and BN items of at least 16 tokens in all; block items: the product over their
+    tokens, then each block's max or log-sum-exp). ``pack_counts`` (1, 2 or 4): probes counted per
     cross-thread reduction in the searches (:func:`_probe_counts`; tiles of fewer than 128 items). ``dot="tc"``:
     the same product on tensor cores in the inputs' fp16/bf16 (fp32 accumulation; not for fp32 inputs)."""
     if dot not in (False, True, "tc"):
         raise ValueError(f"dot must be False, True (fp32 FMA) or 'tc' (tensor cores), got {dot!r}")
-    if dot and (block_size != 0 or r < 16 or r & (r - 1) or min(BG, BN or 64) < 16):
-        raise ValueError(f"dot={dot!r} scores token lists (block_size 0) with r a power of two >= 16 and tiles of "
-                         f"at least 16 x 16; got block_size={block_size}, r={r}, BG={BG}, BN={BN}")
     BN = BN or (64 if block_size == 0 else 1 << (max(1, 512 // block_size).bit_length() - 1))
+    if dot and (r < 16 or r & (r - 1) or BG < 16 or BN * max(1, block_size) < 16):
+        raise ValueError(f"dot={dot!r} scores with r a power of two >= 16 on tiles of at least 16 groups x 16 tokens; "
+                         f"got r={r}, BG={BG}, BN={BN} items of block_size={block_size}")
     if pack_counts not in (1, 2, 4) or (pack_counts > 1 and BN >= 128):
         raise ValueError(f"pack_counts must be 1, 2 or 4, and 1 for tiles of 128 items or more (8-bit counts); "
                          f"got pack_counts={pack_counts} with BN={BN}")
@@ -524,11 +526,11 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     "gemm" (their keys buffer takes the top key); "auto" then picks "gemm" for token lists too. ``forced_extra``
     (the budgets count only the other items; :func:`~.common.forced_union`): the forced items take the lowest key
     for the selection, then join each group's list: idx ``[B, H, NG, F + Kmax]``, counts ``[B, H, NG]``.
-    ``dot``: the kernels score token tiles with one ``tl.dot`` (True: fp32 on FMA units; "tc": fp16/bf16 on tensor
-    cores; False: a loop over r on FMA units); ``pack_counts``: probes per cross-thread reduction in the searches
-    (:func:`kernel_meta`); "auto" and 0: :func:`resolve_scoring`'s defaults. With "tc" the lists equal naive's up
-    to near-exact ties (the CUDA kernel's rule), and so may those of ``dot=True`` (its summation order is the
-    compiler's); the loop (False) gives naive's bit for bit.
+    ``dot``: the kernels score a tile with one ``tl.dot`` (block items: over their tokens, then the block max; True:
+    fp32 on FMA units; "tc": fp16/bf16 on tensor cores; False: a loop over r on FMA units); ``pack_counts``: probes
+    per cross-thread reduction in the searches (:func:`kernel_meta`); "auto" and 0: :func:`resolve_scoring`'s
+    defaults. With "tc" the lists equal naive's up to near-exact ties (the CUDA kernel's rule), and so may those of
+    ``dot=True`` (its summation order is the compiler's); the loop (False) gives naive's bit for bit.
     """
     method = "gemm" if forced is not None and method == "auto" else resolve_method(method, block_size)
     if forced is not None and method not in ("keys", "gemm"):
