@@ -61,7 +61,8 @@ TRITON_CANDIDATES = {"triton_loop": dict(dot=False, pack_counts=1), "triton_pack
 # and reads it back): BG groups x BN blocks a tile
 TRITON_BLOCK_CANDIDATES = {"triton_keys_tc": dict(method="keys", dot="tc"),
                            "triton_keys_tc_g32": dict(method="keys", dot="tc", BG=32),
-                           "triton_keys_tc_g64": dict(method="keys", dot="tc", BG=64, BN=2)}
+                           "triton_keys_tc_g64": dict(method="keys", dot="tc", BG=64, BN=2),
+                           "triton_keys_tc_g128": dict(method="keys", dot="tc", BG=128, BN=2)}
 BACKENDS = ("cuda", "triton", *TRITON_CANDIDATES, *TRITON_BLOCK_CANDIDATES, "torch_topk")
 
 

@@ -127,7 +127,8 @@ def test_select_from_keys_tie_rule_and_padding():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles the tensor-core product: needs a CUDA GPU")
-@pytest.mark.parametrize("BG,BN", [(16, 0), (32, 0), (64, 2)], ids=["BG16", "BG32", "BG64-BN2"])
+@pytest.mark.parametrize("BG,BN", [(16, 0), (32, 0), (64, 2), (128, 2)],
+                         ids=["BG16", "BG32", "BG64-BN2", "BG128-BN2"])
 def test_block_items_on_tensor_cores_give_naives_lists_up_to_near_ties_on_the_gpu(BG, BN):
     """Continuous bf16 inputs, the library's block lists (G = 128, blocks of 128 keys, a partial last block):
     method "keys" with ``dot="tc"`` (the bench's block candidates' tiles) must give naive's lists except items within
