@@ -146,12 +146,12 @@ def run(sizes, triton_max_s, out_dir, G=32, block=64, backends=("cuda", "triton"
                 row["select_frac_of_dense"] = row["ms_select"] / dense_total
             rows.append(row)
             print(_fmt(row), flush=True)
-        del q, k
+        q = k = None  # freed before the next size (lambdas above read them late: no del)
         torch.cuda.empty_cache()
         write_results(bench, rows, out_dir, meta)  # partial results survive a timeout
     path = write_results(bench, rows, out_dir, meta)
     print(f"\nwrote {path}")
-    print(f"{'S':>7} {'gran':>5} {'backend':>10} {'K':>6} {'ms_select':>10} {'peak/out':>8} {'%dense':>7}")
+    print(f"{'S':>7} {'gran':>5} {'backend':>19} {'K':>6} {'ms_select':>10} {'peak/out':>8} {'%dense':>7}")
     for r in rows:
         print(_fmt(r))
     return rows
@@ -159,14 +159,14 @@ def run(sizes, triton_max_s, out_dir, G=32, block=64, backends=("cuda", "triton"
 
 def _fmt(r):
     if "ms_select" not in r:
-        return f"{r['S']:>7} {r['granularity']:>5} {r['backend']:>10} {r['K']:>6} {'-':>10} {r.get('skipped', '')}"
+        return f"{r['S']:>7} {r['granularity']:>5} {r['backend']:>19} {r['K']:>6} {'-':>10} {r.get('skipped', '')}"
     ph = r.get("phases")
     extra = "" if not ph else (" | " + " ".join(f"{k[3:]} {v:.2f}" for k, v in ph.items() if k.startswith("ms_"))
                                + f" ms; search on {ph['fallback_groups']} of {ph['groups']} groups"
                                f" ({ph['fallback_tiles']} of {ph['tiles']} tiles)")
     if "entries_differ_from_cuda" in r:
         extra += f"; {r['entries_differ_from_cuda']} list entries differ from CUDA's"
-    return (f"{r['S']:>7} {r['granularity']:>5} {r['backend']:>10} {r['K']:>6} {r['ms_select']:>10.3f} "
+    return (f"{r['S']:>7} {r['granularity']:>5} {r['backend']:>19} {r['K']:>6} {r['ms_select']:>10.3f} "
             f"{r['peak_over_out']:>8.2f} {100 * r['select_frac_of_dense']:>6.2f}%{extra}")
 
 

@@ -61,9 +61,25 @@ def test_block_items_scored_by_one_product_equal_naive(B, H, Sq, Sk, r, G, bs, p
     q, k = _ints((B, H, Sq, r), dtype, 51), _ints((B, H, Sk, r), dtype, 52)
     budgets = torch.tensor(budgets)
     ref = estimate_topk_naive(q, k, budgets, G, bs, proxy, bscore)
-    got = estimate_topk_triton(q, k, budgets, G, bs, proxy, bscore, method=method, dot=dot, sample_size=8)
+    st = {}
+    got = estimate_topk_triton(q, k, budgets, G, bs, proxy, bscore, method=method, dot=dot, sample_size=8, stats=st)
     assert torch.equal(ref[1], got[1])
     assert torch.equal(ref[0], got[0])
+    if method == "sample":  # the sample pass scores scattered items; its exact fallback would hide wrong scores there
+        loop = {}
+        estimate_topk_triton(q, k, budgets, G, bs, proxy, bscore, method=method, dot=False, sample_size=8, stats=loop)
+        assert st["fallback_groups"] == loop["fallback_groups"]
+
+
+def test_block_items_by_one_product_on_the_benchs_wider_tiles():
+    """The bench's other tilings (32 and 128 groups x 2 blocks a tile) under the interpreter: integer inputs,
+    naive's lists bit for bit."""
+    q, k = _ints((1, 2, 300, 16), torch.float16, 56), _ints((1, 2, 1000, 16), torch.float16, 57)
+    budgets = torch.tensor([2, 5])
+    ref = estimate_topk_naive(q, k, budgets, 32, 128)
+    for BG in (32, 128):
+        got = estimate_topk_triton(q, k, budgets, 32, 128, method="keys", dot="tc", BG=BG, BN=2)
+        assert torch.equal(ref[0], got[0]), BG
 
 
 @pytest.mark.parametrize("dtype,dot", [(torch.float16, "tc"), (torch.float32, True), (torch.float32, False)],
@@ -104,7 +120,8 @@ def test_keys_chunks_with_a_remainder(bs, BG):
 
 def test_auto_takes_gemm_for_blocks_and_all_methods_agree():
     q, k = _ints((1, 2, 64, 16), torch.float32, 43), _ints((1, 2, 900, 16), torch.float32, 44)
-    lists = {m: estimate_topk_triton(q, k, 3, 32, 64, method=m)[0] for m in ("auto", "keys", "gemm", "search", "sample")}
+    methods = ("auto", "keys", "gemm", "search", "sample")
+    lists = {m: estimate_topk_triton(q, k, 3, 32, 64, method=m)[0] for m in methods}
     assert all(torch.equal(lists["keys"], v) for v in lists.values())
     with pytest.raises(ValueError, match="`chunk_elems`"):
         estimate_topk_triton(q, k, 3, 32, 64, method="keys", chunk_elems=0)

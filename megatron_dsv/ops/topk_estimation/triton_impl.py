@@ -526,11 +526,12 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     "gemm" (their keys buffer takes the top key); "auto" then picks "gemm" for token lists too. ``forced_extra``
     (the budgets count only the other items; :func:`~.common.forced_union`): the forced items take the lowest key
     for the selection, then join each group's list: idx ``[B, H, NG, F + Kmax]``, counts ``[B, H, NG]``.
-    ``dot``: the kernels score a tile with one ``tl.dot`` (block items: over their tokens, then the block max; True:
+    ``dot``: the kernels score a tile with one ``tl.dot`` (block items: over their tokens, then the block score; True:
     fp32 on FMA units; "tc": fp16/bf16 on tensor cores; False: a loop over r on FMA units); ``pack_counts``: probes
     per cross-thread reduction in the searches (:func:`kernel_meta`); "auto" and 0: :func:`resolve_scoring`'s
     defaults. With "tc" the lists equal naive's up to near-exact ties (the CUDA kernel's rule), and so may those of
-    ``dot=True`` (its summation order is the compiler's); the loop (False) gives naive's bit for bit.
+    ``dot=True`` (its summation order is the compiler's); the loop (False) gives naive's bit for bit. Method "gemm"
+    scores through cuBLAS and ignores ``dot``.
     """
     method = "gemm" if forced is not None and method == "auto" else resolve_method(method, block_size)
     if forced is not None and method not in ("keys", "gemm"):
