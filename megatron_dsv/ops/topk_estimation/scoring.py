@@ -32,14 +32,23 @@ def _scores_at(Pb, Kb, offs_g, mask_g, items, valid, S,
     tensor cores with fp32 accumulation, as the CUDA kernel scores (exact products; the sum's rounding is the
     MMA's, so lists equal the column loop's up to near-exact ties). Both are exact on integer-valued inputs, and
     their summation order is the compiler's."""
-    if BS == 0 and DOT:
+    if DOT:
+        # one product over the tile's tokens: [BG, R] x [R, BN] (token items) or [R, BN * BS] (block items, their
+        # tokens side by side, then [BG, BN, BS])
         rr = tl.arange(0, R)
+        if BS == 0:
+            toks, tval = items, valid
+        else:
+            toks = tl.reshape(items[:, None] * BS + tl.arange(0, BS)[None, :], (BN * BS,))
+            tval = toks < S
         pt = tl.load(Pb + offs_g[:, None] * R + rr[None, :], mask=mask_g[:, None], other=0.0)
-        kt = tl.load(Kb + items[None, :] * R + rr[:, None], mask=valid[None, :], other=0.0)
+        kt = tl.load(Kb + toks[None, :] * R + rr[:, None], mask=tval[None, :], other=0.0)
         if DOT == 2:
             s = tl.dot(pt, kt, out_dtype=tl.float32)
         else:
             s = tl.dot(pt.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
+        if BS > 0:
+            s3 = tl.reshape(tl.where(tval[None, :], s, float("-inf")), (BG, BN, BS))
     elif BS == 0:
         # [BG, BN]; sums in order d = 0..R-1 as the reference, with explicit fma: exact for
         # bf16/fp16 (products are exact), and the same instructions in both kernels for fp32
@@ -51,18 +60,6 @@ def _scores_at(Pb, Kb, offs_g, mask_g, items, valid, S,
             pd = tl.load(Pb + offs_g * R + d, mask=mask_g, other=0.0).to(tl.float32)
             kd = tl.load(Kb + items * R + d, mask=valid, other=0.0).to(tl.float32)
             s = tl.fma(tl.broadcast_to(pd[:, None], (BG, BN)), tl.broadcast_to(kd[None, :], (BG, BN)), s)
-    elif DOT:
-        # block items on one product: [BG, R] x [R, BN * BS] over the items' tokens, then [BG, BN, BS]
-        rr = tl.arange(0, R)
-        toks = tl.reshape(items[:, None] * BS + tl.arange(0, BS)[None, :], (BN * BS,))
-        tval = toks < S
-        pt = tl.load(Pb + offs_g[:, None] * R + rr[None, :], mask=mask_g[:, None], other=0.0)
-        kt = tl.load(Kb + toks[None, :] * R + rr[:, None], mask=tval[None, :], other=0.0)
-        if DOT == 2:
-            s2 = tl.dot(pt, kt, out_dtype=tl.float32)
-        else:
-            s2 = tl.dot(pt.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
-        s3 = tl.reshape(tl.where(tval[None, :], s2, float("-inf")), (BG, BN, BS))
     else:
         toks = items[:, None] * BS + tl.arange(0, BS)[None, :]  # [BN, BS]
         tval = toks < S
