@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.common import bench_ms, collect_meta, dense_fwd_bwd_ms, write_results  # noqa: E402
+from megatron_dsv.ops.topk_estimation.common import tensor_core_scorable  # noqa: E402
 from megatron_dsv.ops.topk_estimation.cuda_impl import cuda_extension, estimate_topk_cuda  # noqa: E402
 from megatron_dsv.ops.topk_estimation.naive import group_proxies  # noqa: E402
 from megatron_dsv.ops.topk_estimation.triton_impl import METHODS, estimate_topk_triton, resolve_method  # noqa: E402
@@ -56,11 +57,13 @@ def measure(fn, rep=100):
 TRITON_CANDIDATES = {"triton_loop": dict(dot=False, pack_counts=1), "triton_pack4": dict(dot=False, pack_counts=4),
                      "triton_dot": dict(dot=True, pack_counts=1), "triton_dot_pack4": dict(dot=True, pack_counts=4),
                      "triton_tc": dict(dot="tc", pack_counts=1), "triton_tc_pack4": dict(dot="tc", pack_counts=4)}
-# block lists, method "keys" scoring each tile's blocks with one tensor-core product over their tokens then the
-# block max (scoring._scores_at, new after run 22; the default "gemm" writes every token's score through cuBLAS
-# and reads it back): BG groups x BN blocks a tile
-TRITON_BLOCK_CANDIDATES = {"triton_keys_tc": dict(method="keys", dot="tc"),
-                           "triton_keys_tc_g32": dict(method="keys", dot="tc", BG=32),
+# block lists: "gemm" (the default until run 27: every token's score through cuBLAS, read back by the selection) and
+# method "keys" scoring each tile's blocks with one tensor-core product over their tokens then the block max
+# (scoring._scores_at; the default since run 27 on resolve_tile's 64 groups x 256 tokens): BG groups x BN blocks a
+# tile (run 27 at 128-key blocks: 16 x 4 / 32 x 4 / 64 x 2 / 128 x 2)
+TRITON_BLOCK_CANDIDATES = {"triton_gemm": dict(method="gemm"),
+                           "triton_keys_tc": dict(method="keys", dot="tc", BG=16, BN=4),
+                           "triton_keys_tc_g32": dict(method="keys", dot="tc", BG=32, BN=4),
                            "triton_keys_tc_g64": dict(method="keys", dot="tc", BG=64, BN=2),
                            "triton_keys_tc_g128": dict(method="keys", dot="tc", BG=128, BN=2)}
 BACKENDS = ("cuda", "triton", *TRITON_CANDIDATES, *TRITON_BLOCK_CANDIDATES, "torch_topk")
@@ -107,9 +110,11 @@ def run(sizes, triton_max_s, out_dir, G=32, block=64, backends=("cuda", "triton"
             row = dict(base, backend=backend, granularity=gran, block_size=block if gran == "block" else 0, K=kk,
                        out_bytes=NG * H * kk * 4)
             if backend.startswith("triton"):  # the method that ran ("auto" has meant different ones over time)
-                row["triton_method"] = resolve_method(triton_method, row["block_size"])
+                row["triton_method"] = resolve_method(triton_method, row["block_size"],
+                                                      tensor_core_scorable(q.dtype, R))
             if backend in TRITON_BLOCK_CANDIDATES:
-                row.update(triton_method="keys", candidate=TRITON_BLOCK_CANDIDATES[backend])
+                row.update(triton_method=TRITON_BLOCK_CANDIDATES[backend]["method"],
+                           candidate=TRITON_BLOCK_CANDIDATES[backend])
             if backend.startswith("triton") and S > triton_max_s:
                 row["skipped"] = f"S > {triton_max_s} (too slow for the lease)"
                 size_rows.append(row)

@@ -24,9 +24,10 @@
 #   "sample" and the selection kernel, then token lists (G = 32, "sample", with its kernels timed apart) at
 #   16K-128K, its candidates (bench_topk_estimation.TRITON_CANDIDATES, each with how many list entries differ
 #   from the CUDA kernel's) at 16K and 64K, and the library's block
-#   lists (G = 128, blocks of 128, auto = "gemm") at 16K-128K, each beside the CUDA kernel in the same run)
+#   lists (G = 128, blocks of 128, auto = "keys" on tensor cores since run 27) at 16K-128K, each beside the CUDA kernel in the same run)
 #   topkblock (~2 min: the Triton top-k's block lists scored on tensor cores, method "keys" with dot="tc": every
-#   test of tests/ops/test_topk_keys.py on the GPU (its rc printed), then G = 128 / blocks of 128 at 16K-128K, the default ("gemm") and four
+#   test of tests/ops/test_topk_keys.py on the GPU (its rc printed), then G = 128 / blocks of 128 at 16K-128K, the
+#   default (since run 27 "keys" on tensor cores, 64 x 256-token tiles), "gemm" (the default before) and four
 #   tilings of the new scoring beside the CUDA kernel: bench_topk_estimation.TRITON_BLOCK_CANDIDATES)
 #   models (every test of tests/models and the local-list tests on the GPU host, not only the gpu-marked ones:
 #   with GPU_WHEEL_DIRS=".whl-mc019 .whl-wan" it checks megatron-core 0.19.2 and the Wan bf16 test against
@@ -111,7 +112,7 @@ for s in $stages; do
     topkblock) run topkblock 300 sh -c "python3 -m pytest -q -p no:cacheprovider tests/ops/test_topk_keys.py; \
                  echo pytest rc=\$?; \
                  python3 benchmarks/bench_topk_estimation.py --granularity block --group-size 128 --block-size 128 \
-                 --backends cuda,triton,triton_keys_tc,triton_keys_tc_g32,triton_keys_tc_g64,triton_keys_tc_g128 \
+                 --backends cuda,triton,triton_gemm,triton_keys_tc,triton_keys_tc_g32,triton_keys_tc_g64,triton_keys_tc_g128 \
                  --sizes 16384,32768,65536,131072 --triton-max-s 131072 --out '$out/topkblock'" ;;
     *) echo "unknown stage $s (build tests train recall predictor topk e2e e2etok topksample topkkeys models sweep" \
             "smallg d256 d256tune g128 artifact tok32 topk3x topkblock)"; exit 2 ;;

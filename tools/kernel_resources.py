@@ -155,8 +155,8 @@ _TOPK_ARG_TYPES = {"P": "*bf16", "Kp": "*bf16", "Counts": "*i32", "Tout": "*i32"
 
 def topk_rows(block_sizes, r: int = 16) -> List[Dict[str, object]]:
     """Registers, spills and shared memory of the Triton top-k's kernels as ``estimate_topk_triton`` launches them
-    (``triton_impl.kernel_meta`` with ``resolve_scoring``'s defaults; bf16 proxies and keys, ``r`` ranks), per list
-    kind (block size, 0: token lists)."""
+    (``triton_impl.kernel_meta`` on ``resolve_tile``'s tiles with ``resolve_scoring``'s defaults; bf16 proxies and
+    keys, ``r`` ranks), per list kind (block size, 0: token lists)."""
     import torch
 
     from megatron_dsv.ops.topk_estimation import keys_impl, triton_impl as ti
@@ -168,10 +168,13 @@ def topk_rows(block_sizes, r: int = 16) -> List[Dict[str, object]]:
                "write": (ti._tk_write, {}), "keys": (keys_impl._tk_keys, {})}
     rows = []
     for bs in block_sizes:
-        dot, pack = ti.resolve_scoring("auto", 0, torch.bfloat16, r, bs)
-        meta = ti.kernel_meta(r, bs, dot=dot, pack_counts=pack)
-        warps = meta.pop("num_warps")
-        for name in TOPK_KERNELS:
+        for name in TOPK_KERNELS:  # each kernel on its method's tile (resolve_tile: "keys" has its own on blocks)
+            method = "keys" if name == "keys" else "search"
+            tc = "tc" if ti.tensor_core_scorable(torch.bfloat16, r) else False
+            BG, BN = ti.resolve_tile(method, tc, bs)
+            dot, pack = ti.resolve_scoring("auto", 0, torch.bfloat16, r, bs, BG, BN)
+            meta = ti.kernel_meta(r, bs, dot=dot, pack_counts=pack, BG=BG, BN=BN)
+            warps = meta.pop("num_warps")
             fn, extra = kernels[name]
             row = dict(kernel=name, block_size=bs, BG=meta["BG"], BN=meta["BN"], num_warps=warps)
             row.update(resources(fn, dict(meta, **extra), warps, 3, _TOPK_ARG_TYPES))

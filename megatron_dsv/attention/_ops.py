@@ -15,7 +15,7 @@ from megatron_dsv.ops.sparse_attention import SUPPORTED_HEAD_DIMS, sparse_attent
 from megatron_dsv.ops.sparse_attention.op import auto_backend, requested_backend
 from megatron_dsv.ops.topk_estimation import (auto_topk_choice, critical_mass_recall, estimate_topk,
                                               estimate_topk_naive, head_sparsity, log_topk_choice,
-                                              requested_topk_backend)
+                                              requested_topk_backend, tensor_core_scorable)
 
 __all__ = ["sparse_attention", "sparse_attention_naive", "estimate_topk", "estimate_topk_naive", "head_sparsity",
            "critical_mass_recall", "SUPPORTED_HEAD_DIMS", "resolve_backends", "run_sparse_attention",
@@ -44,7 +44,8 @@ def run_estimate_topk(backend: str, q_lr, k_lr, budgets, group_size: int, block_
     """Top-k estimation on a backend from :func:`resolve_backends` ("auto": the op's device and shape rule; ``forced``
     items, local + predicted lists, go to Triton where that rule says CUDA: the CUDA kernel lacks them)."""
     if backend == "auto":
-        backend, reason = auto_topk_choice(q_lr.device, group_size, block_size, k_lr.shape[-2], forced is not None)
+        backend, reason = auto_topk_choice(q_lr.device, group_size, block_size, k_lr.shape[-2], forced is not None,
+                                           tensor_core_scorable(q_lr.dtype, q_lr.shape[-1]))
         log_topk_choice(backend, reason)
     return estimate_topk(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score, backend=backend,
                          forced=forced, forced_extra=forced_extra)

@@ -210,7 +210,8 @@ def test_backend_env(monkeypatch):
 
 def test_auto_takes_triton_where_it_measured_faster(monkeypatch, caplog):
     """With the CUDA extension built, "auto" keeps the CUDA kernel except in TRITON_FASTER_UP_TO's cells (block
-    lists of G = 128 over 128-key blocks up to 32K keys), and says why once, as information, not a warning."""
+    lists of G = 128 over 128-key blocks: at any length where the inputs score on tensor cores, run 27; up to 32K
+    keys in "gemm", run 19), and says why once, as information, not a warning."""
     import megatron_dsv.ops.topk_estimation as te
     from megatron_dsv.ops.topk_estimation import cuda_impl
 
@@ -219,12 +220,17 @@ def test_auto_takes_triton_where_it_measured_faster(monkeypatch, caplog):
     monkeypatch.setattr(cuda_impl, "cuda_extension", lambda: object())
     assert te.auto_topk_backend(cuda, 128, 128, 16384) == "triton"
     assert te.auto_topk_backend(cuda, 128, 128, 32768) == "triton"
-    assert te.auto_topk_backend(cuda, 128, 128, 32769) == "cuda"  # 64K: CUDA 1.98 ms against Triton's 3.53
+    assert te.auto_topk_backend(cuda, 128, 128, 32769) == "cuda"  # "gemm" at 64K: 3.53 ms against CUDA's 1.98
+    for S in (16384, 131072, 1 << 20):  # "keys" on tensor cores: 1.48 against 6.67 ms at 128K
+        assert te.auto_topk_backend(cuda, 128, 128, S, tensor_cores=True) == "triton"
     assert te.auto_topk_backend(cuda, 32, 0, 16384) == "cuda"  # token lists: Triton 8x slower
-    assert te.auto_topk_backend(cuda, 64, 128, 16384) == "cuda"  # not measured: the CUDA kernel
+    assert te.auto_topk_backend(cuda, 32, 0, 16384, tensor_cores=True) == "cuda"
+    assert te.auto_topk_backend(cuda, 64, 128, 16384, tensor_cores=True) == "cuda"  # not measured: the CUDA kernel
     assert te.topk_backend(cuda, "cuda", 128, 128, 16384) == "cuda"  # asked for by name
     backend, reason = te._backend_and_reason(cuda, None, 128, 128, 16384)
-    assert backend == "triton" and "measured faster" in reason
+    assert backend == "triton" and "'gemm' method measured faster" in reason
+    backend, reason = te._backend_and_reason(cuda, None, 128, 128, 65536, tensor_cores=True)
+    assert backend == "triton" and "'keys' method measured faster" in reason and "any number of" in reason
     monkeypatch.setattr(cuda_impl, "cuda_extension", lambda: None)
     backend, reason = te._backend_and_reason(cuda, None, 128, 128, 16384)
     assert backend == "triton" and "not built" in reason

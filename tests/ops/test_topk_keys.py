@@ -1,6 +1,7 @@
 """Triton top-k, methods "keys" (one scoring pass writing every item's key, then one packed int64
 torch.topk per chunk of groups) and "gemm" (the same keys from one batched matrix product): the same lists
-as naive, exactly on integer inputs, up to near-exact ties on continuous ones; "auto" takes "gemm" for blocks.
+as naive, exactly on integer inputs, up to near-exact ties on continuous ones; "auto" takes "keys" on tensor cores
+for fp16/bf16 block lists, "gemm" for fp32 ones.
 
 Runs under the Triton interpreter on this CPU machine (fp32, fp16) and on CUDA when a GPU is present;
 the GPU tests of ``test_topk_estimation.py`` reach it too, through "auto" on their block-list cases.
@@ -9,9 +10,9 @@ the GPU tests of ``test_topk_estimation.py`` reach it too, through "auto" on the
 import pytest
 import torch
 
-from megatron_dsv.ops.topk_estimation import estimate_topk_naive
+from megatron_dsv.ops.topk_estimation import estimate_topk_naive, tensor_core_scorable
 from megatron_dsv.ops.topk_estimation.keys_impl import _select_from_keys
-from megatron_dsv.ops.topk_estimation.triton_impl import estimate_topk_triton, resolve_method
+from megatron_dsv.ops.topk_estimation.triton_impl import estimate_topk_triton, resolve_method, resolve_tile
 from tests.ops.test_topk_estimation import _near_tie_equal
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -118,7 +119,9 @@ def test_keys_chunks_with_a_remainder(bs, BG):
         _near_tie_equal(q, k, ref[0], got[0], ref[1], 32, bs, "mean", "max", who=f"gemm {groups}")
 
 
-def test_auto_takes_gemm_for_blocks_and_all_methods_agree():
+def test_auto_method_for_blocks_and_all_methods_agree():
+    """"auto" takes "keys" on tensor cores for fp16/bf16 block lists (run 27), "gemm" for fp32 ones and for forced
+    token lists, "sample" for other token lists; every method gives the same lists (integer inputs: no ties)."""
     q, k = _ints((1, 2, 64, 16), torch.float32, 43), _ints((1, 2, 900, 16), torch.float32, 44)
     methods = ("auto", "keys", "gemm", "search", "sample")
     lists = {m: estimate_topk_triton(q, k, 3, 32, 64, method=m)[0] for m in methods}
@@ -126,9 +129,41 @@ def test_auto_takes_gemm_for_blocks_and_all_methods_agree():
     with pytest.raises(ValueError, match="`chunk_elems`"):
         estimate_topk_triton(q, k, 3, 32, 64, method="keys", chunk_elems=0)
     assert resolve_method("auto", 64) == "gemm" and resolve_method("auto", 0) == "sample"
-    assert resolve_method("search", 128) == "search"
+    assert resolve_method("auto", 128, tensor_cores=True) == "keys"
+    assert resolve_method("auto", 0, tensor_cores=True) == "sample"
+    assert resolve_method("auto", 0, tensor_cores=True, forced=True) == "gemm"
+    assert resolve_method("auto", 128, forced=True) == "gemm"
+    assert resolve_method("search", 128, tensor_cores=True) == "search"
     with pytest.raises(ValueError, match="`method`"):
         resolve_method("radix", 0)
+    assert tensor_core_scorable(torch.bfloat16, 16) and tensor_core_scorable(torch.float16, 32)
+    assert not tensor_core_scorable(torch.float32, 16) and not tensor_core_scorable(torch.bfloat16, 8)
+    assert not tensor_core_scorable(torch.bfloat16, 24)
+
+
+def test_resolve_tile_defaults():
+    """run 27's tile for "keys" on tensor cores over blocks (64 groups x 256 tokens), 16 groups elsewhere; explicit
+    values pass through."""
+    assert resolve_tile("keys", "tc", 128) == (64, 2) and resolve_tile("keys", "tc", 64) == (64, 4)
+    assert resolve_tile("keys", False, 128) == (16, 0) and resolve_tile("gemm", "tc", 128) == (16, 0)
+    assert resolve_tile("sample", "tc", 0) == (16, 0) and resolve_tile("keys", "tc", 0) == (16, 0)
+    assert resolve_tile("keys", "tc", 128, BG=32) == (32, 2) and resolve_tile("keys", "tc", 128, 16, 4) == (16, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_auto_block_lists_on_the_default_tile(dtype):
+    """The defaults as they run: "auto" on fp16 block lists scores on tensor cores in "keys" on 64 x 256-token
+    tiles, fp32 ones in "gemm"; both give naive's lists on integer inputs (exact in fp16: |x| <= 8, r = 16)
+    over odd lengths, a partial last block, fewer groups than a tile, clipped budgets and forced items."""
+    q, k = _ints((1, 2, 200, 16), dtype, 45), _ints((1, 2, 1000, 16), dtype, 46)
+    budgets = torch.tensor([[3, 9]])
+    ref = estimate_topk_naive(q, k, budgets, 32, 128)
+    got = estimate_topk_triton(q, k, budgets, 32, 128)
+    assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+    forced = torch.tensor([[0, 7], [1, -1], [2, 3], [4, -1], [5, 6], [7, -1], [0, -1]])
+    ref = estimate_topk_naive(q, k, budgets, 32, 128, forced=forced, forced_extra=True)
+    got = estimate_topk_triton(q, k, budgets, 32, 128, forced=forced, forced_extra=True)
+    assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
 
 
 def test_select_from_keys_tie_rule_and_padding():

@@ -215,7 +215,10 @@ def test_default_scoring_is_tensor_cores_where_they_apply(monkeypatch):
     assert resolve_scoring("auto", 0, torch.float16, 32, 0) == ("tc", 4)
     assert resolve_scoring("auto", 0, torch.float32, 16, 0) == (False, 4)  # tensor cores would round to TF32
     assert resolve_scoring("auto", 0, torch.bfloat16, 8, 0) == (False, 4)  # r below one MMA's k
-    assert resolve_scoring("auto", 0, torch.bfloat16, 16, 64) == (False, 4)  # block items: the loop's block max
+    assert resolve_scoring("auto", 0, torch.bfloat16, 16, 64) == ("tc", 4)  # block items: tensor cores (run 27)
+    assert resolve_scoring("auto", 0, torch.bfloat16, 16, 128, BG=64, BN=2) == ("tc", 4)  # "keys"'s default tile
+    assert resolve_scoring("auto", 0, torch.float32, 16, 128) == (False, 4)
+    assert resolve_scoring("auto", 0, torch.bfloat16, 16, 0, BG=8) == (False, 4)  # below one MMA's 16 rows
     assert resolve_scoring("auto", 0, torch.bfloat16, 16, 0, BN=128) == ("tc", 1)  # 8-bit fields hold < 128
     assert resolve_scoring(True, 2, torch.bfloat16, 16, 0) == (True, 2)  # explicit values pass through
     from megatron_dsv.ops.topk_estimation import triton_impl

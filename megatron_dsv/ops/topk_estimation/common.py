@@ -144,6 +144,12 @@ def check_forced(forced, num_groups: int, num_items: int, device) -> torch.Tenso
     return forced.to(device=device, dtype=torch.int64).expand(num_groups, -1)
 
 
+def tensor_core_scorable(dtype: torch.dtype, r: int) -> bool:
+    """Whether the Triton kernels can score inputs of ``dtype`` with ``r`` ranks on tensor cores (``dot="tc"``):
+    fp16/bf16 (fp32 would round to TF32) and r a power of two >= 16 (one MMA's k)."""
+    return dtype in (torch.float16, torch.bfloat16) and r >= 16 and not r & (r - 1)
+
+
 def forced_mask(rows: torch.Tensor, num_items: int) -> torch.Tensor:
     """Bool ``[n, num_items]``: True at the forced items of ``rows`` (int64 ``[n, F]``, -1 padded)."""
     mask = torch.zeros(rows.shape[0], num_items + 1, dtype=torch.bool, device=rows.device)

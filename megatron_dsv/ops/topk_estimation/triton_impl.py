@@ -12,7 +12,8 @@ exact search on those; groups whose window missed are redone by ``_tk_threshold`
 host sync; over more than ``slice_items`` items its passes are spread over slices of them,
 ``_sliced_fallback``); then ``_tk_write``'s ordered pass, as "search". Methods "keys" and "gemm" (every
 item's key or score, then the selection kernel) live in :mod:`.keys_impl`, the scoring all kernels share in
-:mod:`.scoring`. "auto": "sample" for token lists, "gemm" for block lists and wherever items are forced.
+:mod:`.scoring`. "auto" (:func:`resolve_method`): "sample" for token lists ("gemm" with forced items), "keys" on
+tensor cores for fp16/bf16 block lists, else "gemm".
 The kernels' ``S`` is the KEY length (k_lr's Sk, may differ from q_lr's Sq):
 proxies are precomputed per query group, so the kernels never see Sq.
 """
@@ -27,12 +28,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check_forced, check_problem, forced_union
+from .common import check_forced, check_problem, forced_union, tensor_core_scorable
 from .keys_impl import _lists_by_keys
 from .naive import group_proxies
 from .scoring import _item_scores, _scores_at
 
-__all__ = ["estimate_topk_triton", "kernel_meta", "resolve_method", "sample_plan", "sample_positions", "METHODS"]
+__all__ = ["estimate_topk_triton", "kernel_meta", "resolve_method", "resolve_scoring", "resolve_tile", "sample_plan",
+           "sample_positions", "METHODS"]
 
 _NPROBE = 16
 _NPASS = 9  # (17-way split) 8 passes shrink 2^32 to 1; one spare
@@ -387,14 +389,26 @@ def _tk_sample(P, Kp, Counts, Tout, GTout, Flags, Buf, S, n_items, NG, CAP, F, N
 METHODS = ("auto", "search", "sample", "keys", "gemm")
 
 
-def resolve_method(method: str, block_size: int) -> str:
-    """The method :func:`estimate_topk_triton` runs: ``method`` itself, or for "auto" "sample" with token
-    lists (``block_size`` 0) and "gemm" with block lists."""
+def resolve_method(method: str, block_size: int, tensor_cores: bool = False, forced: bool = False) -> str:
+    """The method :func:`estimate_topk_triton` runs: ``method`` itself, or for "auto": with block lists (``block_size``
+    > 0) "keys" where the inputs score on tensor cores (``tensor_cores``, :func:`~.common.tensor_core_scorable`),
+    else "gemm"; with token lists "gemm" for ``forced`` items, else "sample"."""
     if method not in METHODS:
         raise ValueError(f"estimate_topk_triton: `method` must be one of {METHODS}, got {method!r}")
     if method != "auto":
         return method
-    return "sample" if block_size == 0 else "gemm"
+    if block_size:
+        return "keys" if tensor_cores else "gemm"
+    return "gemm" if forced else "sample"
+
+
+def resolve_tile(method: str, dot, block_size: int, BG: int = 0, BN: int = 0):
+    """``(BG, BN)``, a tile's groups and items; 0 takes the default: 64 groups x 256 tokens of blocks for method
+    "keys" scoring block lists on tensor cores (run 27, H100, G = 128, 128-key blocks, bf16, 90%: 0.18 / 0.21 /
+    0.51 / 1.48 ms at 16K / 32K / 64K / 128K against 0.21 / 0.22 / 0.58 / 1.86 ms at 16 x 4; the best or within
+    0.03 ms of it at every length), else 16 groups and :func:`kernel_meta`'s items."""
+    big = method == "keys" and dot == "tc" and block_size > 0
+    return BG or (64 if big else 16), BN or (max(1, 256 // block_size) if big else 0)
 
 
 @contextlib.contextmanager
@@ -442,18 +456,17 @@ def sample_positions(n_items: int, sample_size: int = 1024) -> torch.Tensor:
 
 def resolve_scoring(dot, pack_counts: int, dtype: torch.dtype, r: int, block_size: int, BG: int = 16,
                     BN: int = 0):
-    """The defaults of ``dot`` ("auto") and ``pack_counts`` (0), measured on token lists (run 21, H100, G = 32, 90%,
-    bf16: "sample" with tensor-core scoring and 4 probes a reduction took 2.72 / 45.7 ms at 16K / 64K against
-    3.74-3.98 / 53-73 ms scoring in the loop, its lists equal to the CUDA kernel's; NOTES_topk_estimation run 21):
-    ``dot="tc"`` for fp16/bf16 token lists with r a power of two >= 16 (:func:`kernel_meta`'s limits), else False
-    (the exact FMA loop: fp32 inputs, block items: their tensor-core scoring is not yet timed against "gemm");
-    ``pack_counts`` 4 where a tile row counts fewer than 128 items,
-    else 1 (block lists too: exact, untimed there, where "gemm" is the default method). Explicit values pass
-    through."""
+    """The defaults of ``dot`` ("auto") and ``pack_counts`` (0): ``dot="tc"`` where the inputs score on tensor cores
+    (:func:`~.common.tensor_core_scorable`: fp16/bf16, r a power of two >= 16) on tiles of at least 16 groups
+    (:func:`kernel_meta`'s limits), else False (the exact FMA loop). Measured on token lists (run 21, H100, G = 32,
+    90%, bf16: "sample" with tensor-core scoring and 4 probes a reduction took 2.72 / 45.7 ms at 16K / 64K against
+    3.74-3.98 / 53-73 ms scoring in the loop, its lists equal to the CUDA kernel's; NOTES_topk_estimation run 21)
+    and on block lists in "keys" (run 27, H100, G = 128, 128-key blocks: 0.18-1.48 ms at 16K-128K against "gemm"'s
+    0.24-22.4 ms, lists equal to the CUDA kernel's). ``pack_counts`` 4 where a tile row counts fewer than 128 items,
+    else 1 (block lists too: exact, untimed there). Explicit values pass through."""
     if dot == "auto":
-        ok = (block_size == 0 and dtype in (torch.float16, torch.bfloat16) and r >= 16 and not r & (r - 1)
-              and min(BG, BN or 64) >= 16)
-        dot = "tc" if ok else False
+        tile_ok = BG >= 16 and (BN or 64) * max(1, block_size) >= 16
+        dot = "tc" if tensor_core_scorable(dtype, r) and tile_ok else False
     if pack_counts == 0:
         n = BN or (64 if block_size == 0 else 1 << (max(1, 512 // block_size).bit_length() - 1))
         pack_counts = 4 if n < 128 else 1
@@ -484,7 +497,7 @@ def kernel_meta(r: int, block_size: int, block_score: str = "max", BG: int = 16,
 
 
 def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="mean", block_score="max",
-                         BG: int = 16, BN: int = 0, method: str = "auto", *, sample_size: int = 1024,
+                         BG: int = 0, BN: int = 0, method: str = "auto", *, sample_size: int = 1024,
                          z: float = 4.0, capacity: int = 0, stats: dict | None = None, chunk_elems: int = 1 << 25,
                          forced=None, forced_extra: bool = False, dot: bool | str = "auto", pack_counts: int = 0,
                          slice_items: int = 8192):
@@ -506,11 +519,12 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     elements (float64 for float32 inputs: ``2 * chunk_elems``); the same lists up to items tied within a few
     units in the last place of their score), or
     "auto" (:func:`resolve_method`): "sample" for token lists (H200, 2026-12-01, S=16K, G=32, 90%
-    sparsity: 58.7 ms vs "search" 149.6 ms), "gemm" for block lists: "keys" scores on CUDA cores and
-    took 5.2 ms a call at S=32K, H=8, G=128, 128-key blocks (H200, 2026-12-02, the frontier's 4-layer
-    model: more than the sparse layer's attention, fwd+bwd); "gemm" 2.1 ms against "keys" 11.3 ms at S=32K, H=16
-    (H200, 2026-12-02; the CUDA kernel 0.52 ms; "search" took 7.0 ms for blocks of 64 at 16K). All give the
-    naive lists ("gemm" up to near-exact ties).
+    sparsity: 58.7 ms vs "search" 149.6 ms; "gemm" where items are forced); for block lists "keys" where the inputs
+    score on tensor cores (fp16/bf16, r a power of two >= 16: run 27, H100, S=16K-128K, H=16, G=128, 128-key
+    blocks, 90%: 0.18 / 0.21 / 0.51 / 1.48 ms against "gemm"'s 0.24 / 0.73 / 3.53 / 22.4 and the CUDA kernel's
+    0.39 / 0.94 / 2.02 / 6.67, on :func:`resolve_tile`'s 64 x 256-token tiles), else "gemm" (on CUDA cores
+    "keys" took 11.3 ms against "gemm"'s 2.1 at S=32K, H=16, H200, 2026-12-02). All give the naive lists
+    ("gemm" and tensor-core scoring up to near-exact ties).
     "sample" knobs: ``sample_size`` (items scored to place the window), ``z`` (window half-width in
     standard deviations), ``capacity`` (candidate buffer per group; 0 = :func:`sample_plan`'s, a
     smaller value forces overflow in tests; at least the sample). Extra memory of "sample":
@@ -523,9 +537,10 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     items (:func:`_sliced_fallback`; one program scans all items where they are fewer); ``stats`` gets
     ``fallback_slices``, the slices of a pass (1: one program).
     ``forced`` [NG, F] (local + predicted lists): items ranked first in their group; methods "keys" and
-    "gemm" (their keys buffer takes the top key); "auto" then picks "gemm" for token lists too. ``forced_extra``
+    "gemm" (their keys buffer takes the top key); "auto" then picks "gemm" for token lists. ``forced_extra``
     (the budgets count only the other items; :func:`~.common.forced_union`): the forced items take the lowest key
     for the selection, then join each group's list: idx ``[B, H, NG, F + Kmax]``, counts ``[B, H, NG]``.
+    ``BG``, ``BN``: a tile's groups and items (0: :func:`resolve_tile`'s defaults).
     ``dot``: the kernels score a tile with one ``tl.dot`` (block items: over their tokens, then the block score; True:
     fp32 on FMA units; "tc": fp16/bf16 on tensor cores; False: a loop over r on FMA units); ``pack_counts``: probes
     per cross-thread reduction in the searches (:func:`kernel_meta`); "auto" and 0: :func:`resolve_scoring`'s
@@ -533,7 +548,10 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     ``dot=True`` (its summation order is the compiler's); the loop (False) gives naive's bit for bit. Method "gemm"
     scores through cuBLAS and ignores ``dot``.
     """
-    method = "gemm" if forced is not None and method == "auto" else resolve_method(method, block_size)
+    P = check_problem(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score)
+    tc = tensor_core_scorable(q_lr.dtype, P.r) and dot in ("auto", "tc")
+    method = resolve_method(method, block_size, tc, forced is not None)
+    BG, BN = resolve_tile(method, "tc" if tc else dot, block_size, BG, BN)
     if forced is not None and method not in ("keys", "gemm"):
         raise ValueError(f"estimate_topk_triton: `forced` items need method 'keys', 'gemm' (or 'auto'), "
                          f"got {method!r}")
@@ -541,7 +559,6 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
         raise ValueError(f"estimate_topk_triton: `slice_items` must be >= 1, got {slice_items}")
     if chunk_elems < 1:
         raise ValueError(f"estimate_topk_triton: `chunk_elems` must be >= 1, got {chunk_elems}")
-    P = check_problem(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score)
     dot, pack_counts = resolve_scoring(dot, pack_counts, q_lr.dtype, P.r, block_size, BG, BN)
     if dot == "tc" and q_lr.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"estimate_topk_triton: dot='tc' scores fp16/bf16 inputs on tensor cores, got {q_lr.dtype} "
