@@ -133,6 +133,40 @@ def test_fallback_adversarial_sample(dtype, hidden):
     assert nfb == 2  # both query groups
 
 
+@pytest.mark.parametrize("case,pass_tile", [(CASES[0], (32, 64)), (CASES[1], (64, 32)), (CASES[4], (64, 16))],
+                         ids=["tok-F11-32x64", "tok-G16-clip-64x32", "blk128-lse-64x16"])
+def test_split_sample_equals_naive(case, pass_tile):
+    """``pass_tile``: "sample" as three kernels (sample_split.py), the pass over all items and the write pass on a
+    tile of their own: naive's lists exactly on integer fp16 inputs (tensor-core scoring; the fused kernel's
+    fallbacks: next test)."""
+    B, H, Sq, Sk, r, G, bs, proxy, bscore, budgets, ns = case.values
+    q, k = _ints((B, H, Sq, r), torch.float16, 21), _ints((B, H, Sk, r), torch.float16, 22)
+    _check(q, k, budgets, G, bs, proxy, bscore, sample_size=ns, pass_tile=pass_tile)
+
+
+def test_split_sample_falls_back_as_the_fused_kernel():
+    """Overflowing buffers (capacity 95) and the adversarial sample (test_fallback_adversarial_sample's "low": the
+    sampled keys score highest), K = 0 and K = every item: the split kernels flag the same groups as the fused one
+    and the search gives naive's lists; a bad ``pass_tile`` names the argument."""
+    pass_tile = (16, 128)  # 128 items a row: the pass tile's counts unpacked (pack_counts 1)
+    q, k = _ints((1, 2, 64, 16), torch.float32, 28), _ints((1, 2, 400, 16), torch.float32, 29)
+    nfb = _check(q, k, [30, 90], 32, sample_size=64, capacity=95, pass_tile=pass_tile)
+    assert nfb > 0 and nfb == _check(q, k, [30, 90], 32, sample_size=64, capacity=95)
+    q, k = _ints((1, 3, 64, 8), torch.float32, 24), _ints((1, 3, 900, 8), torch.float32, 25)
+    _check(q, k, [900, 0, 899], 32, sample_size=64, pass_tile=pass_tile)
+    Sk, ns = 1024, 64
+    sampled = torch.zeros(Sk, dtype=torch.bool)
+    sampled[sample_positions(Sk, ns)] = True
+    kk = _ints((1, 1, Sk, 8), torch.float32, 30, lo=0, hi=3)
+    kk[0, 0, sampled] += 4.0
+    assert _check(torch.ones(1, 1, 64, 8, device=DEV), kk, [400], 32, sample_size=ns, pass_tile=pass_tile) == 2
+    for bad in [(48, 64), (32,), (0, 64)]:
+        with pytest.raises(ValueError, match="pass_tile"):
+            estimate_topk_triton(q, k, 20, 32, method="sample", pass_tile=bad)
+    with pytest.raises(ValueError, match="pass_tile"):
+        estimate_topk_triton(q, k, 20, 32, method="keys", pass_tile=(32, 64))
+
+
 def test_methods_agree_and_validate():
     q, k = _ints((1, 1, 64, 16), torch.float32, 31), _ints((1, 1, 300, 16), torch.float32, 32)
     a = estimate_topk_triton(q, k, 20, 32, method="search")

@@ -299,22 +299,89 @@ def _tk_write(P, Kp, Counts, Tin, GTin, Out, S, n_items, NG, KMAX,
 
 
 @triton.jit
+def _sample_thresholds(Pb, Kb, K, offs_g, mask_g, b_rows, Buf, S, n_items, CAP, F, NSV, Z,
+                       R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr,
+                       NPROBE: tl.constexpr, DOT: tl.constexpr, PACK: tl.constexpr):
+    """Step 1 of method "sample" (0 < K < n_items): the keys of item j*F + hash(j) % F of each stratum j (NSV
+    strata) into the group's buffer row, then on them (no rescoring) the sampled keys of rank m_lo ~ Texp + Z
+    sqrt(Texp) (``t_lo``) and m_hi ~ Texp - Z sqrt(Texp) (``t_hi``), Texp = K * NSV / n_items sampled items expected
+    at or above the K-th best (16-probe searches on the buffered keys). Returns int32 ``(t_lo, t_hi)`` [BG]."""
+    for j0 in range(0, NSV, BN):
+        js = j0 + tl.arange(0, BN)
+        jv = js < NSV
+        start = js.to(tl.int64) * F
+        ln = tl.maximum(tl.minimum(n_items - start, F), 1)
+        hsh = ((js.to(tl.int64) * 1779033703) & 0x7FFFFFFF) >> 7  # scatter within the stratum
+        items = tl.where(jv, start + hsh % ln, 0)
+        key = _scores_at(Pb, Kb, offs_g, mask_g, items, jv, S, R, BG, BN, BS, LSE, DOT)
+        tl.store(Buf + b_rows[:, None] + js[None, :], key, mask=mask_g[:, None] & (jv & (js < CAP))[None, :])
+    tl.debug_barrier()  # the buffer rows written above are read back by other threads below
+    texp = K.to(tl.float32) * NSV / n_items
+    marg = Z * tl.sqrt(texp)
+    if F == 1:  # the sample is every item: exact ranks
+        m_lo = K
+        m_hi = K - 1
+    else:
+        m_lo = tl.minimum((texp + marg).to(tl.int32) + 2, NSV)
+        m_hi = tl.maximum((texp - marg).to(tl.int32) - 1, 0)
+    n_s = tl.where(mask_g, NSV, 0)
+    full_lo = tl.full([BG], -2147483648, tl.int64)
+    full_hi = tl.full([BG], 2147483648, tl.int64)
+    none = tl.zeros([BG], tl.int32)
+    lo_l, _ = _kth_in_buffer(Buf, b_rows, n_s, full_lo, full_hi, none, none[:, None] + m_lo, BN, NPROBE, PACK)
+    lo_h, _ = _kth_in_buffer(Buf, b_rows, n_s, full_lo, full_hi, none, none[:, None] + m_hi, BN, NPROBE, PACK)
+    return lo_l.to(tl.int32), lo_h.to(tl.int32)  # t_hi: 2^31 - 1 when m_hi == 0
+
+
+@triton.jit
+def _window_pass(Pb, Kb, offs_g, mask_g, b_rows, Buf, t_lo, t_hi, S, n_items, CAP,
+                 R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr,
+                 DOT: tl.constexpr):
+    """Step 2 of method "sample", the one pass over all items: the exact count of keys above ``t_hi`` and the keys of
+    the window [``t_lo``, ``t_hi``] appended to the group's buffer row (those past ``CAP`` counted, not stored).
+    Returns int32 ``(a_hi, run)`` [BG], ``run`` the window's keys."""
+    run = tl.zeros([BG], tl.int32)
+    a_hi = tl.zeros([BG], tl.int32)
+    for it0 in range(0, n_items, BN):
+        key, items, valid = _item_scores(Pb, Kb, offs_g, mask_g, it0, S, n_items, R, BG, BN, BS, LSE, DOT)
+        ok = valid[None, :] & mask_g[:, None]
+        a_hi += tl.sum(((key > t_hi[:, None]) & ok).to(tl.int32), axis=1)
+        cand = (key >= t_lo[:, None]) & (key <= t_hi[:, None]) & ok
+        pos = run[:, None] + tl.cumsum(cand.to(tl.int32), axis=1) - 1
+        tl.store(Buf + b_rows[:, None] + pos, key, mask=cand & (pos < CAP))
+        run += tl.sum(cand.to(tl.int32), axis=1)
+    return a_hi, run
+
+
+@triton.jit
+def _window_kth(K, mask_g, b_rows, Buf, t_lo, t_hi, a_hi, run, CAP, BG: tl.constexpr, BN: tl.constexpr,
+                NPROBE: tl.constexpr, PACK: tl.constexpr):
+    """Step 3 of method "sample": the K-th best key overall is the (K - a_hi)-th best of the window, a 16-probe
+    search on the buffer between ``t_lo`` and ``t_hi`` + 1; groups whose window missed (a_hi >= K, fewer than K
+    items at or above t_lo, or more than CAP in the window) are ``bad``. Returns ``(t_out, gt_out, bad)`` [BG]: the
+    threshold and the count above it for :func:`_tk_write`."""
+    good = mask_g & (a_hi < K) & (a_hi + run >= K) & (run <= CAP)
+    lo = t_lo.to(tl.int64)
+    hi = tl.where(good, t_hi.to(tl.int64) + 1, lo + 1)  # failed groups: nothing to search
+    lo, c_hi = _kth_in_buffer(Buf, b_rows, tl.where(good, run, 0), lo, hi, tl.zeros([BG], tl.int32),
+                              (K - a_hi)[:, None], BN, NPROBE, PACK)
+    return lo.to(tl.int32), a_hi + c_hi, mask_g & ~good
+
+
+@triton.jit
 def _tk_sample(P, Kp, Counts, Tout, GTout, Flags, Buf, S, n_items, NG, CAP, F, NSV, Z,
                R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr,
                NPROBE: tl.constexpr, NPASS: tl.constexpr, DOT: tl.constexpr = False, PACK: tl.constexpr = 1):
     """Method "sample", one program = (b, h, BG query groups): each group's threshold for :func:`_tk_write`
-    (the K-th best key ``Tout`` and the count above it ``GTout``) from ONE pass over the items.
-    1. sample: the keys of item j*F + hash(j) % F of each stratum j (NSV strata) into the group's buffer
-       row, then on them (no rescoring) the sampled keys of rank m_lo ~ Texp + Z sqrt(Texp) (t_lo) and
-       m_hi ~ Texp - Z sqrt(Texp) (t_hi), Texp = K * NSV / n_items sampled items expected at or above the
-       K-th best (16-probe searches, one after the other, on the buffered keys);
-    2. ONE pass over all items: the exact count a_hi of keys above t_hi, and the keys of the window
-       [t_lo, t_hi] appended to the buffer row (capacity CAP);
-    3. the K-th best key overall is the (K - a_hi)-th best of the window: a 16-probe search on the buffer
-       between t_lo and t_hi + 1;
-    4. groups whose window missed (a_hi >= K, fewer than K items at or above t_lo, or more than CAP in the
-       window) get Flags = 1: :func:`_tk_threshold` redoes those groups alone (no host sync). Groups with
-       K = 0 or K >= n_items get thresholds that select nothing or everything."""
+    (the K-th best key ``Tout`` and the count above it ``GTout``) from ONE pass over the items:
+    1. :func:`_sample_thresholds`: a sample of the items into the group's buffer row, and from it a window
+       [t_lo, t_hi] expected to hold the K-th best key;
+    2. :func:`_window_pass`: ONE pass over all items, the exact count a_hi of keys above t_hi and the window's keys
+       appended to the buffer row (capacity CAP);
+    3. :func:`_window_kth`: the K-th best key overall, the (K - a_hi)-th best of the window;
+    4. groups whose window missed get Flags = 1: :func:`_tk_threshold` redoes those groups alone (no host sync).
+       Groups with K = 0 or K >= n_items get thresholds that select nothing or everything.
+    (:mod:`.sample_split` runs the three steps as kernels of their own.)"""
     pid_g = tl.program_id(0)
     bh = tl.program_id(1)
     K = tl.load(Counts + bh)
@@ -330,57 +397,13 @@ def _tk_sample(P, Kp, Counts, Tout, GTout, Flags, Buf, S, n_items, NG, CAP, F, N
     elif K > 0:
         Pb = P + bh.to(tl.int64) * NG * R
         Kb = Kp + bh.to(tl.int64) * S * R
-        # ---- 1. the sample's keys into the buffer rows, then the two sampled thresholds from them
-        for j0 in range(0, NSV, BN):
-            js = j0 + tl.arange(0, BN)
-            jv = js < NSV
-            start = js.to(tl.int64) * F
-            ln = tl.maximum(tl.minimum(n_items - start, F), 1)
-            hsh = ((js.to(tl.int64) * 1779033703) & 0x7FFFFFFF) >> 7  # scatter within the stratum
-            items = tl.where(jv, start + hsh % ln, 0)
-            key = _scores_at(Pb, Kb, offs_g, mask_g, items, jv, S, R, BG, BN, BS, LSE, DOT)
-            tl.store(Buf + b_rows[:, None] + js[None, :], key, mask=mask_g[:, None] & (jv & (js < CAP))[None, :])
-        tl.debug_barrier()  # the buffer rows written above are read back by other threads below
-        texp = K.to(tl.float32) * NSV / n_items
-        marg = Z * tl.sqrt(texp)
-        if F == 1:  # the sample is every item: exact ranks
-            m_lo = K
-            m_hi = K - 1
-        else:
-            m_lo = tl.minimum((texp + marg).to(tl.int32) + 2, NSV)
-            m_hi = tl.maximum((texp - marg).to(tl.int32) - 1, 0)
-        n_s = tl.where(mask_g, NSV, 0)
-        full_lo = tl.full([BG], -2147483648, tl.int64)
-        full_hi = tl.full([BG], 2147483648, tl.int64)
-        none = tl.zeros([BG], tl.int32)
-        lo_l, _ = _kth_in_buffer(Buf, b_rows, n_s, full_lo, full_hi, none, none[:, None] + m_lo, BN, NPROBE,
-                                 PACK)
-        lo_h, _ = _kth_in_buffer(Buf, b_rows, n_s, full_lo, full_hi, none, none[:, None] + m_hi, BN, NPROBE,
-                                 PACK)
-        t_lo = lo_l.to(tl.int32)  # m_lo-th best sampled key
-        t_hi = lo_h.to(tl.int32)  # m_hi-th best sampled key (2^31 - 1 when m_hi == 0)
+        t_lo, t_hi = _sample_thresholds(Pb, Kb, K, offs_g, mask_g, b_rows, Buf, S, n_items, CAP, F, NSV, Z, R, BG,
+                                        BN, BS, LSE, NPROBE, DOT, PACK)
         tl.debug_barrier()  # every sampled key is read before the window overwrites the rows
-        # ---- 2. the one full pass: the exact count above t_hi, the window [t_lo, t_hi] into the buffer
-        run = tl.zeros([BG], tl.int32)
-        a_hi = tl.zeros([BG], tl.int32)
-        for it0 in range(0, n_items, BN):
-            key, items, valid = _item_scores(Pb, Kb, offs_g, mask_g, it0, S, n_items, R, BG, BN, BS, LSE, DOT)
-            ok = valid[None, :] & mask_g[:, None]
-            a_hi += tl.sum(((key > t_hi[:, None]) & ok).to(tl.int32), axis=1)
-            cand = (key >= t_lo[:, None]) & (key <= t_hi[:, None]) & ok
-            pos = run[:, None] + tl.cumsum(cand.to(tl.int32), axis=1) - 1
-            tl.store(Buf + b_rows[:, None] + pos, key, mask=cand & (pos < CAP))
-            run += tl.sum(cand.to(tl.int32), axis=1)
-        good = mask_g & (a_hi < K) & (a_hi + run >= K) & (run <= CAP)
-        bad = mask_g & ~good
+        a_hi, run = _window_pass(Pb, Kb, offs_g, mask_g, b_rows, Buf, t_lo, t_hi, S, n_items, CAP, R, BG, BN, BS,
+                                 LSE, DOT)
         tl.debug_barrier()  # the window written above is read back by other threads below
-        # ---- 3. the (K - a_hi)-th best window key: count(>= lo) >= K - a_hi > count(>= hi) = c_hi
-        lo = t_lo.to(tl.int64)
-        hi = tl.where(good, t_hi.to(tl.int64) + 1, lo + 1)  # failed groups: nothing to search
-        lo, c_hi = _kth_in_buffer(Buf, b_rows, tl.where(good, run, 0), lo, hi, tl.zeros([BG], tl.int32),
-                                  (K - a_hi)[:, None], BN, NPROBE, PACK)
-        t_out = lo.to(tl.int32)
-        gt_out = a_hi + c_hi
+        t_out, gt_out, bad = _window_kth(K, mask_g, b_rows, Buf, t_lo, t_hi, a_hi, run, CAP, BG, BN, NPROBE, PACK)
     tl.store(Tout + rows, t_out, mask=mask_g & ~bad)
     tl.store(GTout + rows, gt_out, mask=mask_g & ~bad)
     tl.store(Flags + rows, bad.to(tl.int32), mask=mask_g)
@@ -500,7 +523,7 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
                          BG: int = 0, BN: int = 0, method: str = "auto", *, sample_size: int = 1024,
                          z: float = 4.0, capacity: int = 0, stats: dict | None = None, chunk_elems: int = 1 << 25,
                          forced=None, forced_extra: bool = False, dot: bool | str = "auto", pack_counts: int = 0,
-                         slice_items: int = 8192):
+                         slice_items: int = 8192, pass_tile: tuple = ()):
     """Same contract as :func:`estimate_topk`, on Triton (GPU, or CPU under TRITON_INTERPRET=1).
     q_lr [B, H, Sq, r], k_lr [B, H, Sk, r]: Sk may differ from Sq.
 
@@ -541,6 +564,10 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     (the budgets count only the other items; :func:`~.common.forced_union`): the forced items take the lowest key
     for the selection, then join each group's list: idx ``[B, H, NG, F + Kmax]``, counts ``[B, H, NG]``.
     ``BG``, ``BN``: a tile's groups and items (0: :func:`resolve_tile`'s defaults).
+    ``pass_tile`` ``(BG, BN)``, powers of two: "sample" runs as three kernels (:mod:`.sample_split`: the same lists
+    bit for bit) whose pass over every item, and the write pass of "sample" and "search", take this tile; ``()``: the
+    fused sample kernel, every kernel on ``BG`` x ``BN``. ``stats`` then times ``ms_window`` and ``ms_window_kth``
+    beside ``ms_sample`` (the sampling step alone).
     ``dot``: the kernels score a tile with one ``tl.dot`` (block items: over their tokens, then the block score; True:
     fp32 on FMA units; "tc": fp16/bf16 on tensor cores; False: a loop over r on FMA units); ``pack_counts``: probes
     per cross-thread reduction in the searches (:func:`kernel_meta`); "auto" and 0: :func:`resolve_scoring`'s
@@ -559,6 +586,10 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
         raise ValueError(f"estimate_topk_triton: `slice_items` must be >= 1, got {slice_items}")
     if chunk_elems < 1:
         raise ValueError(f"estimate_topk_triton: `chunk_elems` must be >= 1, got {chunk_elems}")
+    if pass_tile and (len(pass_tile) != 2 or any(not isinstance(v, int) or v < 1 or v & (v - 1) for v in pass_tile)
+                      or method not in ("sample", "search")):
+        raise ValueError(f"estimate_topk_triton: `pass_tile` must be (BG, BN), powers of two, with method 'sample' or "
+                         f"'search'; got {pass_tile!r} with method {method!r}")
     dot, pack_counts = resolve_scoring(dot, pack_counts, q_lr.dtype, P.r, block_size, BG, BN)
     if dot == "tc" and q_lr.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"estimate_topk_triton: dot='tc' scores fp16/bf16 inputs on tensor cores, got {q_lr.dtype} "
@@ -586,6 +617,10 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     k = k_lr.contiguous()
     counts = P.counts.contiguous()
     meta = kernel_meta(P.r, block_size, block_score, BG, BN, dot, pack_counts)
+    pass_meta = meta
+    if pass_tile:
+        pass_meta = kernel_meta(P.r, block_size, block_score, pass_tile[0], pass_tile[1], dot,
+                                1 if pass_tile[1] >= 128 else pack_counts)
     if method in ("keys", "gemm"):
         _lists_by_keys(method, P, proxies, k, out, group_counts if forced_extra else None, forced, chunk_elems, meta)
         return out, (group_counts if forced_extra else counts)
@@ -599,9 +634,15 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
         cap = max(capacity or cap, nsv)  # the buffer holds the sample first
         flags = torch.zeros(P.B, P.H, P.num_groups, dtype=torch.int32, device=q_lr.device)
         buf = torch.empty(P.B * P.H * P.num_groups * cap, dtype=torch.int32, device=q_lr.device)
-        with _phase(stats, "sample", q_lr.device):
-            _tk_sample[grid](proxies, k, counts, thr, above, flags, buf, P.Sk, P.num_items, P.num_groups, cap, F,
-                             nsv, float(z), NPROBE=_NPROBE, NPASS=_NPASS, **meta)
+        if pass_tile:
+            from .sample_split import run_sample_split
+
+            run_sample_split(P, proxies, k, counts, thr, above, flags, buf, cap, F, nsv, z, meta, pass_meta, _NPROBE,
+                             lambda name: _phase(stats, name, q_lr.device))
+        else:
+            with _phase(stats, "sample", q_lr.device):
+                _tk_sample[grid](proxies, k, counts, thr, above, flags, buf, P.Sk, P.num_items, P.num_groups, cap,
+                                 F, nsv, float(z), NPROBE=_NPROBE, NPASS=_NPASS, **meta)
         del buf
         if stats is not None:
             padded = torch.nn.functional.pad(flags.view(P.B * P.H, P.num_groups), (0, (-P.num_groups) % BG))
@@ -619,5 +660,6 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
             _tk_threshold[grid](proxies, k, counts, thr, above, flags, P.Sk, P.num_items, P.num_groups,
                                 NPROBE=_NPROBE, NPASS=_NPASS, HAS_FLAGS=fb, **meta)
     with _phase(stats, "write", q_lr.device):
-        _tk_write[grid](proxies, k, counts, thr, above, out, P.Sk, P.num_items, P.num_groups, P.kmax, **meta)
+        _tk_write[(triton.cdiv(P.num_groups, pass_meta["BG"]), P.B * P.H)](
+            proxies, k, counts, thr, above, out, P.Sk, P.num_items, P.num_groups, P.kmax, **pass_meta)
     return out, counts
