@@ -54,13 +54,13 @@ def measure(fn, rep=100):
 # defaults, triton_impl.resolve_scoring: tensor cores and 4 probes a reduction since run 21): the loop over r on FMA
 # units (the default until run 21), one fp32 tl.dot per tile, tensor cores, each with 1 or 4 probes counted per
 # cross-thread reduction in the searches
-SPLIT_TILES = ((16, 64), (32, 64), (64, 32), (128, 32), (32, 128))
+PASS_TILES = ((16, 64), (32, 64), (64, 32), (128, 32), (32, 128))
 TRITON_CANDIDATES = {"triton_loop": dict(dot=False, pack_counts=1), "triton_pack4": dict(dot=False, pack_counts=4),
                      "triton_dot": dict(dot=True, pack_counts=1), "triton_dot_pack4": dict(dot=True, pack_counts=4),
                      "triton_tc": dict(dot="tc", pack_counts=1), "triton_tc_pack4": dict(dot="tc", pack_counts=4),
-                     # "sample" as three kernels (sample_split.py), its pass over every item and the write pass on a
-                     # tile of their own (new after run 27: the fused kernel's 236 registers hold one program an SM)
-                     **{f"triton_split{g}x{n}": dict(pass_tile=(g, n)) for g, n in SPLIT_TILES}}
+                     # the window pass of "sample" and the write pass on other tiles than resolve_pass_tile's (run 27:
+                     # 16 x 64 was the fused sample kernel's, whose 236 registers held one program an SM)
+                     **{f"triton_pass{g}x{n}": dict(pass_tile=(g, n)) for g, n in PASS_TILES}}
 # block lists: "gemm" (the default until run 27: every token's score through cuBLAS, read back by the selection) and
 # method "keys" scoring each tile's blocks with one tensor-core product over their tokens then the block max
 # (scoring._scores_at; the default since run 27 on resolve_tile's 64 groups x 256 tokens): BG groups x BN blocks a

@@ -29,10 +29,10 @@
 #   test of tests/ops/test_topk_keys.py on the GPU (its rc printed), then G = 128 / blocks of 128 at 16K-128K, the
 #   default (since run 27 "keys" on tensor cores, 64 x 256-token tiles), "gemm" (the default before) and four
 #   tilings of the new scoring beside the CUDA kernel: bench_topk_estimation.TRITON_BLOCK_CANDIDATES)
-#   topksplit (~5 min: token lists, G = 32, "sample" as three kernels, its pass over every item and the write
-#   pass on their own tiles (sample_split.py, pass_tile): every test of tests/ops/test_topk_sample.py on the GPU,
-#   then 16K / 64K / 128K, the default (the fused kernel) and bench_topk_estimation.SPLIT_TILES beside the CUDA
-#   kernel, each candidate's kernels timed apart in its row's "phases")
+#   topkpass (~5 min: token lists, G = 32, the passes over every item of "sample" (its window pass) and the write
+#   pass on resolve_pass_tile's tiles and others (bench_topk_estimation.PASS_TILES; 16 x 64 the fused kernel's before
+#   run 27): every test of tests/ops/test_topk_sample.py on the GPU, then 16K / 32K / 64K / 128K beside the CUDA
+#   kernel, each row's kernels timed apart in its "phases")
 #   models (every test of tests/models and the local-list tests on the GPU host, not only the gpu-marked ones:
 #   with GPU_WHEEL_DIRS=".whl-mc019 .whl-wan" it checks megatron-core 0.19.2 and the Wan bf16 test against
 #   diffusers; .whl-mc019 = megatron-core 0.19.2, .whl-wan = diffusers 0.42.1 and its pure-Python deps)
@@ -113,17 +113,17 @@ for s in $stages; do
               --backends cuda,triton_loop,triton_tc,triton_pack4 \
               --out '$out/topk3x-candidates'; \
               \$b --granularity block --group-size 128 --block-size 128 --out '$out/topk3x-block'" ;;
-    topksplit) run topksplit 420 sh -c "python3 -m pytest -q -p no:cacheprovider tests/ops/test_topk_sample.py; \
+    topkpass) run topkpass 480 sh -c "python3 -m pytest -q -p no:cacheprovider tests/ops/test_topk_sample.py; \
                  echo pytest rc=\$?; \
                  python3 benchmarks/bench_topk_estimation.py --granularity token --group-size 32 \
-                 --backends cuda,triton,triton_split16x64,triton_split32x64,triton_split64x32,triton_split128x32,triton_split32x128 \
-                 --sizes 16384,65536,131072 --triton-max-s 131072 --out '$out/topksplit'" ;;
+                 --backends cuda,triton,triton_pass16x64,triton_pass32x64,triton_pass64x32,triton_pass128x32 \
+                 --sizes 16384,32768,65536,131072 --triton-max-s 131072 --out '$out/topkpass'" ;;
     topkblock) run topkblock 300 sh -c "python3 -m pytest -q -p no:cacheprovider tests/ops/test_topk_keys.py; \
                  echo pytest rc=\$?; \
                  python3 benchmarks/bench_topk_estimation.py --granularity block --group-size 128 --block-size 128 \
                  --backends cuda,triton,triton_gemm,triton_keys_tc,triton_keys_tc_g32,triton_keys_tc_g64,triton_keys_tc_g128 \
                  --sizes 16384,32768,65536,131072 --triton-max-s 131072 --out '$out/topkblock'" ;;
     *) echo "unknown stage $s (build tests train recall predictor topk e2e e2etok topksample topkkeys models sweep" \
-            "smallg d256 d256tune g128 artifact tok32 topk3x topkblock topksplit)"; exit 2 ;;
+            "smallg d256 d256tune g128 artifact tok32 topk3x topkblock topkpass)"; exit 2 ;;
   esac
 done

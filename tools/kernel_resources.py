@@ -146,35 +146,43 @@ def resources(fn, constexprs: Dict[str, object], num_warps: int, num_stages: int
 
 
 # the Triton top-k's (topk_estimation)
-TOPK_KERNELS = ("threshold", "threshold_flags", "slice_counts", "sample", "write", "keys")
+TOPK_KERNELS = ("threshold", "threshold_flags", "slice_counts", "sample_thresholds", "window", "window_kth", "write",
+                "keys")
 _TOPK_ARG_TYPES = {"P": "*bf16", "Kp": "*bf16", "Counts": "*i32", "Tout": "*i32", "GTout": "*i32", "Flags": "*i32",
                    "Tin": "*i32", "GTin": "*i32", "Out": "*i32", "Buf": "*i32", "Keys": "*i32", "S": "i32",
                    "n_items": "i32", "NG": "i32", "KMAX": "i32", "CAP": "i32", "F": "i32", "NSV": "i32", "Z": "fp32",
-                   "g0": "i32", "n_g": "i32", "Lo": "*i64", "Hi": "*i64", "Cnt": "*i32", "L": "i32"}
+                   "g0": "i32", "n_g": "i32", "Lo": "*i64", "Hi": "*i64", "Cnt": "*i32", "L": "i32", "Tlo": "*i32",
+                   "Thi": "*i32", "Ahi": "*i32", "Run": "*i32"}
 
 
-def topk_rows(block_sizes, r: int = 16) -> List[Dict[str, object]]:
+def topk_rows(block_sizes, r: int = 16, n_items: int = 65536) -> List[Dict[str, object]]:
     """Registers, spills and shared memory of the Triton top-k's kernels as ``estimate_topk_triton`` launches them
-    (``triton_impl.kernel_meta`` on ``resolve_tile``'s tiles with ``resolve_scoring``'s defaults; bf16 proxies and
-    keys, ``r`` ranks), per list kind (block size, 0: token lists)."""
+    (``triton_impl.kernel_meta`` on ``resolve_tile``'s tiles, the passes over every item on ``resolve_pass_tile``'s
+    for rows of ``n_items`` tokens, with ``resolve_scoring``'s defaults; bf16 proxies and keys, ``r`` ranks), per
+    list kind (block size, 0: token lists)."""
     import torch
 
-    from megatron_dsv.ops.topk_estimation import keys_impl, triton_impl as ti
+    from megatron_dsv.ops.topk_estimation import keys_impl, sample_impl, triton_impl as ti
 
     kernels = {"threshold": (ti._tk_threshold, dict(NPROBE=ti._NPROBE, NPASS=ti._NPASS, HAS_FLAGS=False)),
                "threshold_flags": (ti._tk_threshold, dict(NPROBE=ti._NPROBE, NPASS=ti._NPASS, HAS_FLAGS=True)),
                "slice_counts": (ti._tk_slice_counts, dict(NPROBE=ti._NPROBE)),
-               "sample": (ti._tk_sample, dict(NPROBE=ti._NPROBE, NPASS=ti._NPASS)),
+               "sample_thresholds": (sample_impl._ss_thresholds, dict(NPROBE=ti._NPROBE)),
+               "window": (sample_impl._ss_window, {}), "window_kth": (sample_impl._ss_kth, dict(NPROBE=ti._NPROBE)),
                "write": (ti._tk_write, {}), "keys": (keys_impl._tk_keys, {})}
     rows = []
+    tc = "tc" if ti.tensor_core_scorable(torch.bfloat16, r) else False
     for bs in block_sizes:
+        items = n_items // max(1, bs)
         for name in TOPK_KERNELS:  # each kernel on its method's tile (resolve_tile: "keys" has its own on blocks)
-            method = "keys" if name == "keys" else "search"
-            tc = "tc" if ti.tensor_core_scorable(torch.bfloat16, r) else False
-            BG, BN = ti.resolve_tile(method, tc, bs)
+            BG, BN = ti.resolve_tile("keys" if name == "keys" else "sample", tc, bs)
+            if name in ("window", "write"):
+                BG, BN = ti.resolve_pass_tile((), bs, items, BG, ti.kernel_meta(r, bs, BG=BG, BN=BN)["BN"])
             dot, pack = ti.resolve_scoring("auto", 0, torch.bfloat16, r, bs, BG, BN)
-            meta = ti.kernel_meta(r, bs, dot=dot, pack_counts=pack, BG=BG, BN=BN)
+            meta = ti.kernel_meta(r, bs, dot=dot, pack_counts=1 if (BN or 0) >= 128 else pack, BG=BG, BN=BN)
             warps = meta.pop("num_warps")
+            if name == "window_kth":  # the search on the buffer alone: no scoring settings
+                meta = {n: meta[n] for n in ("BG", "BN", "PACK")}
             fn, extra = kernels[name]
             row = dict(kernel=name, block_size=bs, BG=meta["BG"], BN=meta["BN"], num_warps=warps)
             row.update(resources(fn, dict(meta, **extra), warps, 3, _TOPK_ARG_TYPES))

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from megatron_dsv.ops.topk_estimation import estimate_topk_naive
-from megatron_dsv.ops.topk_estimation.triton_impl import (estimate_topk_triton, kernel_meta, resolve_scoring,
-                                                          sample_plan, sample_positions)
+from megatron_dsv.ops.topk_estimation.triton_impl import (estimate_topk_triton, kernel_meta, resolve_pass_tile,
+                                                          resolve_scoring, sample_plan, sample_positions)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16]
@@ -133,21 +133,20 @@ def test_fallback_adversarial_sample(dtype, hidden):
     assert nfb == 2  # both query groups
 
 
-@pytest.mark.parametrize("case,pass_tile", [(CASES[0], (32, 64)), (CASES[1], (64, 32)), (CASES[4], (64, 16))],
-                         ids=["tok-F11-32x64", "tok-G16-clip-64x32", "blk128-lse-64x16"])
-def test_split_sample_equals_naive(case, pass_tile):
-    """``pass_tile``: "sample" as three kernels (sample_split.py), the pass over all items and the write pass on a
-    tile of their own: naive's lists exactly on integer fp16 inputs (tensor-core scoring; the fused kernel's
-    fallbacks: next test)."""
+@pytest.mark.parametrize("case,pass_tile", [(CASES[0], (16, 64)), (CASES[1], (64, 32)), (CASES[4], (64, 16))],
+                         ids=["tok-F11-16x64", "tok-G16-clip-64x32", "blk128-lse-64x16"])
+def test_sample_pass_tiles_equal_naive(case, pass_tile):
+    """``pass_tile``: the window pass and the write pass on other tiles than resolve_pass_tile's (16 x 64: the fused
+    kernel's before run 27): naive's lists exactly on integer fp16 inputs (tensor-core scoring)."""
     B, H, Sq, Sk, r, G, bs, proxy, bscore, budgets, ns = case.values
     q, k = _ints((B, H, Sq, r), torch.float16, 21), _ints((B, H, Sk, r), torch.float16, 22)
     _check(q, k, budgets, G, bs, proxy, bscore, sample_size=ns, pass_tile=pass_tile)
 
 
-def test_split_sample_falls_back_as_the_fused_kernel():
+def test_sample_fallbacks_do_not_depend_on_the_pass_tile():
     """Overflowing buffers (capacity 95) and the adversarial sample (test_fallback_adversarial_sample's "low": the
-    sampled keys score highest), K = 0 and K = every item: the split kernels flag the same groups as the fused one
-    and the search gives naive's lists; a bad ``pass_tile`` names the argument."""
+    sampled keys score highest), K = 0 and K = every item, on a 16 x 128 pass tile: the same groups flagged as on
+    the default tile, naive's lists; a bad ``pass_tile`` names the argument."""
     pass_tile = (16, 128)  # 128 items a row: the pass tile's counts unpacked (pack_counts 1)
     q, k = _ints((1, 2, 64, 16), torch.float32, 28), _ints((1, 2, 400, 16), torch.float32, 29)
     nfb = _check(q, k, [30, 90], 32, sample_size=64, capacity=95, pass_tile=pass_tile)
@@ -165,6 +164,16 @@ def test_split_sample_falls_back_as_the_fused_kernel():
             estimate_topk_triton(q, k, 20, 32, method="sample", pass_tile=bad)
     with pytest.raises(ValueError, match="pass_tile"):
         estimate_topk_triton(q, k, 20, 32, method="keys", pass_tile=(32, 64))
+
+
+def test_resolve_pass_tile():
+    """Run 27's tiles for token lists (32 x 64 below 32K items, 128 x 32 from 32K), the call's tile for blocks;
+    explicit tiles pass through."""
+    assert resolve_pass_tile((), 0, 16384, 16, 64) == (32, 64) and resolve_pass_tile((), 0, 32767, 16, 64) == (32, 64)
+    assert resolve_pass_tile((), 0, 32768, 16, 64) == (128, 32)
+    assert resolve_pass_tile((), 0, 1 << 20, 16, 64) == (128, 32)
+    assert resolve_pass_tile((), 128, 1024, 16, 4) == (16, 4)
+    assert resolve_pass_tile((64, 32), 0, 100, 16, 64) == (64, 32)
 
 
 def test_methods_agree_and_validate():
@@ -268,7 +277,7 @@ def test_default_scoring_is_tensor_cores_where_they_apply(monkeypatch):
     budgets = torch.as_tensor([30, 90])
     got = estimate_topk_triton(q, k, budgets, 32, method="sample", sample_size=64)
     ref = estimate_topk_naive(q, k, budgets, 32)
-    assert seen == [("tc", 4)]
+    assert seen == [("tc", 4), ("tc", 4)]  # the call's tile, then the window and write passes' (32 x 64)
     assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
 
 

@@ -141,13 +141,14 @@ def test_keys_as_rows_forward_is_reported_with_the_sweeps_candidates(report):
 
 
 def test_topk_kernels_compile_without_spilling(report):
-    """The Triton top-k's search (whole and sliced), sample, write and keys kernels at the library's tiles and
-    scoring (``kernel_meta``, ``resolve_scoring``): the token lists' kernels spill nothing, block lists' at most a
-    few words (before its rewrite the search kernel spilled 4.6 KB a thread and "sample" 18.9 KB, Triton 3.6). This
-    machine's Triton may not be the GPU's."""
+    """The Triton top-k's search (whole and sliced), sample (its three kernels), write and keys kernels at the
+    library's tiles and scoring (``resolve_tile``, ``resolve_pass_tile``, ``kernel_meta``, ``resolve_scoring``): the
+    token lists' kernels spill nothing, block lists' at most a few words (before its rewrite the search kernel
+    spilled 4.6 KB a thread and "sample" 18.9 KB, Triton 3.6). This machine's Triton may not be the GPU's."""
     rows = report["topk"]
     assert {(r["kernel"], r["block_size"]) for r in rows} == {(k, b) for k in ("threshold", "threshold_flags",
-                                                              "slice_counts", "sample", "write", "keys")
+                                                              "slice_counts", "sample_thresholds", "window",
+                                                              "window_kth", "write", "keys")
                                                               for b in (0, 64, 128)}
     assert not [r for r in rows if "error" in r], rows
     assert all(r["spill_stores"] == 0 and r["spill_loads"] == 0 for r in rows if r["block_size"] == 0), rows

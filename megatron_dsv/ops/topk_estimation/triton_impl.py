@@ -1,4 +1,4 @@
-"""Triton backend: search kernels + the sample kernel, same score definition and order as ``naive.py``.
+"""Triton backend: search kernels and method "sample"'s, same score definition and order as ``naive.py``.
 
 ``_tk_threshold``: per query group, the K-th best item's ordered score key by a
 16-way search over the 32-bit key space (8 passes over the keys, each counting
@@ -6,7 +6,7 @@ items at or above 16 probes), plus the number of items strictly above it.
 ``_tk_write``: one ordered pass writing items above the threshold and the first
 (K - above) items equal to it, lower index first; lists come out ascending.
 Scores are recomputed in every pass (r is tiny), so memory is the output alone.
-Method "sample" (``_tk_sample``, see its docstring): each group's threshold from a sampled window, one
+Method "sample" (:mod:`.sample_impl`, three kernels): each group's threshold from a sampled window, one
 scoring pass over all items that counts the items above the window and keeps the window's keys, and an
 exact search on those; groups whose window missed are redone by ``_tk_threshold`` (flagged groups only, no
 host sync; over more than ``slice_items`` items its passes are spread over slices of them,
@@ -31,10 +31,10 @@ import triton.language as tl
 from .common import check_forced, check_problem, forced_union, tensor_core_scorable
 from .keys_impl import _lists_by_keys
 from .naive import group_proxies
-from .scoring import _item_scores, _scores_at
+from .scoring import _item_scores
 
-__all__ = ["estimate_topk_triton", "kernel_meta", "resolve_method", "resolve_scoring", "resolve_tile", "sample_plan",
-           "sample_positions", "METHODS"]
+__all__ = ["estimate_topk_triton", "kernel_meta", "resolve_method", "resolve_pass_tile", "resolve_scoring",
+           "resolve_tile", "sample_plan", "sample_positions", "METHODS"]
 
 _NPROBE = 16
 _NPASS = 9  # (17-way split) 8 passes shrink 2^32 to 1; one spare
@@ -298,117 +298,6 @@ def _tk_write(P, Kp, Counts, Tin, GTin, Out, S, n_items, NG, KMAX,
         run_eq += tl.sum(eq.to(tl.int32), axis=1)
 
 
-@triton.jit
-def _sample_thresholds(Pb, Kb, K, offs_g, mask_g, b_rows, Buf, S, n_items, CAP, F, NSV, Z,
-                       R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr,
-                       NPROBE: tl.constexpr, DOT: tl.constexpr, PACK: tl.constexpr):
-    """Step 1 of method "sample" (0 < K < n_items): the keys of item j*F + hash(j) % F of each stratum j (NSV
-    strata) into the group's buffer row, then on them (no rescoring) the sampled keys of rank m_lo ~ Texp + Z
-    sqrt(Texp) (``t_lo``) and m_hi ~ Texp - Z sqrt(Texp) (``t_hi``), Texp = K * NSV / n_items sampled items expected
-    at or above the K-th best (16-probe searches on the buffered keys). Returns int32 ``(t_lo, t_hi)`` [BG]."""
-    for j0 in range(0, NSV, BN):
-        js = j0 + tl.arange(0, BN)
-        jv = js < NSV
-        start = js.to(tl.int64) * F
-        ln = tl.maximum(tl.minimum(n_items - start, F), 1)
-        hsh = ((js.to(tl.int64) * 1779033703) & 0x7FFFFFFF) >> 7  # scatter within the stratum
-        items = tl.where(jv, start + hsh % ln, 0)
-        key = _scores_at(Pb, Kb, offs_g, mask_g, items, jv, S, R, BG, BN, BS, LSE, DOT)
-        tl.store(Buf + b_rows[:, None] + js[None, :], key, mask=mask_g[:, None] & (jv & (js < CAP))[None, :])
-    tl.debug_barrier()  # the buffer rows written above are read back by other threads below
-    texp = K.to(tl.float32) * NSV / n_items
-    marg = Z * tl.sqrt(texp)
-    if F == 1:  # the sample is every item: exact ranks
-        m_lo = K
-        m_hi = K - 1
-    else:
-        m_lo = tl.minimum((texp + marg).to(tl.int32) + 2, NSV)
-        m_hi = tl.maximum((texp - marg).to(tl.int32) - 1, 0)
-    n_s = tl.where(mask_g, NSV, 0)
-    full_lo = tl.full([BG], -2147483648, tl.int64)
-    full_hi = tl.full([BG], 2147483648, tl.int64)
-    none = tl.zeros([BG], tl.int32)
-    lo_l, _ = _kth_in_buffer(Buf, b_rows, n_s, full_lo, full_hi, none, none[:, None] + m_lo, BN, NPROBE, PACK)
-    lo_h, _ = _kth_in_buffer(Buf, b_rows, n_s, full_lo, full_hi, none, none[:, None] + m_hi, BN, NPROBE, PACK)
-    return lo_l.to(tl.int32), lo_h.to(tl.int32)  # t_hi: 2^31 - 1 when m_hi == 0
-
-
-@triton.jit
-def _window_pass(Pb, Kb, offs_g, mask_g, b_rows, Buf, t_lo, t_hi, S, n_items, CAP,
-                 R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr,
-                 DOT: tl.constexpr):
-    """Step 2 of method "sample", the one pass over all items: the exact count of keys above ``t_hi`` and the keys of
-    the window [``t_lo``, ``t_hi``] appended to the group's buffer row (those past ``CAP`` counted, not stored).
-    Returns int32 ``(a_hi, run)`` [BG], ``run`` the window's keys."""
-    run = tl.zeros([BG], tl.int32)
-    a_hi = tl.zeros([BG], tl.int32)
-    for it0 in range(0, n_items, BN):
-        key, items, valid = _item_scores(Pb, Kb, offs_g, mask_g, it0, S, n_items, R, BG, BN, BS, LSE, DOT)
-        ok = valid[None, :] & mask_g[:, None]
-        a_hi += tl.sum(((key > t_hi[:, None]) & ok).to(tl.int32), axis=1)
-        cand = (key >= t_lo[:, None]) & (key <= t_hi[:, None]) & ok
-        pos = run[:, None] + tl.cumsum(cand.to(tl.int32), axis=1) - 1
-        tl.store(Buf + b_rows[:, None] + pos, key, mask=cand & (pos < CAP))
-        run += tl.sum(cand.to(tl.int32), axis=1)
-    return a_hi, run
-
-
-@triton.jit
-def _window_kth(K, mask_g, b_rows, Buf, t_lo, t_hi, a_hi, run, CAP, BG: tl.constexpr, BN: tl.constexpr,
-                NPROBE: tl.constexpr, PACK: tl.constexpr):
-    """Step 3 of method "sample": the K-th best key overall is the (K - a_hi)-th best of the window, a 16-probe
-    search on the buffer between ``t_lo`` and ``t_hi`` + 1; groups whose window missed (a_hi >= K, fewer than K
-    items at or above t_lo, or more than CAP in the window) are ``bad``. Returns ``(t_out, gt_out, bad)`` [BG]: the
-    threshold and the count above it for :func:`_tk_write`."""
-    good = mask_g & (a_hi < K) & (a_hi + run >= K) & (run <= CAP)
-    lo = t_lo.to(tl.int64)
-    hi = tl.where(good, t_hi.to(tl.int64) + 1, lo + 1)  # failed groups: nothing to search
-    lo, c_hi = _kth_in_buffer(Buf, b_rows, tl.where(good, run, 0), lo, hi, tl.zeros([BG], tl.int32),
-                              (K - a_hi)[:, None], BN, NPROBE, PACK)
-    return lo.to(tl.int32), a_hi + c_hi, mask_g & ~good
-
-
-@triton.jit
-def _tk_sample(P, Kp, Counts, Tout, GTout, Flags, Buf, S, n_items, NG, CAP, F, NSV, Z,
-               R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr,
-               NPROBE: tl.constexpr, NPASS: tl.constexpr, DOT: tl.constexpr = False, PACK: tl.constexpr = 1):
-    """Method "sample", one program = (b, h, BG query groups): each group's threshold for :func:`_tk_write`
-    (the K-th best key ``Tout`` and the count above it ``GTout``) from ONE pass over the items:
-    1. :func:`_sample_thresholds`: a sample of the items into the group's buffer row, and from it a window
-       [t_lo, t_hi] expected to hold the K-th best key;
-    2. :func:`_window_pass`: ONE pass over all items, the exact count a_hi of keys above t_hi and the window's keys
-       appended to the buffer row (capacity CAP);
-    3. :func:`_window_kth`: the K-th best key overall, the (K - a_hi)-th best of the window;
-    4. groups whose window missed get Flags = 1: :func:`_tk_threshold` redoes those groups alone (no host sync).
-       Groups with K = 0 or K >= n_items get thresholds that select nothing or everything.
-    (:mod:`.sample_split` runs the three steps as kernels of their own.)"""
-    pid_g = tl.program_id(0)
-    bh = tl.program_id(1)
-    K = tl.load(Counts + bh)
-    offs_g = pid_g * BG + tl.arange(0, BG)
-    mask_g = offs_g < NG
-    rows = bh.to(tl.int64) * NG + offs_g  # [BG]
-    b_rows = rows * CAP
-    t_out = tl.full([BG], 2147483647, tl.int32)  # K = 0: nothing is above or equal
-    gt_out = tl.zeros([BG], tl.int32)
-    bad = offs_g < 0
-    if K >= n_items:  # every item: nothing equals the lowest key, all are above it
-        t_out = tl.full([BG], -2147483648, tl.int32)
-    elif K > 0:
-        Pb = P + bh.to(tl.int64) * NG * R
-        Kb = Kp + bh.to(tl.int64) * S * R
-        t_lo, t_hi = _sample_thresholds(Pb, Kb, K, offs_g, mask_g, b_rows, Buf, S, n_items, CAP, F, NSV, Z, R, BG,
-                                        BN, BS, LSE, NPROBE, DOT, PACK)
-        tl.debug_barrier()  # every sampled key is read before the window overwrites the rows
-        a_hi, run = _window_pass(Pb, Kb, offs_g, mask_g, b_rows, Buf, t_lo, t_hi, S, n_items, CAP, R, BG, BN, BS,
-                                 LSE, DOT)
-        tl.debug_barrier()  # the window written above is read back by other threads below
-        t_out, gt_out, bad = _window_kth(K, mask_g, b_rows, Buf, t_lo, t_hi, a_hi, run, CAP, BG, BN, NPROBE, PACK)
-    tl.store(Tout + rows, t_out, mask=mask_g & ~bad)
-    tl.store(GTout + rows, gt_out, mask=mask_g & ~bad)
-    tl.store(Flags + rows, bad.to(tl.int32), mask=mask_g)
-
-
 METHODS = ("auto", "search", "sample", "keys", "gemm")
 
 
@@ -477,6 +366,19 @@ def sample_positions(n_items: int, sample_size: int = 1024) -> torch.Tensor:
     return start + (((js * 1779033703) & 0x7FFFFFFF) >> 7) % ln
 
 
+def resolve_pass_tile(pass_tile: tuple, block_size: int, n_items: int, BG: int, BN: int):
+    """``(BG, BN)`` of the passes over every item ("sample"'s window pass, the write pass): ``pass_tile`` when given,
+    else for token lists 32 groups x 64 tokens below 32K items and 128 x 32 from 32K (run 27, H100, G = 32, bf16,
+    90%: the call 3.90 / 6.79 / 22.1 / 84.2 ms at 16K / 32K / 64K / 128K against the 16 x 64 fused kernel's 4.47 /
+    9.08 / 34.0 / 131.5; 128 x 32 took 4.83 at 16K, 32 x 64 7.01 / 25.1 / 95.2 from 32K), for block lists the
+    call's own tile ``(BG, BN)`` (not timed apart)."""
+    if pass_tile:
+        return tuple(pass_tile)
+    if block_size:
+        return BG, BN
+    return (128, 32) if n_items >= 32768 else (32, 64)
+
+
 def resolve_scoring(dot, pack_counts: int, dtype: torch.dtype, r: int, block_size: int, BG: int = 16,
                     BN: int = 0):
     """The defaults of ``dot`` ("auto") and ``pack_counts`` (0): ``dot="tc"`` where the inputs score on tensor cores
@@ -501,11 +403,12 @@ def kernel_meta(r: int, block_size: int, block_score: str = "max", BG: int = 16,
     """The launch settings of the search, sample, write and keys kernels (constexprs and ``num_warps``): tiles
     of BG groups x BN items (BN 0: 64 tokens, or blocks of 512 tokens in all) that 8 warps hold without
     spilling (Triton 3.6 and 3.9, sm_90a, ``tools/kernel_resources.py --topk``; 4 warps spilled in "sample",
-    16 x 16 x 128 block tiles in every kernel). ``dot``: a tile's scores as one ``tl.dot`` (:func:`_scores_at`; r a
-    power of two >= 16, BG >= 16 and BN items of at least 16 tokens in all; block items: the product over their
-    tokens, then each block's max or log-sum-exp). ``pack_counts`` (1, 2 or 4): probes counted per
-    cross-thread reduction in the searches (:func:`_probe_counts`; tiles of fewer than 128 items). ``dot="tc"``:
-    the same product on tensor cores in the inputs' fp16/bf16 (fp32 accumulation; not for fp32 inputs)."""
+    16 x 16 x 128 block tiles in every kernel). ``dot``: a tile's scores as one ``tl.dot``
+    (:func:`.scoring._scores_at`; r a power of two >= 16, BG >= 16 and BN items of at least 16 tokens in all; block
+    items: the product over their tokens, then each block's max or log-sum-exp). ``pack_counts`` (1, 2 or 4): probes
+    counted per cross-thread reduction in the searches (:func:`_probe_counts`; tiles of fewer than 128 items).
+    ``dot="tc"``: the same product on tensor cores in the inputs' fp16/bf16 (fp32 accumulation; not for fp32
+    inputs)."""
     if dot not in (False, True, "tc"):
         raise ValueError(f"dot must be False, True (fp32 FMA) or 'tc' (tensor cores), got {dot!r}")
     BN = BN or (64 if block_size == 0 else 1 << (max(1, 512 // block_size).bit_length() - 1))
@@ -528,7 +431,7 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     q_lr [B, H, Sq, r], k_lr [B, H, Sk, r]: Sk may differ from Sq.
 
     ``method``: "search" (two kernels: 16-probe search, 9 passes over all items, then the ordered
-    write pass), "sample" (:func:`_tk_sample`: a sampled threshold window, one pass over all items that
+    write pass), "sample" (:mod:`.sample_impl`: a sampled threshold window, one pass over all items that
     counts those above the window and keeps the window's keys in a per-group buffer, the exact threshold
     from the buffer; groups whose window missed fall back to the search kernel, on those groups only,
     without a host sync; then the ordered write pass of "search"), "keys" (:func:`keys_impl._tk_keys`:
@@ -554,7 +457,8 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     B*H*NG*capacity*4 bytes (64K tokens, G=32, H=16, 90% sparse: capacity 7936, 1.0 GB).
     ``stats``: a dict that receives, for "search" and "sample", ``fallback_groups`` and ``fallback_tiles`` (the
     groups "sample" left to the search kernel, and the tiles of BG groups that search had to scan: its cost) of
-    ``groups`` and ``tiles``, and on a GPU each kernel's time (``ms_sample``, ``ms_threshold``, ``ms_write``);
+    ``groups`` and ``tiles``, and on a GPU each step's time (``ms_sample``, ``ms_window``, ``ms_window_kth``: the
+    three kernels of "sample"; ``ms_threshold``, ``ms_write``);
     host syncs, for tests and benchmarks.
     ``slice_items``: "sample"'s fallback search spreads each flagged group's passes over slices of about this many
     items (:func:`_sliced_fallback`; one program scans all items where they are fewer); ``stats`` gets
@@ -564,10 +468,8 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     (the budgets count only the other items; :func:`~.common.forced_union`): the forced items take the lowest key
     for the selection, then join each group's list: idx ``[B, H, NG, F + Kmax]``, counts ``[B, H, NG]``.
     ``BG``, ``BN``: a tile's groups and items (0: :func:`resolve_tile`'s defaults).
-    ``pass_tile`` ``(BG, BN)``, powers of two: "sample" runs as three kernels (:mod:`.sample_split`: the same lists
-    bit for bit) whose pass over every item, and the write pass of "sample" and "search", take this tile; ``()``: the
-    fused sample kernel, every kernel on ``BG`` x ``BN``. ``stats`` then times ``ms_window`` and ``ms_window_kth``
-    beside ``ms_sample`` (the sampling step alone).
+    ``pass_tile`` ``(BG, BN)``, powers of two: the tile of the passes over every item of "sample" (its window pass)
+    and "search" (their write pass); ``()``: :func:`resolve_pass_tile`'s.
     ``dot``: the kernels score a tile with one ``tl.dot`` (block items: over their tokens, then the block score; True:
     fp32 on FMA units; "tc": fp16/bf16 on tensor cores; False: a loop over r on FMA units); ``pack_counts``: probes
     per cross-thread reduction in the searches (:func:`kernel_meta`); "auto" and 0: :func:`resolve_scoring`'s
@@ -617,10 +519,8 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     k = k_lr.contiguous()
     counts = P.counts.contiguous()
     meta = kernel_meta(P.r, block_size, block_score, BG, BN, dot, pack_counts)
-    pass_meta = meta
-    if pass_tile:
-        pass_meta = kernel_meta(P.r, block_size, block_score, pass_tile[0], pass_tile[1], dot,
-                                1 if pass_tile[1] >= 128 else pack_counts)
+    pBG, pBN = resolve_pass_tile(pass_tile, block_size, P.num_items, BG, meta["BN"])
+    pass_meta = kernel_meta(P.r, block_size, block_score, pBG, pBN, dot, 1 if pBN >= 128 else pack_counts)
     if method in ("keys", "gemm"):
         _lists_by_keys(method, P, proxies, k, out, group_counts if forced_extra else None, forced, chunk_elems, meta)
         return out, (group_counts if forced_extra else counts)
@@ -634,15 +534,10 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
         cap = max(capacity or cap, nsv)  # the buffer holds the sample first
         flags = torch.zeros(P.B, P.H, P.num_groups, dtype=torch.int32, device=q_lr.device)
         buf = torch.empty(P.B * P.H * P.num_groups * cap, dtype=torch.int32, device=q_lr.device)
-        if pass_tile:
-            from .sample_split import run_sample_split
+        from .sample_impl import run_sample  # imports this module's search functions
 
-            run_sample_split(P, proxies, k, counts, thr, above, flags, buf, cap, F, nsv, z, meta, pass_meta, _NPROBE,
-                             lambda name: _phase(stats, name, q_lr.device))
-        else:
-            with _phase(stats, "sample", q_lr.device):
-                _tk_sample[grid](proxies, k, counts, thr, above, flags, buf, P.Sk, P.num_items, P.num_groups, cap,
-                                 F, nsv, float(z), NPROBE=_NPROBE, NPASS=_NPASS, **meta)
+        run_sample(P, proxies, k, counts, thr, above, flags, buf, cap, F, nsv, z, meta, pass_meta, _NPROBE,
+                   lambda name: _phase(stats, name, q_lr.device))
         del buf
         if stats is not None:
             padded = torch.nn.functional.pad(flags.view(P.B * P.H, P.num_groups), (0, (-P.num_groups) % BG))
