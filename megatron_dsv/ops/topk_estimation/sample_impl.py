@@ -98,19 +98,28 @@ def _window_kth(K, mask_g, b_rows, Buf, t_lo, t_hi, a_hi, run, CAP, BG: tl.const
 
 
 @triton.jit
+def _tile_rows(Counts, NG, BG: tl.constexpr):
+    """A program's (b, h) ``bh`` (grid axis 1), its budget ``K`` and its BG groups (grid axis 0): ``offs_g``, the
+    ``mask_g`` of those that exist, their ``rows`` in the [B * H * NG] outputs."""
+    bh = tl.program_id(1)
+    offs_g = tl.program_id(0) * BG + tl.arange(0, BG)
+    return bh, tl.load(Counts + bh), offs_g, offs_g < NG, bh.to(tl.int64) * NG + offs_g
+
+
+@triton.jit
+def _head_inputs(P, Kp, bh, NG, S, R: tl.constexpr):
+    """The (b, h) head's proxies ``[NG, R]`` and keys ``[S, R]``."""
+    return P + bh.to(tl.int64) * NG * R, Kp + bh.to(tl.int64) * S * R
+
+
+@triton.jit
 def _ss_thresholds(P, Kp, Counts, Tlo, Thi, Buf, S, n_items, NG, CAP, F, NSV, Z,
                    R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr,
                    NPROBE: tl.constexpr, DOT: tl.constexpr = False, PACK: tl.constexpr = 1):
     """Step 1 (groups with 0 < K < n_items): :func:`_sample_thresholds`' window into ``Tlo``, ``Thi``."""
-    pid_g = tl.program_id(0)
-    bh = tl.program_id(1)
-    K = tl.load(Counts + bh)
-    offs_g = pid_g * BG + tl.arange(0, BG)
-    mask_g = offs_g < NG
-    rows = bh.to(tl.int64) * NG + offs_g
+    bh, K, offs_g, mask_g, rows = _tile_rows(Counts, NG, BG)
     if (K > 0) & (K < n_items):
-        Pb = P + bh.to(tl.int64) * NG * R
-        Kb = Kp + bh.to(tl.int64) * S * R
+        Pb, Kb = _head_inputs(P, Kp, bh, NG, S, R)
         t_lo, t_hi = _sample_thresholds(Pb, Kb, K, offs_g, mask_g, rows * CAP, Buf, S, n_items, CAP, F, NSV, Z, R,
                                         BG, BN, BS, LSE, NPROBE, DOT, PACK)
         tl.store(Tlo + rows, t_lo, mask=mask_g)
@@ -123,15 +132,9 @@ def _ss_window(P, Kp, Counts, Tlo, Thi, Buf, Ahi, Run, S, n_items, NG, CAP,
                DOT: tl.constexpr = False, PACK: tl.constexpr = 1):
     """Step 2 (groups with 0 < K < n_items): :func:`_window_pass` over every item, its counts into ``Ahi``
     and ``Run``. ``PACK`` is unused (the launch's shared settings)."""
-    pid_g = tl.program_id(0)
-    bh = tl.program_id(1)
-    K = tl.load(Counts + bh)
-    offs_g = pid_g * BG + tl.arange(0, BG)
-    mask_g = offs_g < NG
-    rows = bh.to(tl.int64) * NG + offs_g
+    bh, K, offs_g, mask_g, rows = _tile_rows(Counts, NG, BG)
     if (K > 0) & (K < n_items):
-        Pb = P + bh.to(tl.int64) * NG * R
-        Kb = Kp + bh.to(tl.int64) * S * R
+        Pb, Kb = _head_inputs(P, Kp, bh, NG, S, R)
         t_lo = tl.load(Tlo + rows, mask=mask_g, other=0)
         t_hi = tl.load(Thi + rows, mask=mask_g, other=0)
         a_hi, run = _window_pass(Pb, Kb, offs_g, mask_g, rows * CAP, Buf, t_lo, t_hi, S, n_items, CAP, R, BG, BN,
@@ -146,12 +149,7 @@ def _ss_kth(Counts, Tlo, Thi, Ahi, Run, Buf, Tout, GTout, Flags, n_items, NG, CA
     """Step 3: :func:`_window_kth`'s threshold ``Tout`` and count above it ``GTout`` for ``_tk_write``, or ``Flags``
     = 1 where the window missed; groups with K = 0 or K >= n_items get thresholds that select nothing (``Tout``
     2^31 - 1) or everything (``Tout`` -2^31, all above)."""
-    pid_g = tl.program_id(0)
-    bh = tl.program_id(1)
-    K = tl.load(Counts + bh)
-    offs_g = pid_g * BG + tl.arange(0, BG)
-    mask_g = offs_g < NG
-    rows = bh.to(tl.int64) * NG + offs_g
+    bh, K, offs_g, mask_g, rows = _tile_rows(Counts, NG, BG)
     t_out = tl.full([BG], 2147483647, tl.int32)  # K = 0: nothing is above or equal
     gt_out = tl.zeros([BG], tl.int32)
     bad = offs_g < 0
