@@ -101,7 +101,8 @@ def run(sizes, triton_max_s, out_dir, G=32, block=64, backends=("cuda", "triton"
                                                                               method=triton_method, stats=st)),
                  *[(name, "token", K, lambda st=None, kw=kw: estimate_topk_triton(q, k, K, G, method=triton_method,
                                                                                    stats=st, **kw))
-                   for name, kw in TRITON_CANDIDATES.items()],
+                   for name, kw in TRITON_CANDIDATES.items()
+                   if "pass_tile" not in kw or triton_method in ("auto", "sample", "search")],  # passes of these
                  *[(name, "block", Kb, lambda kw=kw: estimate_topk_triton(q, k, Kb, G, block, **kw))
                    for name, kw in TRITON_BLOCK_CANDIDATES.items()],
                  ("torch_topk", "token", K, lambda: artifact_topk(q, k, K, G))]

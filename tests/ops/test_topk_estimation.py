@@ -231,6 +231,9 @@ def test_auto_takes_triton_where_it_measured_faster(monkeypatch, caplog):
     assert backend == "triton" and "'gemm' method measured faster" in reason
     backend, reason = te._backend_and_reason(cuda, None, 128, 128, 65536, tensor_cores=True)
     assert backend == "triton" and "'keys' method measured faster" in reason and "any number of" in reason
+    # estimate_topk's inputs decide ``tensor_cores``: bf16 / fp16 with r a power of two >= 16
+    assert te._tensor_cores(torch.zeros(1, 1, 4, 16, dtype=torch.bfloat16))
+    assert not te._tensor_cores(torch.zeros(1, 1, 4, 16)) and not te._tensor_cores(torch.zeros(1, 1, 4, 8).half())
     monkeypatch.setattr(cuda_impl, "cuda_extension", lambda: None)
     backend, reason = te._backend_and_reason(cuda, None, 128, 128, 16384)
     assert backend == "triton" and "not built" in reason

@@ -151,15 +151,26 @@ def test_resolve_tile_defaults():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_auto_block_lists_on_the_default_tile(dtype):
+def test_auto_block_lists_on_the_default_tile(dtype, monkeypatch):
     """The defaults as they run: "auto" on fp16 block lists scores on tensor cores in "keys" on 64 x 256-token
     tiles, fp32 ones in "gemm"; both give naive's lists on integer inputs (exact in fp16: |x| <= 8, r = 16)
     over odd lengths, a partial last block, fewer groups than a tile, clipped budgets and forced items."""
+    from megatron_dsv.ops.topk_estimation import triton_impl
+
     q, k = _ints((1, 2, 200, 16), dtype, 45), _ints((1, 2, 1000, 16), dtype, 46)
     budgets = torch.tensor([[3, 9]])
+    ran = []
+    lists_by_keys = triton_impl._lists_by_keys
+    monkeypatch.setattr(triton_impl, "_lists_by_keys", lambda method, *a: ran.append((method, a[-1])) or
+                        lists_by_keys(method, *a))
     ref = estimate_topk_naive(q, k, budgets, 32, 128)
     got = estimate_topk_triton(q, k, budgets, 32, 128)
     assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+    method, meta = ran[0]
+    if dtype == torch.float16:  # "keys", tensor cores (DOT 2), 64 groups x 2 blocks of 128
+        assert (method, meta["DOT"], meta["BG"], meta["BN"]) == ("keys", 2, 64, 2)
+    else:
+        assert method == "gemm"
     forced = torch.tensor([[0, 7], [1, -1], [2, 3], [4, -1], [5, 6], [7, -1], [0, -1]])
     ref = estimate_topk_naive(q, k, budgets, 32, 128, forced=forced, forced_extra=True)
     got = estimate_topk_triton(q, k, budgets, 32, 128, forced=forced, forced_extra=True)
@@ -179,8 +190,8 @@ def test_select_from_keys_tie_rule_and_padding():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiles the tensor-core product: needs a CUDA GPU")
-@pytest.mark.parametrize("BG,BN", [(16, 0), (32, 0), (64, 2), (128, 2)],
-                         ids=["BG16", "BG32", "BG64-BN2", "BG128-BN2"])
+@pytest.mark.parametrize("BG,BN", [(16, 4), (32, 4), (64, 2), (128, 2)],
+                         ids=["BG16-BN4", "BG32-BN4", "BG64-BN2", "BG128-BN2"])
 def test_block_items_on_tensor_cores_give_naives_lists_up_to_near_ties_on_the_gpu(BG, BN):
     """Continuous bf16 inputs, the library's block lists (G = 128, blocks of 128 keys, a partial last block):
     method "keys" with ``dot="tc"`` (the bench's block candidates' tiles) must give naive's lists except items within

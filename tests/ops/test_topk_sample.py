@@ -40,9 +40,10 @@ def _check(q, k, budgets, G, bs=0, proxy="mean", bscore="max", **kw):
     assert got[0].shape == ref[0].shape and got[0].dtype == torch.int32
     bad = (ref[0] != got[0]).nonzero()
     assert bad.numel() == 0, f"{bad.shape[0]} entries differ, first at {bad[:3].tolist()}"
-    # the search kernel's share: every flagged group lies in a scanned tile of BG (16) groups, and no other tile
-    assert st["groups"] == q.shape[0] * q.shape[1] * -(-q.shape[2] // G)
-    assert -(-st["fallback_groups"] // 16) <= st["fallback_tiles"] <= min(st["fallback_groups"], st["tiles"])
+    # the search kernel's share: every flagged group lies in a scanned tile of the pass tile's groups, no other tile
+    heads, ng, tg = q.shape[0] * q.shape[1], -(-q.shape[2] // G), st["tile_groups"]
+    assert st["groups"] == heads * ng and st["tiles"] == heads * -(-ng // tg)
+    assert -(-st["fallback_groups"] // tg) <= st["fallback_tiles"] <= min(st["fallback_groups"], st["tiles"])
     return st["fallback_groups"]
 
 
@@ -159,9 +160,14 @@ def test_sample_fallbacks_do_not_depend_on_the_pass_tile():
     kk = _ints((1, 1, Sk, 8), torch.float32, 30, lo=0, hi=3)
     kk[0, 0, sampled] += 4.0
     assert _check(torch.ones(1, 1, 64, 8, device=DEV), kk, [400], 32, sample_size=ns, pass_tile=pass_tile) == 2
-    for bad in [(48, 64), (32,), (0, 64)]:
+    for bad in [(48, 64), (32,), (0, 64), (True, 64)]:
         with pytest.raises(ValueError, match="pass_tile"):
             estimate_topk_triton(q, k, 20, 32, method="sample", pass_tile=bad)
+    q16, k16 = q.half(), k.half()  # r = 8: no tensor cores; r = 16 scores on them, on tiles of >= 16 groups
+    estimate_topk_triton(q16, k16, 20, 32, method="sample", pass_tile=(8, 64))
+    q16, k16 = _ints((1, 1, 64, 16), torch.float16, 24), _ints((1, 1, 300, 16), torch.float16, 25)
+    with pytest.raises(ValueError, match=r"`pass_tile` \(8, 64\).*dot='tc'"):
+        estimate_topk_triton(q16, k16, 20, 32, method="sample", pass_tile=(8, 64))
     with pytest.raises(ValueError, match="pass_tile"):
         estimate_topk_triton(q, k, 20, 32, method="keys", pass_tile=(32, 64))
 

@@ -20,8 +20,8 @@
 
 Backend: ``DSV_TOPK_BACKEND`` in {auto, cuda, triton, naive}; auto = the CUDA extension when
 ``megatron_dsv._C`` is built and the tensors are on CUDA, except in the cells where Triton measured faster
-(:data:`TRITON_FASTER_UP_TO`: 128-query groups over 128-key blocks at any length with fp16/bf16 inputs), else
-Triton on CUDA, else naive (CPU).
+(:data:`TRITON_FASTER_UP_TO`: 128-query groups over 128-key blocks, at any length where the inputs score on tensor
+cores, fp16/bf16 with r a power of two >= 16, else up to 32K keys), else Triton on CUDA, else naive (CPU).
 Every backend selects the same lists (see ``common.py`` for the exact score definition).
 :func:`estimate_topk` logs (``logging``, once per backend and reason) which backend it uses and why:
 on a GPU without the extension the Triton fallback is 5-8x slower than the CUDA kernel on token lists

@@ -367,11 +367,12 @@ def sample_positions(n_items: int, sample_size: int = 1024) -> torch.Tensor:
 
 
 def resolve_pass_tile(pass_tile: tuple, block_size: int, n_items: int, BG: int, BN: int):
-    """``(BG, BN)`` of the passes over every item ("sample"'s window pass, the write pass): ``pass_tile`` when given,
-    else for token lists 32 groups x 64 tokens below 32K items and 128 x 32 from 32K (run 27, H100, G = 32, bf16,
-    90%: the call 3.90 / 6.79 / 22.1 / 84.2 ms at 16K / 32K / 64K / 128K against the 16 x 64 fused kernel's 4.47 /
-    9.08 / 34.0 / 131.5; 128 x 32 took 4.83 at 16K, 32 x 64 7.01 / 25.1 / 95.2 from 32K), for block lists the
-    call's own tile ``(BG, BN)`` (not timed apart)."""
+    """``(BG, BN)`` of the passes that decide the lists ("sample"'s window pass, the exact search, the write pass):
+    ``pass_tile`` when given, else for token lists 32 groups x 64 tokens below 32K items and 128 x 32 from 32K (run
+    27b, H100, G = 32, bf16, 90%: the call 3.90 / 6.79 / 22.1 / 84.2 ms at 16K / 32K / 64K / 128K against the 16 x 64
+    fused kernel's 4.47 / 9.08 / 34.0 / 131.5; 128 x 32 took 4.83 at 16K, 32 x 64 7.01 / 25.1 / 95.2 from 32K; the
+    exact search ran on 16 x 64 then, on this tile since: untimed), for block lists the call's own tile ``(BG,
+    BN)``."""
     if pass_tile:
         return tuple(pass_tile)
     if block_size:
@@ -402,13 +403,13 @@ def kernel_meta(r: int, block_size: int, block_score: str = "max", BG: int = 16,
                 dot: bool | str = False, pack_counts: int = 1) -> dict:
     """The launch settings of the search, sample, write and keys kernels (constexprs and ``num_warps``): tiles
     of BG groups x BN items (BN 0: 64 tokens, or blocks of 512 tokens in all) that 8 warps hold without
-    spilling (Triton 3.6 and 3.9, sm_90a, ``tools/kernel_resources.py --topk``; 4 warps spilled in "sample",
-    16 x 16 x 128 block tiles in every kernel). ``dot``: a tile's scores as one ``tl.dot``
-    (:func:`.scoring._scores_at`; r a power of two >= 16, BG >= 16 and BN items of at least 16 tokens in all; block
-    items: the product over their tokens, then each block's max or log-sum-exp). ``pack_counts`` (1, 2 or 4): probes
-    counted per cross-thread reduction in the searches (:func:`_probe_counts`; tiles of fewer than 128 items).
-    ``dot="tc"``: the same product on tensor cores in the inputs' fp16/bf16 (fp32 accumulation; not for fp32
-    inputs)."""
+    spilling (Triton 3.6 and 3.9, sm_90a, ``tools/kernel_resources.py --topk``; 4 warps spilled in the fused
+    "sample" kernel of before run 27, 16 x 16 x 128 block tiles in every kernel). ``dot``: a tile's scores as one
+    ``tl.dot`` (:func:`.scoring._scores_at`; r a power of two >= 16, BG >= 16 and BN items of at least 16 tokens in
+    all; block items: the product over their tokens, then each block's max or log-sum-exp). ``pack_counts`` (1, 2
+    or 4): probes counted per cross-thread reduction in the searches (:func:`_probe_counts`; tiles of fewer than 128
+    items). ``dot="tc"``: the same product on tensor cores in the inputs' fp16/bf16 (fp32 accumulation; not for
+    fp32 inputs)."""
     if dot not in (False, True, "tc"):
         raise ValueError(f"dot must be False, True (fp32 FMA) or 'tc' (tensor cores), got {dot!r}")
     BN = BN or (64 if block_size == 0 else 1 << (max(1, 512 // block_size).bit_length() - 1))
@@ -456,10 +457,10 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     smaller value forces overflow in tests; at least the sample). Extra memory of "sample":
     B*H*NG*capacity*4 bytes (64K tokens, G=32, H=16, 90% sparse: capacity 7936, 1.0 GB).
     ``stats``: a dict that receives, for "search" and "sample", ``fallback_groups`` and ``fallback_tiles`` (the
-    groups "sample" left to the search kernel, and the tiles of BG groups that search had to scan: its cost) of
-    ``groups`` and ``tiles``, and on a GPU each step's time (``ms_sample``, ``ms_window``, ``ms_window_kth``: the
-    three kernels of "sample"; ``ms_threshold``, ``ms_write``);
-    host syncs, for tests and benchmarks.
+    groups "sample" left to the search kernel, and the tiles of ``tile_groups`` groups (the pass tile's) that search
+    had to scan: its cost) of ``groups`` and ``tiles``, and on a GPU each step's time (``ms_sample``,
+    ``ms_window``, ``ms_window_kth``: the three kernels of "sample"; ``ms_threshold``, ``ms_write``); host syncs,
+    for tests and benchmarks.
     ``slice_items``: "sample"'s fallback search spreads each flagged group's passes over slices of about this many
     items (:func:`_sliced_fallback`; one program scans all items where they are fewer); ``stats`` gets
     ``fallback_slices``, the slices of a pass (1: one program).
@@ -468,8 +469,10 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     (the budgets count only the other items; :func:`~.common.forced_union`): the forced items take the lowest key
     for the selection, then join each group's list: idx ``[B, H, NG, F + Kmax]``, counts ``[B, H, NG]``.
     ``BG``, ``BN``: a tile's groups and items (0: :func:`resolve_tile`'s defaults).
-    ``pass_tile`` ``(BG, BN)``, powers of two: the tile of the passes over every item of "sample" (its window pass)
-    and "search" (their write pass); ``()``: :func:`resolve_pass_tile`'s.
+    ``pass_tile`` ``(BG, BN)``, powers of two: the tile of the passes that decide the lists, "sample"'s window pass,
+    the exact search ("search", and "sample"'s fallback) and the write pass, so that every key they compare is
+    computed on one tile; ``()``: :func:`resolve_pass_tile`'s. ``BG`` x ``BN`` then tiles "sample"'s sampling and
+    its search in the window.
     ``dot``: the kernels score a tile with one ``tl.dot`` (block items: over their tokens, then the block score; True:
     fp32 on FMA units; "tc": fp16/bf16 on tensor cores; False: a loop over r on FMA units); ``pack_counts``: probes
     per cross-thread reduction in the searches (:func:`kernel_meta`); "auto" and 0: :func:`resolve_scoring`'s
@@ -478,7 +481,7 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     scores through cuBLAS and ignores ``dot``.
     """
     P = check_problem(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score)
-    tc = tensor_core_scorable(q_lr.dtype, P.r) and dot in ("auto", "tc")
+    tc = tensor_core_scorable(q_lr.dtype, P.r) and dot in ("auto", "tc") and (BG == 0 or BG >= 16)
     method = resolve_method(method, block_size, tc, forced is not None)
     BG, BN = resolve_tile(method, "tc" if tc else dot, block_size, BG, BN)
     if forced is not None and method not in ("keys", "gemm"):
@@ -488,7 +491,7 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
         raise ValueError(f"estimate_topk_triton: `slice_items` must be >= 1, got {slice_items}")
     if chunk_elems < 1:
         raise ValueError(f"estimate_topk_triton: `chunk_elems` must be >= 1, got {chunk_elems}")
-    if pass_tile and (len(pass_tile) != 2 or any(not isinstance(v, int) or v < 1 or v & (v - 1) for v in pass_tile)
+    if pass_tile and (len(pass_tile) != 2 or any(type(v) is not int or v < 1 or v & (v - 1) for v in pass_tile)
                       or method not in ("sample", "search")):
         raise ValueError(f"estimate_topk_triton: `pass_tile` must be (BG, BN), powers of two, with method 'sample' or "
                          f"'search'; got {pass_tile!r} with method {method!r}")
@@ -510,21 +513,26 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
             return out, group_counts
     else:
         out = torch.full((P.B, P.H, P.num_groups, P.kmax), -1, dtype=torch.int32, device=q_lr.device)
+    meta = kernel_meta(P.r, block_size, block_score, BG, BN, dot, pack_counts)
+    # the passes that decide the lists (the window pass, the exact search, the write pass) score on one tile, so that
+    # every key they compare is computed the same way (a tensor-core product's rounding may depend on the tile)
+    pBG, pBN = resolve_pass_tile(pass_tile, block_size, P.num_items, BG, meta["BN"])
+    try:
+        pass_meta = kernel_meta(P.r, block_size, block_score, pBG, pBN, dot, 1 if pBN >= 128 else pack_counts)
+    except ValueError as e:
+        raise ValueError(f"estimate_topk_triton: `pass_tile` {(pBG, pBN)}: {e}") from None
     if stats is not None:
-        stats.update(fallback_groups=0, fallback_tiles=0, groups=P.B * P.H * P.num_groups,
-                     tiles=P.B * P.H * triton.cdiv(P.num_groups, BG))
+        stats.update(fallback_groups=0, fallback_tiles=0, groups=P.B * P.H * P.num_groups, tile_groups=pBG,
+                     tiles=P.B * P.H * triton.cdiv(P.num_groups, pBG))
     if P.kmax == 0:
         return out, P.counts
     proxies = group_proxies(q_lr, group_size, proxy, kernel=True).contiguous()  # [B, H, NG, r]
     k = k_lr.contiguous()
     counts = P.counts.contiguous()
-    meta = kernel_meta(P.r, block_size, block_score, BG, BN, dot, pack_counts)
-    pBG, pBN = resolve_pass_tile(pass_tile, block_size, P.num_items, BG, meta["BN"])
-    pass_meta = kernel_meta(P.r, block_size, block_score, pBG, pBN, dot, 1 if pBN >= 128 else pack_counts)
     if method in ("keys", "gemm"):
         _lists_by_keys(method, P, proxies, k, out, group_counts if forced_extra else None, forced, chunk_elems, meta)
         return out, (group_counts if forced_extra else counts)
-    grid = (triton.cdiv(P.num_groups, BG), P.B * P.H)
+    grid = (triton.cdiv(P.num_groups, pBG), P.B * P.H)  # the search's and the write pass's
     thr = torch.empty(P.B, P.H, P.num_groups, dtype=torch.int32, device=q_lr.device)
     above = torch.empty_like(thr)
     fb = method == "sample"
@@ -540,9 +548,9 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
                    lambda name: _phase(stats, name, q_lr.device))
         del buf
         if stats is not None:
-            padded = torch.nn.functional.pad(flags.view(P.B * P.H, P.num_groups), (0, (-P.num_groups) % BG))
+            padded = torch.nn.functional.pad(flags.view(P.B * P.H, P.num_groups), (0, (-P.num_groups) % pBG))
             stats.update(fallback_groups=int(flags.sum()),
-                         fallback_tiles=int(padded.view(P.B * P.H, -1, BG).amax(dim=2).sum()))
+                         fallback_tiles=int(padded.view(P.B * P.H, -1, pBG).amax(dim=2).sum()))
     elif stats is not None:  # "search" scans every tile
         stats.update(fallback_groups=stats["groups"], fallback_tiles=stats["tiles"])
     n_slices = triton.cdiv(P.num_items, slice_items) if fb else 1
@@ -550,11 +558,10 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
         stats["fallback_slices"] = n_slices
     with _phase(stats, "threshold", q_lr.device):
         if n_slices > 1:
-            _sliced_fallback(P, proxies, k, counts, flags, thr, above, grid, n_slices, meta)
+            _sliced_fallback(P, proxies, k, counts, flags, thr, above, grid, n_slices, pass_meta)
         else:
             _tk_threshold[grid](proxies, k, counts, thr, above, flags, P.Sk, P.num_items, P.num_groups,
-                                NPROBE=_NPROBE, NPASS=_NPASS, HAS_FLAGS=fb, **meta)
+                                NPROBE=_NPROBE, NPASS=_NPASS, HAS_FLAGS=fb, **pass_meta)
     with _phase(stats, "write", q_lr.device):
-        _tk_write[(triton.cdiv(P.num_groups, pass_meta["BG"]), P.B * P.H)](
-            proxies, k, counts, thr, above, out, P.Sk, P.num_items, P.num_groups, P.kmax, **pass_meta)
+        _tk_write[grid](proxies, k, counts, thr, above, out, P.Sk, P.num_items, P.num_groups, P.kmax, **pass_meta)
     return out, counts
