@@ -179,7 +179,7 @@ def topk_rows(block_sizes, r: int = 16, n_items: int = 65536) -> List[Dict[str, 
             if name in ("threshold", "threshold_flags", "slice_counts", "window", "write"):  # the passes that decide
                 BG, BN = ti.resolve_pass_tile((), bs, items, BG, ti.kernel_meta(r, bs, BG=BG, BN=BN)["BN"])
             dot, pack = ti.resolve_scoring("auto", 0, torch.bfloat16, r, bs, BG, BN)
-            meta = ti.kernel_meta(r, bs, dot=dot, pack_counts=1 if (BN or 0) >= 128 else pack, BG=BG, BN=BN)
+            meta = ti.kernel_meta(r, bs, dot=dot, pack_counts=pack, BG=BG, BN=BN)
             warps = meta.pop("num_warps")
             if name == "window_kth":  # the search on the buffer alone: no scoring settings
                 meta = {n: meta[n] for n in ("BG", "BN", "PACK")}
