@@ -152,7 +152,7 @@ _TOPK_ARG_TYPES = {"P": "*bf16", "Kp": "*bf16", "Counts": "*i32", "Tout": "*i32"
                    "Tin": "*i32", "GTin": "*i32", "Out": "*i32", "Buf": "*i32", "Keys": "*i32", "S": "i32",
                    "n_items": "i32", "NG": "i32", "KMAX": "i32", "CAP": "i32", "F": "i32", "NSV": "i32", "Z": "fp32",
                    "g0": "i32", "n_g": "i32", "Lo": "*i64", "Hi": "*i64", "Cnt": "*i32", "L": "i32", "Tlo": "*i32",
-                   "Thi": "*i32", "Ahi": "*i32", "Run": "*i32"}
+                   "Thi": "*i32", "Ahi": "*i32", "Run": "*i32", "Small": "*i32"}
 
 
 def topk_rows(block_sizes, r: int = 16, n_items: int = 65536) -> List[Dict[str, object]]:
@@ -167,8 +167,9 @@ def topk_rows(block_sizes, r: int = 16, n_items: int = 65536) -> List[Dict[str, 
     kernels = {"threshold": (ti._tk_threshold, dict(NPROBE=ti._NPROBE, NPASS=ti._NPASS, HAS_FLAGS=False)),
                "threshold_flags": (ti._tk_threshold, dict(NPROBE=ti._NPROBE, NPASS=ti._NPASS, HAS_FLAGS=True)),
                "slice_counts": (ti._tk_slice_counts, dict(NPROBE=ti._NPROBE)),
-               "sample_thresholds": (sample_impl._ss_thresholds, dict(NPROBE=ti._NPROBE)),
-               "window": (sample_impl._ss_window, {}), "window_kth": (sample_impl._ss_kth, dict(NPROBE=ti._NPROBE)),
+               "sample_thresholds": (sample_impl._ss_thresholds, dict(NPROBE=ti._NPROBE, SMALL=sample_impl.SMALL_KEYS)),
+               "window": (sample_impl._ss_window, {}),
+               "window_kth": (sample_impl._ss_kth, dict(NPROBE=ti._NPROBE, SMALL=sample_impl.SMALL_KEYS)),
                "write": (ti._tk_write, {}), "keys": (keys_impl._tk_keys, {})}
     rows = []
     tc = "tc" if ti.tensor_core_scorable(torch.bfloat16, r) else False

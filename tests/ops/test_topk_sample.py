@@ -144,6 +144,23 @@ def test_sample_pass_tiles_equal_naive(case, pass_tile):
     _check(q, k, budgets, G, bs, proxy, bscore, sample_size=ns, pass_tile=pass_tile)
 
 
+@pytest.mark.parametrize("small", [1, 16])
+@pytest.mark.parametrize("case", [0, 1, 3], ids=["tok-F11", "tok-G16-clip", "blk64-F4"])
+def test_sample_searches_finish_on_copied_keys(case, small, monkeypatch):
+    """The searches in the buffer (the sample's two ranks, the window's K-th) read it until a row's range holds at most
+    ``SMALL_KEYS`` keys, then go on over those keys copied out (``_kth_compacting``); a limit of 1 or 16 keys forces
+    several narrowing passes over the buffer before the copy (512, the default, holds these small windows whole at
+    once): naive's lists exactly, on fp32 and on tensor-core-scored fp16 integer inputs, overflowing buffers too."""
+    from megatron_dsv.ops.topk_estimation import sample_impl
+    monkeypatch.setattr(sample_impl, "SMALL_KEYS", small)
+    B, H, Sq, Sk, r, G, bs, proxy, bscore, budgets, ns = CASES[case].values
+    for dtype, seed in [(torch.float32, 41), (torch.float16, 43)]:
+        q, k = _ints((B, H, Sq, r), dtype, seed), _ints((B, H, Sk, r), dtype, seed + 1)
+        _check(q, k, budgets, G, bs, proxy, bscore, sample_size=ns)
+    q, k = _ints((1, 2, 64, 16), torch.float32, 28), _ints((1, 2, 400, 16), torch.float32, 29)
+    assert _check(q, k, [30, 90], 32, sample_size=64, capacity=95) > 0
+
+
 def test_sample_fallbacks_do_not_depend_on_the_pass_tile():
     """Overflowing buffers (capacity 95) and the adversarial sample (test_fallback_adversarial_sample's "low": the
     sampled keys score highest), K = 0 and K = every item, on a 16 x 128 pass tile: the same groups flagged as on

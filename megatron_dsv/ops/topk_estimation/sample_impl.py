@@ -22,15 +22,19 @@ import triton
 import triton.language as tl
 
 from .scoring import _item_scores, _scores_at
-from .triton_impl import _kth_in_buffer
+from .triton_impl import _kth_compacting
 
-__all__ = ["run_sample"]
+__all__ = ["run_sample", "SMALL_KEYS"]
+
+# a search on the buffer copies a row's keys out once its range holds at most this many (``_kth_compacting``): 2 KB
+# a group of extra memory (64K tokens, G = 32, H = 16: 64 MB beside the buffer's 1.0 GB)
+SMALL_KEYS = 512
 
 
 @triton.jit
-def _sample_thresholds(Pb, Kb, K, offs_g, mask_g, b_rows, Buf, S, n_items, CAP, F, NSV, Z,
+def _sample_thresholds(Pb, Kb, K, offs_g, mask_g, b_rows, Buf, Small, s_rows, S, n_items, CAP, F, NSV, Z,
                        R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr,
-                       NPROBE: tl.constexpr, DOT: tl.constexpr, PACK: tl.constexpr):
+                       NPROBE: tl.constexpr, DOT: tl.constexpr, PACK: tl.constexpr, SMALL: tl.constexpr):
     """Step 1 of method "sample" (0 < K < n_items): the keys of item j*F + hash(j) % F of each stratum j (NSV
     strata) into the group's buffer row, then on them (no rescoring) the sampled keys of rank m_lo ~ Texp + Z
     sqrt(Texp) (``t_lo``) and m_hi ~ Texp - Z sqrt(Texp) (``t_hi``), Texp = K * NSV / n_items sampled items expected
@@ -57,8 +61,10 @@ def _sample_thresholds(Pb, Kb, K, offs_g, mask_g, b_rows, Buf, S, n_items, CAP, 
     full_lo = tl.full([BG], -2147483648, tl.int64)
     full_hi = tl.full([BG], 2147483648, tl.int64)
     none = tl.zeros([BG], tl.int32)
-    lo_l, _ = _kth_in_buffer(Buf, b_rows, n_s, full_lo, full_hi, none, none[:, None] + m_lo, BN, NPROBE, PACK)
-    lo_h, _ = _kth_in_buffer(Buf, b_rows, n_s, full_lo, full_hi, none, none[:, None] + m_hi, BN, NPROBE, PACK)
+    lo_l, _ = _kth_compacting(Buf, b_rows, n_s, full_lo, full_hi, n_s, none, none[:, None] + m_lo, Small, s_rows,
+                              SMALL, BN, NPROBE, PACK)
+    lo_h, _ = _kth_compacting(Buf, b_rows, n_s, full_lo, full_hi, n_s, none, none[:, None] + m_hi, Small, s_rows,
+                              SMALL, BN, NPROBE, PACK)
     return lo_l.to(tl.int32), lo_h.to(tl.int32)  # t_hi: 2^31 - 1 when m_hi == 0
 
 
@@ -74,17 +80,21 @@ def _window_pass(Pb, Kb, offs_g, mask_g, b_rows, Buf, t_lo, t_hi, S, n_items, CA
     for it0 in range(0, n_items, BN):
         key, items, valid = _item_scores(Pb, Kb, offs_g, mask_g, it0, S, n_items, R, BG, BN, BS, LSE, DOT)
         ok = valid[None, :] & mask_g[:, None]
-        a_hi += tl.sum(((key > t_hi[:, None]) & ok).to(tl.int32), axis=1)
         cand = (key >= t_lo[:, None]) & (key <= t_hi[:, None]) & ok
-        pos = run[:, None] + tl.cumsum(cand.to(tl.int32), axis=1) - 1
+        # one scan and one sum count both: the window's keys in the low 16 bits, those above it in the high ones
+        # (a tile row holds BN < 2^15 items)
+        both = cand.to(tl.int32) + (((key > t_hi[:, None]) & ok).to(tl.int32) << 16)
+        pos = run[:, None] + (tl.cumsum(both, axis=1) & 0xFFFF) - 1
         tl.store(Buf + b_rows[:, None] + pos, key, mask=cand & (pos < CAP))
-        run += tl.sum(cand.to(tl.int32), axis=1)
+        tot = tl.sum(both, axis=1)
+        run += tot & 0xFFFF
+        a_hi += tot >> 16
     return a_hi, run
 
 
 @triton.jit
-def _window_kth(K, mask_g, b_rows, Buf, t_lo, t_hi, a_hi, run, CAP, BG: tl.constexpr, BN: tl.constexpr,
-                NPROBE: tl.constexpr, PACK: tl.constexpr):
+def _window_kth(K, mask_g, b_rows, Buf, Small, s_rows, t_lo, t_hi, a_hi, run, CAP, BG: tl.constexpr,
+                BN: tl.constexpr, NPROBE: tl.constexpr, PACK: tl.constexpr, SMALL: tl.constexpr):
     """Step 3 of method "sample": the K-th best key overall is the (K - a_hi)-th best of the window, a 16-probe
     search on the buffer between ``t_lo`` and ``t_hi`` + 1; groups whose window missed (a_hi >= K, fewer than K
     items at or above t_lo, or more than CAP in the window) are ``bad``. Returns ``(t_out, gt_out, bad)`` [BG]: the
@@ -92,8 +102,9 @@ def _window_kth(K, mask_g, b_rows, Buf, t_lo, t_hi, a_hi, run, CAP, BG: tl.const
     good = mask_g & (a_hi < K) & (a_hi + run >= K) & (run <= CAP)
     lo = t_lo.to(tl.int64)
     hi = tl.where(good, t_hi.to(tl.int64) + 1, lo + 1)  # failed groups: nothing to search
-    lo, c_hi = _kth_in_buffer(Buf, b_rows, tl.where(good, run, 0), lo, hi, tl.zeros([BG], tl.int32),
-                              (K - a_hi)[:, None], BN, NPROBE, PACK)
+    n_w = tl.where(good, run, 0)
+    lo, c_hi = _kth_compacting(Buf, b_rows, n_w, lo, hi, n_w, tl.zeros([BG], tl.int32), (K - a_hi)[:, None], Small,
+                               s_rows, SMALL, BN, NPROBE, PACK)
     return lo.to(tl.int32), a_hi + c_hi, mask_g & ~good
 
 
@@ -113,15 +124,16 @@ def _head_inputs(P, Kp, bh, NG, S, R: tl.constexpr):
 
 
 @triton.jit
-def _ss_thresholds(P, Kp, Counts, Tlo, Thi, Buf, S, n_items, NG, CAP, F, NSV, Z,
+def _ss_thresholds(P, Kp, Counts, Tlo, Thi, Buf, Small, S, n_items, NG, CAP, F, NSV, Z,
                    R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr,
-                   NPROBE: tl.constexpr, DOT: tl.constexpr = False, PACK: tl.constexpr = 1):
-    """Step 1 (groups with 0 < K < n_items): :func:`_sample_thresholds`' window into ``Tlo``, ``Thi``."""
+                   NPROBE: tl.constexpr, SMALL: tl.constexpr, DOT: tl.constexpr = False, PACK: tl.constexpr = 1):
+    """Step 1 (groups with 0 < K < n_items): :func:`_sample_thresholds`' window into ``Tlo``, ``Thi`` (``Small``:
+    SMALL slots a group for its searches' last steps)."""
     bh, K, offs_g, mask_g, rows = _tile_rows(Counts, NG, BG)
     if (K > 0) & (K < n_items):
         Pb, Kb = _head_inputs(P, Kp, bh, NG, S, R)
-        t_lo, t_hi = _sample_thresholds(Pb, Kb, K, offs_g, mask_g, rows * CAP, Buf, S, n_items, CAP, F, NSV, Z, R,
-                                        BG, BN, BS, LSE, NPROBE, DOT, PACK)
+        t_lo, t_hi = _sample_thresholds(Pb, Kb, K, offs_g, mask_g, rows * CAP, Buf, Small, rows * SMALL, S, n_items,
+                                        CAP, F, NSV, Z, R, BG, BN, BS, LSE, NPROBE, DOT, PACK, SMALL)
         tl.store(Tlo + rows, t_lo, mask=mask_g)
         tl.store(Thi + rows, t_hi, mask=mask_g)
 
@@ -144,8 +156,8 @@ def _ss_window(P, Kp, Counts, Tlo, Thi, Buf, Ahi, Run, S, n_items, NG, CAP,
 
 
 @triton.jit
-def _ss_kth(Counts, Tlo, Thi, Ahi, Run, Buf, Tout, GTout, Flags, n_items, NG, CAP,
-            BG: tl.constexpr, BN: tl.constexpr, NPROBE: tl.constexpr, PACK: tl.constexpr = 1):
+def _ss_kth(Counts, Tlo, Thi, Ahi, Run, Buf, Small, Tout, GTout, Flags, n_items, NG, CAP,
+            BG: tl.constexpr, BN: tl.constexpr, NPROBE: tl.constexpr, SMALL: tl.constexpr, PACK: tl.constexpr = 1):
     """Step 3: :func:`_window_kth`'s threshold ``Tout`` and count above it ``GTout`` for ``_tk_write``, or ``Flags``
     = 1 where the window missed; groups with K = 0 or K >= n_items get thresholds that select nothing (``Tout``
     2^31 - 1) or everything (``Tout`` -2^31, all above)."""
@@ -160,8 +172,8 @@ def _ss_kth(Counts, Tlo, Thi, Ahi, Run, Buf, Tout, GTout, Flags, n_items, NG, CA
         t_hi = tl.load(Thi + rows, mask=mask_g, other=0)
         a_hi = tl.load(Ahi + rows, mask=mask_g, other=0)
         run = tl.load(Run + rows, mask=mask_g, other=0)
-        t_out, gt_out, bad = _window_kth(K, mask_g, rows * CAP, Buf, t_lo, t_hi, a_hi, run, CAP, BG, BN, NPROBE,
-                                         PACK)
+        t_out, gt_out, bad = _window_kth(K, mask_g, rows * CAP, Buf, Small, rows * SMALL, t_lo, t_hi, a_hi, run,
+                                         CAP, BG, BN, NPROBE, PACK, SMALL)
     tl.store(Tout + rows, t_out, mask=mask_g & ~bad)
     tl.store(GTout + rows, gt_out, mask=mask_g & ~bad)
     tl.store(Flags + rows, bad.to(tl.int32), mask=mask_g)
@@ -176,14 +188,15 @@ def run_sample(P, proxies, k, counts, thr, above, flags, buf, cap: int, F: int, 
     ``ms_window``, ``ms_window_kth``)."""
     rows = P.B * P.H * P.num_groups
     t_lo, t_hi, a_hi, run = (torch.empty(rows, dtype=torch.int32, device=proxies.device) for _ in range(4))
+    small = torch.empty(rows * SMALL_KEYS, dtype=torch.int32, device=proxies.device)
     grid = (triton.cdiv(P.num_groups, meta["BG"]), P.B * P.H)
     with phase("sample"):
-        _ss_thresholds[grid](proxies, k, counts, t_lo, t_hi, buf, P.Sk, P.num_items, P.num_groups, cap, F, nsv,
-                             float(z), NPROBE=nprobe, **meta)
+        _ss_thresholds[grid](proxies, k, counts, t_lo, t_hi, buf, small, P.Sk, P.num_items, P.num_groups, cap, F, nsv,
+                             float(z), NPROBE=nprobe, SMALL=SMALL_KEYS, **meta)
     with phase("window"):
         _ss_window[(triton.cdiv(P.num_groups, pass_meta["BG"]), P.B * P.H)](
             proxies, k, counts, t_lo, t_hi, buf, a_hi, run, P.Sk, P.num_items, P.num_groups, cap, **pass_meta)
     narrow = {n: meta[n] for n in ("BG", "BN", "PACK", "num_warps")}
     with phase("window_kth"):
-        _ss_kth[grid](counts, t_lo, t_hi, a_hi, run, buf, thr, above, flags, P.num_items, P.num_groups, cap,
-                      NPROBE=nprobe, **narrow)
+        _ss_kth[grid](counts, t_lo, t_hi, a_hi, run, buf, small, thr, above, flags, P.num_items, P.num_groups, cap,
+                      NPROBE=nprobe, SMALL=SMALL_KEYS, **narrow)

@@ -152,6 +152,46 @@ def _kth_in_buffer(Buf, b_rows, n_c, lo, hi, c_hi, rank, BN: tl.constexpr, NPROB
 
 
 @triton.jit
+def _kth_compacting(Buf, b_rows, n_c, lo, hi, c_lo, c_hi, rank, Small, s_rows, SMALL: tl.constexpr,
+                    BN: tl.constexpr, NPROBE: tl.constexpr, PACK: tl.constexpr = 1):
+    """:func:`_kth_in_buffer`'s result (the ``rank``-th best key among each row's first ``n_c`` buffered keys, and
+    the count above it), reading the buffer only until each row's range [lo, hi) holds at most SMALL keys: those
+    keys are then copied to the row's ``Small`` slots (at ``Small + s_rows``, SMALL a row) and the search ends
+    there, on a few hundred keys instead of thousands (one pass over the buffer to narrow and one to copy, against
+    5-8 narrowing passes over it). Starts from (lo, hi, c_lo = count(key >= lo), c_hi = count(key >= hi)) as
+    :func:`_kth_in_buffer` does (hi = lo + 1: a row left alone); ``rank`` [BG, 1]."""
+    n_max = tl.max(n_c, axis=0)
+    while tl.max((((hi - lo) > 1) & (c_lo - c_hi > SMALL)).to(tl.int32), axis=0) > 0:
+        cnt = tl.zeros([lo.shape[0], NPROBE], tl.int32)
+        for c0 in range(0, n_max, BN):
+            cp = c0 + tl.arange(0, BN)
+            cv = cp[None, :] < n_c[:, None]
+            key = tl.load(Buf + b_rows[:, None] + cp[None, :], mask=cv, other=0)
+            cnt = _probe_counts(key, cv, lo, hi, cnt, NPROBE, PACK)
+        live = (hi - lo) > 1
+        n_lo, n_hi, n_ch = _narrow(lo, hi, c_hi, cnt, rank, NPROBE)
+        c_lo = tl.where(live, tl.min(tl.where(cnt >= rank, cnt, c_lo[:, None]), axis=1), c_lo)
+        lo = tl.where(live, n_lo, lo)
+        hi = tl.where(live, n_hi, hi)
+        c_hi = tl.where(live, n_ch, c_hi)
+    live = (hi - lo) > 1
+    n_s = tl.where(live, c_lo - c_hi, 0)
+    tl.debug_barrier()  # a previous search in this program may still be reading the Small slots
+    run = tl.zeros_like(n_s)
+    for c0 in range(0, tl.max(tl.where(live, n_c, 0), axis=0), BN):
+        cp = c0 + tl.arange(0, BN)
+        key = tl.load(Buf + b_rows[:, None] + cp[None, :], mask=cp[None, :] < n_c[:, None], other=0)
+        inr = (cp[None, :] < n_c[:, None]) & (key >= lo[:, None]) & (key < hi[:, None]) & live[:, None]
+        pos = run[:, None] + tl.cumsum(inr.to(tl.int32), axis=1) - 1
+        tl.store(Small + s_rows[:, None] + pos, key, mask=inr)
+        run += tl.sum(inr.to(tl.int32), axis=1)
+    tl.debug_barrier()  # the Small slots written above are read back by other threads below
+    lo, c_s = _kth_in_buffer(Small, s_rows, n_s, lo, tl.where(live, hi, lo + 1), tl.zeros_like(n_s),
+                             rank - c_hi[:, None], BN, NPROBE, PACK)
+    return lo, c_hi + c_s
+
+
+@triton.jit
 def _tk_threshold(P, Kp, Counts, Tout, GTout, Flags, S, n_items, NG,
                   R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr,
                   NPROBE: tl.constexpr, NPASS: tl.constexpr, HAS_FLAGS: tl.constexpr, DOT: tl.constexpr = False,
@@ -279,9 +319,10 @@ def _tk_write(P, Kp, Counts, Tin, GTin, Out, S, n_items, NG, KMAX,
     Pb = P + bh.to(tl.int64) * NG * R
     Kb = Kp + bh.to(tl.int64) * S * R
     t = tl.load(Tin + bh * NG + offs_g, mask=mask_g, other=0)
-    need_eq = K - tl.load(GTin + bh * NG + offs_g, mask=mask_g, other=0)
+    # >= 0: a threshold that disagreed with these keys could never write before the group's row
+    need_eq = tl.maximum(K - tl.load(GTin + bh * NG + offs_g, mask=mask_g, other=0), 0)
     o_rows = Out + (bh.to(tl.int64) * NG + offs_g) * KMAX  # [BG]
-    run_sel = tl.zeros([BG], tl.int32)
+    run_gt = tl.zeros([BG], tl.int32)
     run_eq = tl.zeros([BG], tl.int32)
     n_loop = tl.where(K > 0, n_items, 0)
     for it0 in range(0, n_loop, BN):
@@ -289,13 +330,19 @@ def _tk_write(P, Kp, Counts, Tin, GTin, Out, S, n_items, NG, KMAX,
         ok = valid[None, :] & mask_g[:, None]
         gt = (key > t[:, None]) & ok
         eq = (key == t[:, None]) & ok
-        eq_rank = run_eq[:, None] + tl.cumsum(eq.to(tl.int32), axis=1)
+        # one scan counts both, those above in the low 16 bits, those equal in the high ones (BN < 2^15): item j is
+        # selected if above, or equal within the first need_eq equal ones; selected up to j: the row's keys above
+        # up to j, plus min(its equal ones up to j, need_eq)
+        both = gt.to(tl.int32) + (eq.to(tl.int32) << 16)
+        pre = tl.cumsum(both, axis=1)
+        eq_rank = run_eq[:, None] + (pre >> 16)
         sel = gt | (eq & (eq_rank <= need_eq[:, None]))
-        pos = run_sel[:, None] + tl.cumsum(sel.to(tl.int32), axis=1) - 1
+        pos = run_gt[:, None] + (pre & 0xFFFF) + tl.minimum(eq_rank, need_eq[:, None]) - 1
         # pos < K: a threshold that disagreed with these keys could never write past the group's row
         tl.store(o_rows[:, None] + pos, items[None, :], mask=sel & (pos < K))
-        run_sel += tl.sum(sel.to(tl.int32), axis=1)
-        run_eq += tl.sum(eq.to(tl.int32), axis=1)
+        tot = tl.sum(both, axis=1)
+        run_gt += tot & 0xFFFF
+        run_eq += tot >> 16
 
 
 METHODS = ("auto", "search", "sample", "keys", "gemm")
@@ -416,6 +463,8 @@ def kernel_meta(r: int, block_size: int, block_score: str = "max", BG: int = 16,
     if dot and (r < 16 or r & (r - 1) or BG < 16 or BN * max(1, block_size) < 16):
         raise ValueError(f"dot={dot!r} scores with r a power of two >= 16 on tiles of at least 16 groups x 16 tokens; "
                          f"got r={r}, BG={BG}, BN={BN} items of block_size={block_size}")
+    if BN >= 1 << 15:
+        raise ValueError(f"a tile holds fewer than 32768 items (the passes count two things in one int32); got BN={BN}")
     if pack_counts not in (1, 2, 4) or (pack_counts > 1 and BN >= 128):
         raise ValueError(f"pack_counts must be 1, 2 or 4, and 1 for tiles of 128 items or more (8-bit counts); "
                          f"got pack_counts={pack_counts} with BN={BN}")
