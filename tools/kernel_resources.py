@@ -152,14 +152,14 @@ _TOPK_ARG_TYPES = {"P": "*bf16", "Kp": "*bf16", "Counts": "*i32", "Tout": "*i32"
                    "Tin": "*i32", "GTin": "*i32", "Out": "*i32", "Buf": "*i32", "Keys": "*i32", "S": "i32",
                    "n_items": "i32", "NG": "i32", "KMAX": "i32", "CAP": "i32", "F": "i32", "NSV": "i32", "Z": "fp32",
                    "g0": "i32", "n_g": "i32", "Lo": "*i64", "Hi": "*i64", "Cnt": "*i32", "L": "i32", "Tlo": "*i32",
-                   "Thi": "*i32", "Ahi": "*i32", "Run": "*i32", "Small": "*i32"}
+                   "Thi": "*i32", "Ahi": "*i32", "Run": "*i32", "Small": "*i32", "TileIds": "*i32",
+                   "NFlagged": "*i32", "n_tiles": "i32", "n_slices": "i32"}
 
 
-def topk_rows(block_sizes, r: int = 16, n_items: int = 65536) -> List[Dict[str, object]]:
+def topk_rows(block_sizes, r: int = 16) -> List[Dict[str, object]]:
     """Registers, spills and shared memory of the Triton top-k's kernels as ``estimate_topk_triton`` launches them
     (``triton_impl.kernel_meta`` on ``resolve_tile``'s tiles, the passes that decide the lists (the exact search, the
-    window pass, the write pass) on ``resolve_pass_tile``'s for rows of ``n_items`` tokens, with ``resolve_scoring``'s
-    defaults; bf16 proxies and keys, ``r`` ranks), per list kind (block size, 0: token lists)."""
+    window pass, the write pass) on ``resolve_pass_tile``'s, with ``resolve_scoring``'s defaults; bf16 proxies and keys, ``r`` ranks), per list kind (block size, 0: token lists)."""
     import torch
 
     from megatron_dsv.ops.topk_estimation import keys_impl, sample_impl, triton_impl as ti
@@ -174,11 +174,10 @@ def topk_rows(block_sizes, r: int = 16, n_items: int = 65536) -> List[Dict[str, 
     rows = []
     tc = "tc" if ti.tensor_core_scorable(torch.bfloat16, r) else False
     for bs in block_sizes:
-        items = n_items // max(1, bs)
         for name in TOPK_KERNELS:  # each kernel on its method's tile (resolve_tile: "keys" has its own on blocks)
             BG, BN = ti.resolve_tile("keys" if name == "keys" else "sample", tc, bs)
             if name in ("threshold", "threshold_flags", "slice_counts", "window", "write"):  # the passes that decide
-                BG, BN = ti.resolve_pass_tile((), bs, items, BG, ti.kernel_meta(r, bs, BG=BG, BN=BN)["BN"])
+                BG, BN = ti.resolve_pass_tile((), bs, BG, ti.kernel_meta(r, bs, BG=BG, BN=BN)["BN"])
             dot, pack = ti.resolve_scoring("auto", 0, torch.bfloat16, r, bs, BG, BN)
             meta = ti.kernel_meta(r, bs, dot=dot, pack_counts=pack, BG=BG, BN=BN)
             warps = meta.pop("num_warps")

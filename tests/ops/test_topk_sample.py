@@ -111,6 +111,23 @@ def test_sliced_fallback_equals_naive(dtype, slice_items):
         estimate_topk_triton(q, k, budgets, 32, slice_items=0)
 
 
+def test_sliced_fallback_shares_many_tiles_among_few_programs(monkeypatch):
+    """The fallback's programs take the flagged tiles' (tile, slice) work items in turn: with 3 programs for 3 heads x
+    3 flagged 16-group tiles x 3 slices of 128 items (and groups flagged in some heads only), every flagged group's
+    threshold, so naive's lists; the unflagged head's lists untouched."""
+    from megatron_dsv.ops.topk_estimation import triton_impl
+
+    monkeypatch.setattr(triton_impl, "_FALLBACK_PROGRAMS", 3)
+    q, k = _ints((1, 4, 40 * 32, 8), torch.float32, 31), _ints((1, 4, 300, 8), torch.float32, 32)
+    budgets = torch.as_tensor([60, 0, 45, 100])
+    ref = estimate_topk_naive(q, k, budgets, 32)
+    st = {}
+    got = estimate_topk_triton(q, k, budgets, 32, method="sample", sample_size=64, capacity=64, stats=st,
+                               slice_items=128, pass_tile=(16, 64))
+    assert st["fallback_groups"] == 3 * 40 and st["fallback_tiles"] == 3 * 3 and st["fallback_slices"] == 3
+    assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
 @pytest.mark.parametrize("hidden", ["high", "low"])
 def test_fallback_adversarial_sample(dtype, hidden):
@@ -190,13 +207,11 @@ def test_sample_fallbacks_do_not_depend_on_the_pass_tile():
 
 
 def test_resolve_pass_tile():
-    """Run 27's tiles for token lists (32 x 64 below 32K items, 128 x 32 from 32K), the call's tile for blocks;
-    explicit tiles pass through."""
-    assert resolve_pass_tile((), 0, 16384, 16, 64) == (32, 64) and resolve_pass_tile((), 0, 32767, 16, 64) == (32, 64)
-    assert resolve_pass_tile((), 0, 32768, 16, 64) == (128, 32)
-    assert resolve_pass_tile((), 0, 1 << 20, 16, 64) == (128, 32)
-    assert resolve_pass_tile((), 128, 1024, 16, 4) == (16, 4)
-    assert resolve_pass_tile((64, 32), 0, 100, 16, 64) == (64, 32)
+    """Run 28's tile for token lists (32 x 64 at every length), the call's tile for blocks; explicit tiles pass
+    through."""
+    assert resolve_pass_tile((), 0, 16, 64) == (32, 64) and resolve_pass_tile((), 0, 16, 16) == (32, 64)
+    assert resolve_pass_tile((), 128, 16, 4) == (16, 4)
+    assert resolve_pass_tile((64, 32), 0, 16, 64) == (64, 32)
 
 
 def test_methods_agree_and_validate():

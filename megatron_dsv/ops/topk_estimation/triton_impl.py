@@ -226,50 +226,65 @@ def _tk_threshold(P, Kp, Counts, Tout, GTout, Flags, S, n_items, NG,
 
 
 @triton.jit
-def _tk_slice_counts(P, Kp, Flags, Lo, Hi, Cnt, S, n_items, NG, L,
+def _flagged_tiles(Flags, TileIds, NFlagged, NG, BG: tl.constexpr):
+    """Program (tile, b * H + h): if a group of its tile of BG groups is flagged by "sample", its number
+    ``bh * n_tiles + tile`` into ``TileIds`` at a slot taken from ``NFlagged`` (an atomic counter): the tiles the
+    fallback's passes visit, in any order (each tile's search is its own)."""
+    tile = tl.program_id(0)
+    bh = tl.program_id(1)
+    offs_g = tile * BG + tl.arange(0, BG)
+    fl = tl.load(Flags + bh * NG + offs_g, mask=offs_g < NG, other=0)
+    if tl.max(fl, axis=0) != 0:
+        slot = tl.atomic_add(NFlagged, 1)
+        tl.store(TileIds + slot, bh * tl.num_programs(0) + tile)
+
+
+@triton.jit
+def _flagged_tile(TileIds, j, Flags, NG, n_tiles, BG: tl.constexpr):
+    """The j-th flagged tile: its (b, h) ``bh``, its groups ``offs_g``, the ``mask_g`` of its flagged ones, their
+    ``rows`` in the [B * H * NG] outputs."""
+    t = tl.load(TileIds + j)
+    bh = t // n_tiles
+    offs_g = (t % n_tiles) * BG + tl.arange(0, BG)
+    rows = bh.to(tl.int64) * NG + offs_g
+    fl = tl.load(Flags + rows, mask=offs_g < NG, other=0)
+    return bh, offs_g, (offs_g < NG) & (fl != 0), rows
+
+
+@triton.jit
+def _tk_slice_counts(P, Kp, Flags, TileIds, NFlagged, Lo, Hi, Cnt, S, n_items, NG, n_tiles, L, n_slices,
                      R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr,
                      NPROBE: tl.constexpr, DOT: tl.constexpr = False, PACK: tl.constexpr = 1):
     """One pass of :func:`_tk_threshold`'s search for the groups flagged by "sample", spread over slices of L items
-    (a multiple of BN): program (tile, b * H + h, slice) adds its slice's counts at the probes of each flagged
-    group's (``Lo``, ``Hi``) to ``Cnt`` [B * H * NG, NPROBE] (atomics); :func:`_tk_slice_narrow` then narrows.
-    A tile without a flagged group returns at once."""
-    pid_g = tl.program_id(0)
-    bh = tl.program_id(1)
-    it_lo = tl.program_id(2) * L
-    offs_g = pid_g * BG + tl.arange(0, BG)
-    mask_g = offs_g < NG
-    fl = tl.load(Flags + bh * NG + offs_g, mask=mask_g, other=0)
-    mask_g = mask_g & (fl != 0)
-    it_hi = tl.where(tl.max(fl, axis=0) != 0, tl.minimum(it_lo + L, n_items), it_lo)
-    rows = bh.to(tl.int64) * NG + offs_g
+    (a multiple of BN): the work items (flagged tile, slice), ``NFlagged * n_slices`` of them, are shared round-robin
+    by the programs of this 1-D grid; each adds its slice's counts at the probes of each flagged group's (``Lo``,
+    ``Hi``) to ``Cnt`` [B * H * NG, NPROBE] (atomics); :func:`_tk_slice_narrow` then narrows. With no flagged tile
+    every program returns at once, so the grid, not the problem, sets the cost of a pass that finds nothing."""
     pcol = tl.arange(0, NPROBE)
-    if it_hi > it_lo:
+    for w in range(tl.program_id(0), tl.load(NFlagged) * n_slices, tl.num_programs(0)):
+        bh, offs_g, mask_g, rows = _flagged_tile(TileIds, w // n_slices, Flags, NG, n_tiles, BG)
+        it_lo = (w % n_slices) * L
         Pb = P + bh.to(tl.int64) * NG * R
         Kb = Kp + bh.to(tl.int64) * S * R
         lo = tl.load(Lo + rows, mask=mask_g, other=0)
         hi = tl.load(Hi + rows, mask=mask_g, other=1)
         cnt = tl.zeros([BG, NPROBE], tl.int32)
-        for it0 in range(it_lo, it_hi, BN):
+        for it0 in range(it_lo, tl.minimum(it_lo + L, n_items), BN):
             key, items, valid = _item_scores(Pb, Kb, offs_g, mask_g, it0, S, n_items, R, BG, BN, BS, LSE, DOT)
             cnt = _probe_counts(key, valid[None, :], lo, hi, cnt, NPROBE, PACK)
         tl.atomic_add(Cnt + rows[:, None] * NPROBE + pcol[None, :], cnt, mask=mask_g[:, None])
 
 
 @triton.jit
-def _tk_slice_narrow(Counts, Flags, Lo, Hi, Chi, Cnt, Tout, GTout, NG,
+def _tk_slice_narrow(Counts, Flags, TileIds, NFlagged, Lo, Hi, Chi, Cnt, Tout, GTout, NG, n_tiles,
                      BG: tl.constexpr, NPROBE: tl.constexpr, LAST: tl.constexpr):
-    """The narrowing step after :func:`_tk_slice_counts`: each flagged group's (``Lo``, ``Hi``, ``Chi``) from the
-    summed counts, which it clears for the next pass; after the LAST pass its threshold and the count above it
-    (``Tout``, ``GTout``), as :func:`_tk_threshold` stores them."""
-    pid_g = tl.program_id(0)
-    bh = tl.program_id(1)
-    offs_g = pid_g * BG + tl.arange(0, BG)
-    mask_g = offs_g < NG
-    fl = tl.load(Flags + bh * NG + offs_g, mask=mask_g, other=0)
-    mask_g = mask_g & (fl != 0)
-    if tl.max(fl, axis=0) != 0:
+    """The narrowing step after :func:`_tk_slice_counts`, the flagged tiles shared round-robin by this 1-D grid's
+    programs: each flagged group's (``Lo``, ``Hi``, ``Chi``) from the summed counts, which it clears for the next pass;
+    after the LAST pass its threshold and the count above it (``Tout``, ``GTout``), as :func:`_tk_threshold` stores
+    them."""
+    for j in range(tl.program_id(0), tl.load(NFlagged), tl.num_programs(0)):
+        bh, offs_g, mask_g, rows = _flagged_tile(TileIds, j, Flags, NG, n_tiles, BG)
         K = tl.load(Counts + bh)
-        rows = bh.to(tl.int64) * NG + offs_g
         cells = rows[:, None] * NPROBE + tl.arange(0, NPROBE)[None, :]
         cnt = tl.load(Cnt + cells, mask=mask_g[:, None], other=0)
         lo = tl.load(Lo + rows, mask=mask_g, other=0)
@@ -285,24 +300,37 @@ def _tk_slice_narrow(Counts, Flags, Lo, Hi, Chi, Cnt, Tout, GTout, NG,
             tl.store(GTout + rows, c_hi, mask=mask_g)
 
 
-def _sliced_fallback(P, proxies, k, counts, flags, thr, above, grid, n_slices: int, meta: dict) -> None:
+# programs of the fallback's launches: enough to spread a few flagged tiles' slices over every SM, few enough that a
+# pass finding no flagged tile (the common case) costs a launch, not a wave of programs a tile
+_FALLBACK_PROGRAMS = 1024
+
+
+def _sliced_fallback(P, proxies, k, counts, flags, thr, above, n_slices: int, meta: dict) -> None:
     """:func:`_tk_threshold`'s search on the groups "sample" flagged, each pass's counts spread over ``n_slices``
-    slices of the items (:func:`_tk_slice_counts`, then :func:`_tk_slice_narrow`): 2 * NPASS launches, and a
-    flagged tile's 9 passes over all items shared by n_slices programs instead of one (run 21, H100: 1-4 flagged
-    groups of 32K-64K took 12-25 ms in one program each, a quarter of the top-k's time)."""
+    slices of the items (:func:`_tk_slice_counts`, then :func:`_tk_slice_narrow`), on the tiles listed on the device
+    by :func:`_flagged_tiles` (no host sync): 2 * NPASS + 1 launches of at most ``_FALLBACK_PROGRAMS`` programs.
+    Run 21 (H100): 1-4 flagged groups of 32K-64K took 12-25 ms in one program each, so the slices; run 28: with
+    every tile of every head in each launch's grid, the 18 launches cost 0.5-0.7 ms at 16K-64K with NO group
+    flagged, and 2 flagged groups at 128K took 3.7-7.8 ms on 16 slices, hence the list of tiles."""
     rows = P.B * P.H * P.num_groups
     dev = proxies.device
     lo = torch.full((rows,), -2 ** 31, dtype=torch.int64, device=dev)
     hi = torch.full((rows,), 2 ** 31, dtype=torch.int64, device=dev)
     c_hi = torch.zeros(rows, dtype=torch.int32, device=dev)
     cnt = torch.zeros(rows, _NPROBE, dtype=torch.int32, device=dev)
+    n_tiles = triton.cdiv(P.num_groups, meta["BG"])
+    tile_ids = torch.empty(P.B * P.H * n_tiles, dtype=torch.int32, device=dev)
+    n_flagged = torch.zeros(1, dtype=torch.int32, device=dev)
+    _flagged_tiles[(n_tiles, P.B * P.H)](flags, tile_ids, n_flagged, P.num_groups, BG=meta["BG"])
     length = triton.cdiv(triton.cdiv(P.num_items, n_slices), meta["BN"]) * meta["BN"]
-    narrow_meta = dict(BG=meta["BG"], NPROBE=_NPROBE)
+    n_slices = triton.cdiv(P.num_items, length)
+    grid_counts = (min(_FALLBACK_PROGRAMS, tile_ids.numel() * n_slices),)
+    grid_narrow = (min(_FALLBACK_PROGRAMS, tile_ids.numel()),)
     for p in range(_NPASS):
-        _tk_slice_counts[(*grid, triton.cdiv(P.num_items, length))](
-            proxies, k, flags, lo, hi, cnt, P.Sk, P.num_items, P.num_groups, length, NPROBE=_NPROBE, **meta)
-        _tk_slice_narrow[grid](counts, flags, lo, hi, c_hi, cnt, thr, above, P.num_groups,
-                               LAST=p == _NPASS - 1, **narrow_meta)
+        _tk_slice_counts[grid_counts](proxies, k, flags, tile_ids, n_flagged, lo, hi, cnt, P.Sk, P.num_items,
+                                      P.num_groups, n_tiles, length, n_slices, NPROBE=_NPROBE, **meta)
+        _tk_slice_narrow[grid_narrow](counts, flags, tile_ids, n_flagged, lo, hi, c_hi, cnt, thr, above, P.num_groups,
+                                      n_tiles, BG=meta["BG"], NPROBE=_NPROBE, LAST=p == _NPASS - 1)
 
 
 @triton.jit
@@ -413,18 +441,17 @@ def sample_positions(n_items: int, sample_size: int = 1024) -> torch.Tensor:
     return start + (((js * 1779033703) & 0x7FFFFFFF) >> 7) % ln
 
 
-def resolve_pass_tile(pass_tile: tuple, block_size: int, n_items: int, BG: int, BN: int):
+def resolve_pass_tile(pass_tile: tuple, block_size: int, BG: int, BN: int):
     """``(BG, BN)`` of the passes that decide the lists ("sample"'s window pass, the exact search, the write pass):
-    ``pass_tile`` when given, else for token lists 32 groups x 64 tokens below 32K items and 128 x 32 from 32K (run
-    27b, H100, G = 32, bf16, 90%: the call 3.90 / 6.79 / 22.1 / 84.2 ms at 16K / 32K / 64K / 128K against the 16 x 64
-    fused kernel's 4.47 / 9.08 / 34.0 / 131.5; 128 x 32 took 4.83 at 16K, 32 x 64 7.01 / 25.1 / 95.2 from 32K; the
-    exact search ran on 16 x 64 then, on this tile since: untimed), for block lists the call's own tile ``(BG,
-    BN)``."""
+    ``pass_tile`` when given, else for token lists 32 groups x 64 tokens (run 28, H100, G = 32, bf16, 90%, one scan a
+    tile: the call 1.60 / 5.02 / 17.86 / 71.35 ms at 16K / 32K / 64K / 128K; 128 x 32, run 27b's choice from 32K
+    items, 2.76 / 5.30 / 17.68 / 75.59, 64 x 32 1.92 / 5.06 / 18.19 / 75.73; the exact search of a flagged group also
+    costs less on 32 groups than on 128), for block lists the call's own tile ``(BG, BN)``."""
     if pass_tile:
         return tuple(pass_tile)
     if block_size:
         return BG, BN
-    return (128, 32) if n_items >= 32768 else (32, 64)
+    return 32, 64
 
 
 def resolve_scoring(dot, pack_counts: int, dtype: torch.dtype, r: int, block_size: int, BG: int = 16,
@@ -476,7 +503,7 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
                          BG: int = 0, BN: int = 0, method: str = "auto", *, sample_size: int = 1024,
                          z: float = 4.0, capacity: int = 0, stats: dict | None = None, chunk_elems: int = 1 << 25,
                          forced=None, forced_extra: bool = False, dot: bool | str = "auto", pack_counts: int = 0,
-                         slice_items: int = 8192, pass_tile: tuple = ()):
+                         slice_items: int = 1024, pass_tile: tuple = ()):
     """Same contract as :func:`estimate_topk`, on Triton (GPU, or CPU under TRITON_INTERPRET=1).
     q_lr [B, H, Sq, r], k_lr [B, H, Sk, r]: Sk may differ from Sq.
 
@@ -511,8 +538,8 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     ``ms_window``, ``ms_window_kth``: the three kernels of "sample"; ``ms_threshold``, ``ms_write``); host syncs,
     for tests and benchmarks.
     ``slice_items``: "sample"'s fallback search spreads each flagged group's passes over slices of about this many
-    items (:func:`_sliced_fallback`; one program scans all items where they are fewer); ``stats`` gets
-    ``fallback_slices``, the slices of a pass (1: one program).
+    items (:func:`_sliced_fallback`, its programs taking the flagged tiles' slices in turn; one program scans all items
+    where they are fewer); ``stats`` gets ``fallback_slices``, the slices of a pass (1: one program).
     ``forced`` [NG, F] (local + predicted lists): items ranked first in their group; methods "keys" and
     "gemm" (their keys buffer takes the top key); "auto" then picks "gemm" for token lists. ``forced_extra``
     (the budgets count only the other items; :func:`~.common.forced_union`): the forced items take the lowest key
@@ -565,7 +592,7 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     meta = kernel_meta(P.r, block_size, block_score, BG, BN, dot, pack_counts)
     # the passes that decide the lists (the window pass, the exact search, the write pass) score on one tile, so that
     # every key they compare is computed the same way (a tensor-core product's rounding may depend on the tile)
-    pBG, pBN = resolve_pass_tile(pass_tile, block_size, P.num_items, BG, meta["BN"])
+    pBG, pBN = resolve_pass_tile(pass_tile, block_size, BG, meta["BN"])
     try:
         pass_meta = kernel_meta(P.r, block_size, block_score, pBG, pBN, dot, 1 if pBN >= 128 else pack_counts)
     except ValueError as e:
@@ -607,7 +634,7 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
         stats["fallback_slices"] = n_slices
     with _phase(stats, "threshold", q_lr.device):
         if n_slices > 1:
-            _sliced_fallback(P, proxies, k, counts, flags, thr, above, grid, n_slices, pass_meta)
+            _sliced_fallback(P, proxies, k, counts, flags, thr, above, n_slices, pass_meta)
         else:
             _tk_threshold[grid](proxies, k, counts, thr, above, flags, P.Sk, P.num_items, P.num_groups,
                                 NPROBE=_NPROBE, NPASS=_NPASS, HAS_FLAGS=fb, **pass_meta)
