@@ -146,14 +146,15 @@ def resources(fn, constexprs: Dict[str, object], num_warps: int, num_stages: int
 
 
 # the Triton top-k's (topk_estimation)
-TOPK_KERNELS = ("threshold", "threshold_flags", "slice_counts", "sample_thresholds", "window", "window_kth", "write",
+TOPK_KERNELS = ("threshold", "threshold_flags", "slice_pass", "sample_thresholds", "window", "window_kth", "write",
                 "keys")
 _TOPK_ARG_TYPES = {"P": "*bf16", "Kp": "*bf16", "Counts": "*i32", "Tout": "*i32", "GTout": "*i32", "Flags": "*i32",
                    "Tin": "*i32", "GTin": "*i32", "Out": "*i32", "Buf": "*i32", "Keys": "*i32", "S": "i32",
                    "n_items": "i32", "NG": "i32", "KMAX": "i32", "CAP": "i32", "F": "i32", "NSV": "i32", "Z": "fp32",
                    "g0": "i32", "n_g": "i32", "Lo": "*i64", "Hi": "*i64", "Cnt": "*i32", "L": "i32", "Tlo": "*i32",
                    "Thi": "*i32", "Ahi": "*i32", "Run": "*i32", "Small": "*i32", "TileIds": "*i32",
-                   "NFlagged": "*i32", "n_tiles": "i32", "n_slices": "i32"}
+                   "NFlagged": "*i32", "n_tiles": "i32", "n_slices": "i32", "TileDone": "*i32",
+                   "Chi": "*i32"}
 
 
 def topk_rows(block_sizes, r: int = 16) -> List[Dict[str, object]]:
@@ -166,7 +167,7 @@ def topk_rows(block_sizes, r: int = 16) -> List[Dict[str, object]]:
 
     kernels = {"threshold": (ti._tk_threshold, dict(NPROBE=ti._NPROBE, NPASS=ti._NPASS, HAS_FLAGS=False)),
                "threshold_flags": (ti._tk_threshold, dict(NPROBE=ti._NPROBE, NPASS=ti._NPASS, HAS_FLAGS=True)),
-               "slice_counts": (ti._tk_slice_counts, dict(NPROBE=ti._NPROBE)),
+               "slice_pass": (ti._tk_slice_pass, dict(NPROBE=ti._NPROBE, LAST=True)),
                "sample_thresholds": (sample_impl._ss_thresholds, dict(NPROBE=ti._NPROBE, SMALL=sample_impl.SMALL_KEYS)),
                "window": (sample_impl._ss_window, {}),
                "window_kth": (sample_impl._ss_kth, dict(NPROBE=ti._NPROBE, SMALL=sample_impl.SMALL_KEYS)),
@@ -176,7 +177,7 @@ def topk_rows(block_sizes, r: int = 16) -> List[Dict[str, object]]:
     for bs in block_sizes:
         for name in TOPK_KERNELS:  # each kernel on its method's tile (resolve_tile: "keys" has its own on blocks)
             BG, BN = ti.resolve_tile("keys" if name == "keys" else "sample", tc, bs)
-            if name in ("threshold", "threshold_flags", "slice_counts", "window", "write"):  # the passes that decide
+            if name in ("threshold", "threshold_flags", "slice_pass", "window", "write"):  # the passes that decide
                 BG, BN = ti.resolve_pass_tile((), bs, BG, ti.kernel_meta(r, bs, BG=BG, BN=BN)["BN"])
             dot, pack = ti.resolve_scoring("auto", 0, torch.bfloat16, r, bs, BG, BN)
             meta = ti.kernel_meta(r, bs, dot=dot, pack_counts=pack, BG=BG, BN=BN)

@@ -252,17 +252,20 @@ def _flagged_tile(TileIds, j, Flags, NG, n_tiles, BG: tl.constexpr):
 
 
 @triton.jit
-def _tk_slice_counts(P, Kp, Flags, TileIds, NFlagged, Lo, Hi, Cnt, S, n_items, NG, n_tiles, L, n_slices,
-                     R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr,
-                     NPROBE: tl.constexpr, DOT: tl.constexpr = False, PACK: tl.constexpr = 1):
+def _tk_slice_pass(P, Kp, Counts, Flags, TileIds, NFlagged, TileDone, Lo, Hi, Chi, Cnt, Tout, GTout, S, n_items, NG,
+                   n_tiles, L, n_slices, R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr,
+                   LSE: tl.constexpr, NPROBE: tl.constexpr, LAST: tl.constexpr, DOT: tl.constexpr = False,
+                   PACK: tl.constexpr = 1):
     """One pass of :func:`_tk_threshold`'s search for the groups flagged by "sample", spread over slices of L items
     (a multiple of BN): the work items (flagged tile, slice), ``NFlagged * n_slices`` of them, are shared round-robin
     by the programs of this 1-D grid; each adds its slice's counts at the probes of each flagged group's (``Lo``,
-    ``Hi``) to ``Cnt`` [B * H * NG, NPROBE] (atomics); :func:`_tk_slice_narrow` then narrows. With no flagged tile
-    every program returns at once, so the grid, not the problem, sets the cost of a pass that finds nothing."""
+    ``Hi``) to ``Cnt`` [B * H * NG, NPROBE] (atomics), and the program that adds a tile's last slice (``TileDone``, a
+    counter a tile) narrows the tile (:func:`_narrow_flagged`). With no flagged tile every program returns at once,
+    so the grid, not the problem, sets the cost of a pass that finds nothing."""
     pcol = tl.arange(0, NPROBE)
     for w in range(tl.program_id(0), tl.load(NFlagged) * n_slices, tl.num_programs(0)):
-        bh, offs_g, mask_g, rows = _flagged_tile(TileIds, w // n_slices, Flags, NG, n_tiles, BG)
+        j = w // n_slices
+        bh, offs_g, mask_g, rows = _flagged_tile(TileIds, j, Flags, NG, n_tiles, BG)
         it_lo = (w % n_slices) * L
         Pb = P + bh.to(tl.int64) * NG * R
         Kb = Kp + bh.to(tl.int64) * S * R
@@ -273,31 +276,33 @@ def _tk_slice_counts(P, Kp, Flags, TileIds, NFlagged, Lo, Hi, Cnt, S, n_items, N
             key, items, valid = _item_scores(Pb, Kb, offs_g, mask_g, it0, S, n_items, R, BG, BN, BS, LSE, DOT)
             cnt = _probe_counts(key, valid[None, :], lo, hi, cnt, NPROBE, PACK)
         tl.atomic_add(Cnt + rows[:, None] * NPROBE + pcol[None, :], cnt, mask=mask_g[:, None])
+        tl.debug_barrier()  # every thread's counts added before the tile's done count
+        if tl.atomic_add(TileDone + j, 1) == n_slices - 1:  # acq_rel: the other slices' counts are visible
+            tl.store(TileDone + j, 0)  # for the next pass
+            _narrow_flagged(Counts, bh, mask_g, rows, Lo, Hi, Chi, Cnt, Tout, GTout, BG, NPROBE, LAST)
 
 
 @triton.jit
-def _tk_slice_narrow(Counts, Flags, TileIds, NFlagged, Lo, Hi, Chi, Cnt, Tout, GTout, NG, n_tiles,
-                     BG: tl.constexpr, NPROBE: tl.constexpr, LAST: tl.constexpr):
-    """The narrowing step after :func:`_tk_slice_counts`, the flagged tiles shared round-robin by this 1-D grid's
-    programs: each flagged group's (``Lo``, ``Hi``, ``Chi``) from the summed counts, which it clears for the next pass;
-    after the LAST pass its threshold and the count above it (``Tout``, ``GTout``), as :func:`_tk_threshold` stores
-    them."""
-    for j in range(tl.program_id(0), tl.load(NFlagged), tl.num_programs(0)):
-        bh, offs_g, mask_g, rows = _flagged_tile(TileIds, j, Flags, NG, n_tiles, BG)
-        K = tl.load(Counts + bh)
-        cells = rows[:, None] * NPROBE + tl.arange(0, NPROBE)[None, :]
-        cnt = tl.load(Cnt + cells, mask=mask_g[:, None], other=0)
-        lo = tl.load(Lo + rows, mask=mask_g, other=0)
-        hi = tl.load(Hi + rows, mask=mask_g, other=1)
-        c_hi = tl.load(Chi + rows, mask=mask_g, other=0)
-        lo, hi, c_hi = _narrow(lo, hi, c_hi, cnt, K, NPROBE)
-        tl.store(Lo + rows, lo, mask=mask_g)
-        tl.store(Hi + rows, hi, mask=mask_g)
-        tl.store(Chi + rows, c_hi, mask=mask_g)
-        tl.store(Cnt + cells, tl.zeros([BG, NPROBE], tl.int32), mask=mask_g[:, None])
-        if LAST:
-            tl.store(Tout + rows, lo.to(tl.int32), mask=mask_g)
-            tl.store(GTout + rows, c_hi, mask=mask_g)
+def _narrow_flagged(Counts, bh, mask_g, rows, Lo, Hi, Chi, Cnt, Tout, GTout, BG: tl.constexpr, NPROBE: tl.constexpr,
+                    LAST: tl.constexpr):
+    """The narrowing step of a flagged tile once every slice's counts are in ``Cnt`` (read past the L1 cache, which
+    other programs' atomics bypassed): its flagged groups' (``Lo``, ``Hi``, ``Chi``), the counts cleared for the next
+    pass; after the LAST pass the threshold and the count above it (``Tout``, ``GTout``), as :func:`_tk_threshold`
+    stores them."""
+    K = tl.load(Counts + bh)
+    cells = rows[:, None] * NPROBE + tl.arange(0, NPROBE)[None, :]
+    cnt = tl.load(Cnt + cells, mask=mask_g[:, None], other=0, volatile=True)
+    lo = tl.load(Lo + rows, mask=mask_g, other=0)
+    hi = tl.load(Hi + rows, mask=mask_g, other=1)
+    c_hi = tl.load(Chi + rows, mask=mask_g, other=0)
+    lo, hi, c_hi = _narrow(lo, hi, c_hi, cnt, K, NPROBE)
+    tl.store(Lo + rows, lo, mask=mask_g)
+    tl.store(Hi + rows, hi, mask=mask_g)
+    tl.store(Chi + rows, c_hi, mask=mask_g)
+    tl.store(Cnt + cells, tl.zeros([BG, NPROBE], tl.int32), mask=mask_g[:, None])
+    if LAST:
+        tl.store(Tout + rows, lo.to(tl.int32), mask=mask_g)
+        tl.store(GTout + rows, c_hi, mask=mask_g)
 
 
 # programs of the fallback's launches: enough to spread a few flagged tiles' slices over every SM, few enough that a
@@ -307,11 +312,13 @@ _FALLBACK_PROGRAMS = 1024
 
 def _sliced_fallback(P, proxies, k, counts, flags, thr, above, n_slices: int, meta: dict) -> None:
     """:func:`_tk_threshold`'s search on the groups "sample" flagged, each pass's counts spread over ``n_slices``
-    slices of the items (:func:`_tk_slice_counts`, then :func:`_tk_slice_narrow`), on the tiles listed on the device
-    by :func:`_flagged_tiles` (no host sync): 2 * NPASS + 1 launches of at most ``_FALLBACK_PROGRAMS`` programs.
-    Run 21 (H100): 1-4 flagged groups of 32K-64K took 12-25 ms in one program each, so the slices; run 28: with
-    every tile of every head in each launch's grid, the 18 launches cost 0.5-0.7 ms at 16K-64K with NO group
-    flagged, and 2 flagged groups at 128K took 3.7-7.8 ms on 16 slices, hence the list of tiles."""
+    slices of the items and each tile narrowed by its last slice's program (:func:`_tk_slice_pass`), on the tiles
+    listed on the device by :func:`_flagged_tiles` (no host sync): NPASS + 1 launches of at most
+    ``_FALLBACK_PROGRAMS`` programs. Run 21 (H100): 1-4 flagged groups of 32K-64K took 12-25 ms in one program each,
+    so the slices; run 28: with every tile of every head in the grids of 18 launches (counts, then narrowing), the
+    fallback cost 0.5-0.7 ms at 16K-64K with NO group flagged and 3.7-7.8 ms for 2 flagged groups at 128K, hence the
+    list of tiles (4 flagged groups at 128K: 1.2 ms); then 0.8-1.0 ms with none flagged at 16K-32K: the launches'
+    host cost, hence one launch a pass."""
     rows = P.B * P.H * P.num_groups
     dev = proxies.device
     lo = torch.full((rows,), -2 ** 31, dtype=torch.int64, device=dev)
@@ -320,17 +327,15 @@ def _sliced_fallback(P, proxies, k, counts, flags, thr, above, n_slices: int, me
     cnt = torch.zeros(rows, _NPROBE, dtype=torch.int32, device=dev)
     n_tiles = triton.cdiv(P.num_groups, meta["BG"])
     tile_ids = torch.empty(P.B * P.H * n_tiles, dtype=torch.int32, device=dev)
-    n_flagged = torch.zeros(1, dtype=torch.int32, device=dev)
-    _flagged_tiles[(n_tiles, P.B * P.H)](flags, tile_ids, n_flagged, P.num_groups, BG=meta["BG"])
+    done = torch.zeros(P.B * P.H * n_tiles + 1, dtype=torch.int32, device=dev)  # [-1]: the flagged tiles' count
+    _flagged_tiles[(n_tiles, P.B * P.H)](flags, tile_ids, done[-1:], P.num_groups, BG=meta["BG"])
     length = triton.cdiv(triton.cdiv(P.num_items, n_slices), meta["BN"]) * meta["BN"]
     n_slices = triton.cdiv(P.num_items, length)
-    grid_counts = (min(_FALLBACK_PROGRAMS, tile_ids.numel() * n_slices),)
-    grid_narrow = (min(_FALLBACK_PROGRAMS, tile_ids.numel()),)
+    grid = (min(_FALLBACK_PROGRAMS, tile_ids.numel() * n_slices),)
     for p in range(_NPASS):
-        _tk_slice_counts[grid_counts](proxies, k, flags, tile_ids, n_flagged, lo, hi, cnt, P.Sk, P.num_items,
-                                      P.num_groups, n_tiles, length, n_slices, NPROBE=_NPROBE, **meta)
-        _tk_slice_narrow[grid_narrow](counts, flags, tile_ids, n_flagged, lo, hi, c_hi, cnt, thr, above, P.num_groups,
-                                      n_tiles, BG=meta["BG"], NPROBE=_NPROBE, LAST=p == _NPASS - 1)
+        _tk_slice_pass[grid](proxies, k, counts, flags, tile_ids, done[-1:], done, lo, hi, c_hi, cnt, thr, above,
+                             P.Sk, P.num_items, P.num_groups, n_tiles, length, n_slices, NPROBE=_NPROBE,
+                             LAST=p == _NPASS - 1, **meta)
 
 
 @triton.jit
