@@ -5,7 +5,10 @@
 2. :func:`_ss_window` (``pass_tile``'s tile, few registers): ONE pass over all items, the exact count a_hi of keys
    above t_hi and the window's keys appended to the buffer row (``Run`` of them);
 3. :func:`_ss_kth` (16-group tiles): the K-th best key overall, the (K - a_hi)-th best of the window, and its count
-   above; the groups whose window missed are flagged for ``triton_impl._tk_threshold``'s exact search.
+   above; the groups whose window missed are flagged for the exact search (``triton_impl._sliced_fallback`` over
+   more than ``slice_items`` items, else ``triton_impl._tk_threshold``).
+The searches in the buffer (steps 1 and 3) finish on the keys left in range, copied out (``triton_impl._kth_compacting``;
+``SMALL_KEYS``).
 ``triton_impl._tk_write``'s ordered pass then writes the lists (on ``pass_tile``'s tile too).
 
 Until run 27 one fused kernel ran the three steps: the searches' ``[BG, NPROBE]`` counts took 236 registers a thread

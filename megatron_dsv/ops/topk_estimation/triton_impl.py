@@ -157,8 +157,9 @@ def _kth_compacting(Buf, b_rows, n_c, lo, hi, c_lo, c_hi, rank, Small, s_rows, S
     """:func:`_kth_in_buffer`'s result (the ``rank``-th best key among each row's first ``n_c`` buffered keys, and
     the count above it), reading the buffer only until each row's range [lo, hi) holds at most SMALL keys: those
     keys are then copied to the row's ``Small`` slots (at ``Small + s_rows``, SMALL a row) and the search ends
-    there, on a few hundred keys instead of thousands (one pass over the buffer to narrow and one to copy, against
-    5-8 narrowing passes over it). Starts from (lo, hi, c_lo = count(key >= lo), c_hi = count(key >= hi)) as
+    there, on a few hundred keys instead of thousands: narrowing passes over the buffer until at most SMALL keys
+    remain in range (often one from a sampled window's range, several from the full int32 range, whose first
+    probes split it where float keys are not), then one to copy, against 5-8 narrowing passes over the buffer. Starts from (lo, hi, c_lo = count(key >= lo), c_hi = count(key >= hi)) as
     :func:`_kth_in_buffer` does (hi = lo + 1: a row left alone); ``rank`` [BG, 1]."""
     n_max = tl.max(n_c, axis=0)
     while tl.max((((hi - lo) > 1) & (c_lo - c_hi > SMALL)).to(tl.int32), axis=0) > 0:
@@ -183,7 +184,7 @@ def _kth_compacting(Buf, b_rows, n_c, lo, hi, c_lo, c_hi, rank, Small, s_rows, S
         key = tl.load(Buf + b_rows[:, None] + cp[None, :], mask=cp[None, :] < n_c[:, None], other=0)
         inr = (cp[None, :] < n_c[:, None]) & (key >= lo[:, None]) & (key < hi[:, None]) & live[:, None]
         pos = run[:, None] + tl.cumsum(inr.to(tl.int32), axis=1) - 1
-        tl.store(Small + s_rows[:, None] + pos, key, mask=inr)
+        tl.store(Small + s_rows[:, None] + pos, key, mask=inr & (pos < SMALL))  # < SMALL: holds by the counts
         run += tl.sum(inr.to(tl.int32), axis=1)
     tl.debug_barrier()  # the Small slots written above are read back by other threads below
     lo, c_s = _kth_in_buffer(Small, s_rows, n_s, lo, tl.where(live, hi, lo + 1), tl.zeros_like(n_s),
