@@ -165,11 +165,12 @@ def test_sample_pass_tiles_equal_naive(case, pass_tile):
 @pytest.mark.parametrize("case", [0, 1, 3], ids=["tok-F11", "tok-G16-clip", "blk64-F4"])
 def test_sample_searches_finish_on_copied_keys(case, small, monkeypatch):
     """The searches in the buffer (the sample's two ranks, the window's K-th) read it until a row's range holds at most
-    ``SMALL_KEYS`` keys, then go on over those keys copied out (``_kth_compacting``); a limit of 1 or 16 keys forces
-    several narrowing passes over the buffer before the copy (512, the default, holds these small windows whole at
-    once): naive's lists exactly, on fp32 and on tensor-core-scored fp16 integer inputs, overflowing buffers too."""
+    ``SMALL_KEYS`` keys (the window's: ``window_slots``), then go on over those keys copied out (``_kth_compacting``);
+    a limit of 1 or 16 keys forces several narrowing passes over the buffer before the copy (the defaults hold these
+    small windows whole at once): naive's lists exactly, on fp32 and on tensor-core-scored fp16 integer inputs, overflowing buffers too."""
     from megatron_dsv.ops.topk_estimation import sample_impl
     monkeypatch.setattr(sample_impl, "SMALL_KEYS", small)
+    monkeypatch.setattr(sample_impl, "window_slots", lambda cap: small)
     B, H, Sq, Sk, r, G, bs, proxy, bscore, budgets, ns = CASES[case].values
     for dtype, seed in [(torch.float32, 41), (torch.float16, 43)]:
         q, k = _ints((B, H, Sq, r), dtype, seed), _ints((B, H, Sk, r), dtype, seed + 1)
@@ -204,6 +205,15 @@ def test_sample_fallbacks_do_not_depend_on_the_pass_tile():
         estimate_topk_triton(q16, k16, 20, 32, method="sample", pass_tile=(8, 64))
     with pytest.raises(ValueError, match="pass_tile"):
         estimate_topk_triton(q, k, 20, 32, method="keys", pass_tile=(32, 64))
+
+
+def test_window_slots():
+    """The window search's copied slots: SMALL_KEYS up to 32K tokens (G = 32, 90%), then about cap / 8, a power of
+    two, at most 4096."""
+    from megatron_dsv.ops.topk_estimation.sample_impl import SMALL_KEYS, window_slots
+    caps = {n: sample_plan(n, n // 10)[2] for n in (16384, 32768, 65536, 131072, 1 << 20)}
+    assert [window_slots(c) for c in caps.values()] == [SMALL_KEYS, SMALL_KEYS, 1024, 2048, 4096]
+    assert window_slots(1) == SMALL_KEYS
 
 
 def test_resolve_pass_tile():

@@ -8,7 +8,7 @@
    above; the groups whose window missed are flagged for the exact search (``triton_impl._sliced_fallback`` over
    more than ``slice_items`` items, else ``triton_impl._tk_threshold``).
 The searches in the buffer (steps 1 and 3) finish on the keys left in range, copied out (``triton_impl._kth_compacting``;
-``SMALL_KEYS``).
+``SMALL_KEYS`` slots a group for the sample's, :func:`window_slots` for the window's).
 ``triton_impl._tk_write``'s ordered pass then writes the lists (on ``pass_tile``'s tile too).
 
 Until run 27 one fused kernel ran the three steps: the searches' ``[BG, NPROBE]`` counts took 236 registers a thread
@@ -27,11 +27,20 @@ import triton.language as tl
 from .scoring import _item_scores, _scores_at
 from .triton_impl import _kth_compacting
 
-__all__ = ["run_sample", "SMALL_KEYS"]
+__all__ = ["run_sample", "SMALL_KEYS", "window_slots"]
 
-# a search on the buffer copies a row's keys out once its range holds at most this many (``_kth_compacting``): 2 KB
-# a group of extra memory (64K tokens, G = 32, H = 16: 64 MB beside the buffer's 1.0 GB)
+# the sample's two searches copy a row's keys out once its range holds at most this many (``_kth_compacting``)
 SMALL_KEYS = 512
+
+
+def window_slots(cap: int) -> int:
+    """The copied slots of the search in the window (``_kth_compacting``'s SMALL in ``_ss_kth``): at least
+    ``SMALL_KEYS``, about an eighth of the buffer's ``cap`` (a power of two, at most 4096), so that one narrowing
+    pass over a window's ~cap / 1.5 keys (17 ranges) leaves few enough in every row of a tile. Run 28 (H100, G = 32):
+    with 512 at 128K (windows of ~10.4K keys, ~610 a range after one pass) the search took three passes over the
+    buffer, 8.6 ms, against two and 1.9 ms at 64K. Memory: 4 bytes a slot a group (128K tokens, G = 32, H = 16: 2048
+    slots, 512 MB beside the buffer's 4.1 GB)."""
+    return min(4096, max(SMALL_KEYS, 1 << max(0, cap // 8 - 1).bit_length()))
 
 
 @triton.jit
@@ -191,7 +200,8 @@ def run_sample(P, proxies, k, counts, thr, above, flags, buf, cap: int, F: int, 
     ``ms_window``, ``ms_window_kth``)."""
     rows = P.B * P.H * P.num_groups
     t_lo, t_hi, a_hi, run = (torch.empty(rows, dtype=torch.int32, device=proxies.device) for _ in range(4))
-    small = torch.empty(rows * SMALL_KEYS, dtype=torch.int32, device=proxies.device)
+    w_slots = window_slots(cap)
+    small = torch.empty(rows * max(SMALL_KEYS, w_slots), dtype=torch.int32, device=proxies.device)
     grid = (triton.cdiv(P.num_groups, meta["BG"]), P.B * P.H)
     with phase("sample"):
         _ss_thresholds[grid](proxies, k, counts, t_lo, t_hi, buf, small, P.Sk, P.num_items, P.num_groups, cap, F, nsv,
@@ -202,4 +212,4 @@ def run_sample(P, proxies, k, counts, thr, above, flags, buf, cap: int, F: int, 
     narrow = {n: meta[n] for n in ("BG", "BN", "PACK", "num_warps")}
     with phase("window_kth"):
         _ss_kth[grid](counts, t_lo, t_hi, a_hi, run, buf, small, thr, above, flags, P.num_items, P.num_groups, cap,
-                      NPROBE=nprobe, SMALL=SMALL_KEYS, **narrow)
+                      NPROBE=nprobe, SMALL=w_slots, **narrow)

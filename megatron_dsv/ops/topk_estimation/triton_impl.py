@@ -538,7 +538,7 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     standard deviations), ``capacity`` (candidate buffer per group; 0 = :func:`sample_plan`'s, a
     smaller value forces overflow in tests; at least the sample). Extra memory of "sample":
     B*H*NG*capacity*4 bytes (64K tokens, G=32, H=16, 90% sparse: capacity 7936, 1.0 GB), plus
-    B*H*NG*``sample_impl.SMALL_KEYS``*4 bytes for the searches' copied keys (64 MB there).
+    B*H*NG*4 bytes a slot for the searches' copied keys (``sample_impl.window_slots``: 1024 slots there, 128 MB).
     ``stats``: a dict that receives, for "search" and "sample", ``fallback_groups`` and ``fallback_tiles`` (the
     groups "sample" left to the search kernel, and the tiles of ``tile_groups`` groups (the pass tile's) that search
     had to scan: its cost) of ``groups`` and ``tiles``, and on a GPU each step's time (``ms_sample``,
