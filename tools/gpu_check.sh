@@ -25,9 +25,10 @@
 #   16K-128K, its candidates (bench_topk_estimation.TRITON_CANDIDATES, each with how many list entries differ
 #   from the CUDA kernel's) at 16K and 64K, and the library's block
 #   lists (G = 128, blocks of 128, auto = "keys" on tensor cores since run 27) at 16K-128K, each beside the CUDA kernel in the same run)
-#   topkprof (~4 min: ncu's sections for the Triton top-k's token-list kernels at 64K, G = 32, second call: where the
-#   window and write passes' time goes, NOTES_topk_estimation run 28; needs ncu's counters: Firecracker machines;
-#   then token lists at 64K / 128K with the passes scored by the FMA loop instead of tensor cores, beside CUDA)
+#   topkprof (~2 min: ncu's sections for the Triton top-k's token-list kernels at 64K, G = 32, second call: where the
+#   window and write passes' time goes, NOTES_topk_estimation run 28; needs ncu's counters: Firecracker machines)
+#   topkfma (~4 min: the GPU tests of "sample"'s copied searches and sliced fallback, then token lists at 16K-128K,
+#   the default beside the passes scored by the FMA loop instead of tensor cores and the CUDA kernel)
 #   topkblock (~2 min: the Triton top-k's block lists scored on tensor cores, method "keys" with dot="tc": every
 #   test of tests/ops/test_topk_keys.py on the GPU (its rc printed), then G = 128 / blocks of 128 at 16K-128K, the
 #   default (since run 27 "keys" on tensor cores, 64 x 256-token tiles), "gemm" (the default before) and four
@@ -124,16 +125,18 @@ for s in $stages; do
     topkprof) run topkprof 300 ncu --clock-control none -k 'regex:_ss_window|_tk_write|_ss_kth|_ss_thresholds' -s 4 -c 4 \
                 --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
                 --section InstructionStats --section SchedulerStats --section MemoryWorkloadAnalysis \
-                python3 benchmarks/profile_topk.py --backend triton --S 65536; \
-              run topkfma 240 python3 benchmarks/bench_topk_estimation.py --granularity token --group-size 32 \
-                --backends cuda,triton,triton_pass128x32,triton_fma_pass32x64,triton_fma_pass128x32 \
-                --sizes 65536,131072 --triton-max-s 131072 --out "$out/topkfma" ;;
+                python3 benchmarks/profile_topk.py --backend triton --S 65536 ;;
+    topkfma) run topkfma 300 sh -c "python3 -m pytest -q -p no:cacheprovider tests/ops/test_topk_sample.py \
+               -k 'gpu or sliced or many_tiles or copied'; echo pytest rc=\$?; \
+               python3 benchmarks/bench_topk_estimation.py --granularity token --group-size 32 \
+               --backends cuda,triton,triton_pass128x32,triton_fma_pass32x64,triton_fma_pass128x32 \
+               --sizes 16384,32768,65536,131072 --triton-max-s 131072 --out '$out/topkfma'" ;;
     topkblock) run topkblock 300 sh -c "python3 -m pytest -q -p no:cacheprovider tests/ops/test_topk_keys.py; \
                  echo pytest rc=\$?; \
                  python3 benchmarks/bench_topk_estimation.py --granularity block --group-size 128 --block-size 128 \
                  --backends cuda,triton,triton_gemm,triton_keys_tc,triton_keys_tc_g32,triton_keys_tc_g64,triton_keys_tc_g128 \
                  --sizes 16384,32768,65536,131072 --triton-max-s 131072 --out '$out/topkblock'" ;;
     *) echo "unknown stage $s (build tests train recall predictor topk e2e e2etok topksample topkkeys models sweep" \
-            "smallg d256 d256tune g128 artifact tok32 topk3x topkblock topkpass topkprof)"; exit 2 ;;
+            "smallg d256 d256tune g128 artifact tok32 topk3x topkblock topkpass topkprof topkfma)"; exit 2 ;;
   esac
 done
