@@ -43,7 +43,8 @@ def main(argv=None):
     q = torch.randn(1, a.H, a.S, a.r, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, a.H, a.S, a.r, device="cuda", dtype=torch.bfloat16)
     unit = a.block or 1
-    K = int(math.ceil((1 - a.sparsity) * a.S / unit / 128) * 128) if unit == 1 else int(math.ceil((1 - a.sparsity) * a.S / unit))
+    kept = (1 - a.sparsity) * a.S / unit
+    K = int(math.ceil(kept / 128) * 128) if unit == 1 else int(math.ceil(kept))
     if a.backend == "cuda":
         kw = dict(sample_stride=a.sample_stride, force_fallback=a.force_fallback, debug_flags=a.flags)
         fn = estimate_topk_cuda

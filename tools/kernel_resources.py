@@ -160,7 +160,8 @@ _TOPK_ARG_TYPES = {"P": "*bf16", "Kp": "*bf16", "Counts": "*i32", "Tout": "*i32"
 def topk_rows(block_sizes, r: int = 16) -> List[Dict[str, object]]:
     """Registers, spills and shared memory of the Triton top-k's kernels as ``estimate_topk_triton`` launches them
     (``triton_impl.kernel_meta`` on ``resolve_tile``'s tiles, the passes that decide the lists (the exact search, the
-    window pass, the write pass) on ``resolve_pass_tile``'s, with ``resolve_scoring``'s defaults; bf16 proxies and keys, ``r`` ranks), per list kind (block size, 0: token lists)."""
+    window pass, the write pass) on ``resolve_pass_tile``'s, with ``resolve_scoring``'s defaults; bf16 proxies and
+    keys, ``r`` ranks), per list kind (block size, 0: token lists)."""
     import torch
 
     from megatron_dsv.ops.topk_estimation import keys_impl, sample_impl, triton_impl as ti

@@ -167,7 +167,8 @@ def test_sample_searches_finish_on_copied_keys(case, small, monkeypatch):
     """The searches in the buffer (the sample's two ranks, the window's K-th) read it until a row's range holds at most
     ``SMALL_KEYS`` keys (the window's: ``window_slots``), then go on over those keys copied out (``_kth_compacting``);
     a limit of 1 or 16 keys forces several narrowing passes over the buffer before the copy (the defaults hold these
-    small windows whole at once): naive's lists exactly, on fp32 and on tensor-core-scored fp16 integer inputs, overflowing buffers too."""
+    small windows whole at once): naive's lists exactly, on fp32 and on tensor-core-scored fp16 integer inputs,
+    overflowing buffers too."""
     from megatron_dsv.ops.topk_estimation import sample_impl
     monkeypatch.setattr(sample_impl, "SMALL_KEYS", small)
     monkeypatch.setattr(sample_impl, "window_slots", lambda cap: small)

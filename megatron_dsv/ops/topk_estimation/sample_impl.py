@@ -7,8 +7,9 @@
 3. :func:`_ss_kth` (16-group tiles): the K-th best key overall, the (K - a_hi)-th best of the window, and its count
    above; the groups whose window missed are flagged for the exact search (``triton_impl._sliced_fallback`` over
    more than ``slice_items`` items, else ``triton_impl._tk_threshold``).
-The searches in the buffer (steps 1 and 3) finish on the keys left in range, copied out (``triton_impl._kth_compacting``;
-``SMALL_KEYS`` slots a group for the sample's, :func:`window_slots` for the window's).
+The searches in the buffer (steps 1 and 3) finish on the keys left in range, copied out
+(``triton_impl._kth_compacting``; ``SMALL_KEYS`` slots a group for the sample's, :func:`window_slots` for the
+window's).
 ``triton_impl._tk_write``'s ordered pass then writes the lists (on ``pass_tile``'s tile too).
 
 Until run 27 one fused kernel ran the three steps: the searches' ``[BG, NPROBE]`` counts took 236 registers a thread

@@ -137,18 +137,25 @@ def _kth_in_buffer(Buf, b_rows, n_c, lo, hi, c_hi, rank, BN: tl.constexpr, NPROB
     from any (lo, hi, c_hi) that holds it, or with hi = lo + 1 to be left alone."""
     n_max = tl.max(n_c, axis=0)
     while tl.max(hi - lo, axis=0) > 1:
-        cnt = tl.zeros([lo.shape[0], NPROBE], tl.int32)
-        for c0 in range(0, n_max, BN):
-            cp = c0 + tl.arange(0, BN)
-            cv = cp[None, :] < n_c[:, None]
-            key = tl.load(Buf + b_rows[:, None] + cp[None, :], mask=cv, other=0)
-            cnt = _probe_counts(key, cv, lo, hi, cnt, NPROBE, PACK)
-        live = (hi - lo) > 1
-        n_lo, n_hi, n_ch = _narrow(lo, hi, c_hi, cnt, rank, NPROBE)
-        lo = tl.where(live, n_lo, lo)
-        hi = tl.where(live, n_hi, hi)
-        c_hi = tl.where(live, n_ch, c_hi)
+        _, lo, hi, c_hi = _buffer_step(Buf, b_rows, n_c, n_max, lo, hi, c_hi, rank, BN, NPROBE, PACK)
     return lo, c_hi
+
+
+@triton.jit
+def _buffer_step(Buf, b_rows, n_c, n_max, lo, hi, c_hi, rank, BN: tl.constexpr, NPROBE: tl.constexpr,
+                 PACK: tl.constexpr = 1):
+    """One step of the searches in the buffer: the counts ``cnt`` [BG, NPROBE] of each row's first ``n_c`` keys
+    at the probes of (lo, hi) (``n_max``: the longest row), and (lo, hi, c_hi) narrowed by them in the rows still
+    searching (hi - lo > 1). Returns ``(cnt, lo, hi, c_hi)``."""
+    cnt = tl.zeros([lo.shape[0], NPROBE], tl.int32)
+    for c0 in range(0, n_max, BN):
+        cp = c0 + tl.arange(0, BN)
+        cv = cp[None, :] < n_c[:, None]
+        key = tl.load(Buf + b_rows[:, None] + cp[None, :], mask=cv, other=0)
+        cnt = _probe_counts(key, cv, lo, hi, cnt, NPROBE, PACK)
+    live = (hi - lo) > 1
+    n_lo, n_hi, n_ch = _narrow(lo, hi, c_hi, cnt, rank, NPROBE)
+    return cnt, tl.where(live, n_lo, lo), tl.where(live, n_hi, hi), tl.where(live, n_ch, c_hi)
 
 
 @triton.jit
@@ -159,22 +166,14 @@ def _kth_compacting(Buf, b_rows, n_c, lo, hi, c_lo, c_hi, rank, Small, s_rows, S
     keys are then copied to the row's ``Small`` slots (at ``Small + s_rows``, SMALL a row) and the search ends
     there, on a few hundred keys instead of thousands: narrowing passes over the buffer until at most SMALL keys
     remain in range (often one from a sampled window's range, several from the full int32 range, whose first
-    probes split it where float keys are not), then one to copy, against 5-8 narrowing passes over the buffer. Starts from (lo, hi, c_lo = count(key >= lo), c_hi = count(key >= hi)) as
-    :func:`_kth_in_buffer` does (hi = lo + 1: a row left alone); ``rank`` [BG, 1]."""
+    probes split it where float keys are not), then one to copy, against 5-8 narrowing passes over the buffer.
+    Starts from (lo, hi, c_lo = count(key >= lo), c_hi = count(key >= hi)) as :func:`_kth_in_buffer` does
+    (hi = lo + 1: a row left alone); ``rank`` [BG, 1]."""
     n_max = tl.max(n_c, axis=0)
     while tl.max((((hi - lo) > 1) & (c_lo - c_hi > SMALL)).to(tl.int32), axis=0) > 0:
-        cnt = tl.zeros([lo.shape[0], NPROBE], tl.int32)
-        for c0 in range(0, n_max, BN):
-            cp = c0 + tl.arange(0, BN)
-            cv = cp[None, :] < n_c[:, None]
-            key = tl.load(Buf + b_rows[:, None] + cp[None, :], mask=cv, other=0)
-            cnt = _probe_counts(key, cv, lo, hi, cnt, NPROBE, PACK)
         live = (hi - lo) > 1
-        n_lo, n_hi, n_ch = _narrow(lo, hi, c_hi, cnt, rank, NPROBE)
+        cnt, lo, hi, c_hi = _buffer_step(Buf, b_rows, n_c, n_max, lo, hi, c_hi, rank, BN, NPROBE, PACK)
         c_lo = tl.where(live, tl.min(tl.where(cnt >= rank, cnt, c_lo[:, None]), axis=1), c_lo)
-        lo = tl.where(live, n_lo, lo)
-        hi = tl.where(live, n_hi, hi)
-        c_hi = tl.where(live, n_ch, c_hi)
     live = (hi - lo) > 1
     n_s = tl.where(live, c_lo - c_hi, 0)
     tl.debug_barrier()  # a previous search in this program may still be reading the Small slots
