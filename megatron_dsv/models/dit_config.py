@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
@@ -172,3 +172,15 @@ def _check_dtype(dtype) -> torch.dtype:
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be one of torch.float32, torch.bfloat16, torch.float16, got {dtype}")
     return dtype
+
+
+def _query_cube(dsv_config, cube):
+    """The query cube a model builder groups tokens by: ``dsv_config.query_group_shape``, or the model config's
+    ``cube`` without DSV; ``dsv_config`` must be a DSVConfig or None."""
+    if dsv_config is None:
+        return cube
+    from megatron_dsv.config import DSVConfig
+
+    if not isinstance(dsv_config, DSVConfig):
+        raise ValueError(f"dsv_config must be a DSVConfig or None, got {type(dsv_config).__name__}")
+    return dsv_config.query_group_shape

@@ -115,7 +115,8 @@ def get_dsv_layer_spec(base_spec, dsv_config: Optional[DSVConfig] = None,
         block.layer_specs = [_swap_core_attention(s, dsv_config, attn_mask_type) for s in base_spec.layer_specs]
         return block
     if not isinstance(base_spec, ModuleSpec):
-        raise ValueError(f"base_spec must be a ModuleSpec or TransformerBlockSubmodules, got {type(base_spec).__name__}")
+        raise ValueError("base_spec must be a ModuleSpec or TransformerBlockSubmodules, got "
+                         f"{type(base_spec).__name__}")
     return _swap_core_attention(base_spec, dsv_config, attn_mask_type)
 
 

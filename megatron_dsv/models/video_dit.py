@@ -30,7 +30,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_dsv.attention.grouping import from_cube_order, to_cube_order
 from megatron_dsv.attention.hooks import dsv_set_token_grid
-from megatron_dsv.models.dit_config import PRESETS, VideoDiTConfig, _check_dtype, count_parameters
+from megatron_dsv.models.dit_config import PRESETS, VideoDiTConfig, _check_dtype, _query_cube, count_parameters
 from megatron_dsv.models.dit_layer import get_video_dit_layer_spec, modulate
 from megatron_dsv.models.rope3d import rope_3d_table
 
@@ -158,7 +158,8 @@ class VideoDiT(MegatronModule):
         S, cube = x.shape[0], math.prod(self.cube)
         if S % (cp * cube):
             raise ValueError(f"context parallelism: the video's {S} tokens must split into context_parallel_size "
-                             f"({cp}) shards of whole {'x'.join(map(str, self.cube))} cubes ({cube} tokens; the cube is "
+                             f"({cp}) shards of whole {'x'.join(map(str, self.cube))} cubes ({cube} tokens; the cube "
+                             "is "
                              "DSVConfig.query_group_shape, --dsv-query-group-shape): change the latent size, the "
                              "patch, the cube or --context-parallel-size")
         s, r = S // cp, self.cp_group.rank()
@@ -252,13 +253,7 @@ def build_video_dit(cfg: VideoDiTConfig, dsv_config=None, use_te: Optional[bool]
     if not isinstance(cfg, VideoDiTConfig):
         raise ValueError(f"cfg must be a VideoDiTConfig, got {type(cfg).__name__}")
     dtype = _check_dtype(dtype)
-    cube = cfg.cube
-    if dsv_config is not None:
-        from megatron_dsv.config import DSVConfig
-
-        if not isinstance(dsv_config, DSVConfig):
-            raise ValueError(f"dsv_config must be a DSVConfig or None, got {type(dsv_config).__name__}")
-        cube = dsv_config.query_group_shape
+    cube = _query_cube(dsv_config, cfg.cube)
     if window_config is not None:
         from megatron_dsv.models.window_attention import WindowConfig, get_window_layer_spec
 
@@ -334,7 +329,8 @@ def _flow_settings(model):
 
 def flow_matching_loss(model, latents: torch.Tensor, labels: Optional[torch.Tensor],
                        generator: Optional[torch.Generator] = None, text: Optional[torch.Tensor] = None,
-                       text_mask: Optional[torch.Tensor] = None, timestep_sampling: Optional[str] = None) -> torch.Tensor:
+                       text_mask: Optional[torch.Tensor] = None,
+                       timestep_sampling: Optional[str] = None) -> torch.Tensor:
     """Rectified-flow loss (scalar, mean over every element).
 
     ``x_t = (1 - t) * x0 + t * noise`` with ``x0 = latents``; the model predicts the velocity

@@ -32,7 +32,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_dsv.attention.grouping import cube_order_coords, from_cube_order, to_cube_order
 from megatron_dsv.attention.hooks import dsv_set_token_grid
-from megatron_dsv.models.dit_config import _check_dtype
+from megatron_dsv.models.dit_config import _check_dtype, _query_cube
 from megatron_dsv.models.rope3d import rope_3d_freqs
 from megatron_dsv.models.video_dit import VideoDiT, _cp_group, init_device, patchify, timestep_features, unwrap_model
 from megatron_dsv.models.wan_config import WAN_PRESETS, WanConfig
@@ -175,15 +175,9 @@ def build_wan(cfg: WanConfig, dsv_config=None, use_te: Optional[bool] = None, pg
     if not isinstance(cfg, WanConfig):
         raise ValueError(f"cfg must be a WanConfig, got {type(cfg).__name__}")
     dtype = _check_dtype(dtype)
-    cube = cfg.cube
-    if dsv_config is not None:
-        from megatron_dsv.config import DSVConfig
-
-        if not isinstance(dsv_config, DSVConfig):
-            raise ValueError(f"dsv_config must be a DSVConfig or None, got {type(dsv_config).__name__}")
-        cube = dsv_config.query_group_shape
-        if dsv_config.stage1_local_radius is None:
-            dsv_config = dataclasses.replace(dsv_config, stage1_local_radius=(0, 0, 0))
+    cube = _query_cube(dsv_config, cfg.cube)
+    if dsv_config is not None and dsv_config.stage1_local_radius is None:
+        dsv_config = dataclasses.replace(dsv_config, stage1_local_radius=(0, 0, 0))
     config = _transformer_config(cfg, dtype, transformer_overrides)
     spec = get_wan_layer_spec(use_dsv=dsv_config is not None, use_te=use_te, dsv_config=dsv_config,
                               cross_attn_norm=cfg.cross_attn_norm)
