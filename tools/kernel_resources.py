@@ -147,7 +147,7 @@ def resources(fn, constexprs: Dict[str, object], num_warps: int, num_stages: int
 
 # the Triton top-k's (topk_estimation)
 TOPK_KERNELS = ("threshold", "threshold_flags", "slice_pass", "sample_thresholds", "window", "window_kth", "write",
-                "keys")
+                "keys", "window_plain", "write_plain")
 _TOPK_ARG_TYPES = {"P": "*bf16", "Kp": "*bf16", "Counts": "*i32", "Tout": "*i32", "GTout": "*i32", "Flags": "*i32",
                    "Tin": "*i32", "GTin": "*i32", "Out": "*i32", "Buf": "*i32", "Keys": "*i32", "S": "i32",
                    "n_items": "i32", "NG": "i32", "KMAX": "i32", "CAP": "i32", "F": "i32", "NSV": "i32", "Z": "fp32",
@@ -161,24 +161,30 @@ def topk_rows(block_sizes, r: int = 16) -> List[Dict[str, object]]:
     """Registers, spills and shared memory of the Triton top-k's kernels as ``estimate_topk_triton`` launches them
     (``triton_impl.kernel_meta`` on ``resolve_tile``'s tiles, the passes that decide the lists (the exact search, the
     window pass, the write pass) on ``resolve_pass_tile``'s, with ``resolve_scoring``'s defaults; bf16 proxies and
-    keys, ``r`` ranks), per list kind (block size, 0: token lists)."""
+    keys, ``r`` ranks), per list kind (block size, 0: token lists); ``window_plain`` and ``write_plain``: those two
+    passes with ``scan_store=False`` (``triton_impl.scan_store_mode``)."""
     import torch
 
-    from megatron_dsv.ops.topk_estimation import keys_impl, sample_impl, triton_impl as ti
+    from megatron_dsv.ops.topk_estimation import keys_impl, sample_impl
+    from megatron_dsv.ops.topk_estimation import triton_impl as ti
 
     kernels = {"threshold": (ti._tk_threshold, dict(NPROBE=ti._NPROBE, NPASS=ti._NPASS, HAS_FLAGS=False)),
                "threshold_flags": (ti._tk_threshold, dict(NPROBE=ti._NPROBE, NPASS=ti._NPASS, HAS_FLAGS=True)),
                "slice_pass": (ti._tk_slice_pass, dict(NPROBE=ti._NPROBE, LAST=True)),
                "sample_thresholds": (sample_impl._ss_thresholds, dict(NPROBE=ti._NPROBE, SMALL=sample_impl.SMALL_KEYS)),
-               "window": (sample_impl._ss_window, {}),
+               "window": (sample_impl._ss_window, dict(SCAN_STORE=ti.scan_store_mode())),
                "window_kth": (sample_impl._ss_kth, dict(NPROBE=ti._NPROBE, SMALL=sample_impl.SMALL_KEYS)),
-               "write": (ti._tk_write, {}), "keys": (keys_impl._tk_keys, {})}
+               "write": (ti._tk_write, dict(SCAN_STORE=ti.scan_store_mode())), "keys": (keys_impl._tk_keys, {}),
+               # the two passes with scan_store=False (bench_topk_estimation's triton_plain_store)
+               "window_plain": (sample_impl._ss_window, dict(SCAN_STORE=0)),
+               "write_plain": (ti._tk_write, dict(SCAN_STORE=0))}
+    deciding = ("threshold", "threshold_flags", "slice_pass", "window", "write", "window_plain", "write_plain")
     rows = []
     tc = "tc" if ti.tensor_core_scorable(torch.bfloat16, r) else False
     for bs in block_sizes:
         for name in TOPK_KERNELS:  # each kernel on its method's tile (resolve_tile: "keys" has its own on blocks)
             BG, BN = ti.resolve_tile("keys" if name == "keys" else "sample", tc, bs)
-            if name in ("threshold", "threshold_flags", "slice_pass", "window", "write"):  # the passes that decide
+            if name in deciding:  # the passes that decide the lists
                 BG, BN = ti.resolve_pass_tile((), bs, BG, ti.kernel_meta(r, bs, BG=BG, BN=BN)["BN"])
             dot, pack = ti.resolve_scoring("auto", 0, torch.bfloat16, r, bs, BG, BN)
             meta = ti.kernel_meta(r, bs, dot=dot, pack_counts=pack, BG=BG, BN=BN)

@@ -1,5 +1,5 @@
-"""The dq kernel's dK/dV scatter (and the token packing passes) compile for the H200 (sm_90) on a machine
-without a GPU.
+"""The dq kernel's dK/dV scatter (and the token packing passes, and the Triton top-k's window and write passes)
+compile for the H200 (sm_90) on a machine without a GPU.
 
 The interpreter runs the kernels' arithmetic on CPU but never lowers them; Triton's own compiler (with the
 ptxas its wheel ships) does, for a named target, without a driver. This checks what the fixed-point path
@@ -30,8 +30,8 @@ from megatron_dsv.ops.sparse_attention.triton_bwd import bwd_q_kernel
 
 names = list(inspect.signature(bwd_q_kernel.fn).parameters)
 ptr = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "o": "*bf16", "do": "*bf16", "lse": "*fp32", "delta": "*fp32",
-       "dq": "*bf16", "idx": "*i32", "bits": "*i8", "cnt_ptr": "*i32", "fx_scale": "*fp32", "T": "i32", "TK": "i32", "NG": "i32",
-       "KMAX": "i32", "BH0": "i32", "qk_scale": "fp32", "sm_scale": "fp32"}
+       "dq": "*bf16", "idx": "*i32", "bits": "*i8", "cnt_ptr": "*i32", "fx_scale": "*fp32", "T": "i32", "TK": "i32",
+       "NG": "i32", "KMAX": "i32", "BH0": "i32", "qk_scale": "fp32", "sm_scale": "fp32"}
 out = {}
 for mode in (1, 2):
     acc = "*i64" if mode == 2 else "*fp32"
@@ -101,3 +101,56 @@ def test_fixed_point_scatter_compiles_for_sm90(tmp_path):
     runs = result["pack_mark_runs"]  # integer adds at run boundaries, no atomic_or
     assert runs["cubin"] > 0 and runs["atom_add"] > 0 and runs["atom_or"] == 0, runs
     assert result["pack_compact"]["cubin"] > 0, result["pack_compact"]
+
+
+_TOPK_COMPILE = r"""
+import inspect, json, sys
+try:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except Exception as e:
+    print(json.dumps({"skip": f"Triton's compiler API is not importable: {type(e).__name__}: {e}"})); sys.exit(0)
+from megatron_dsv.ops.topk_estimation import sample_impl, triton_impl as ti
+
+types = {"Counts": "*i32", "Tlo": "*i32", "Thi": "*i32", "Buf": "*i32", "Ahi": "*i32", "Run": "*i32", "Tin": "*i32",
+         "GTin": "*i32", "Out": "*i32", "S": "i32", "n_items": "i32", "NG": "i32", "CAP": "i32", "KMAX": "i32"}
+out = {}
+for name, fn in (("window", sample_impl._ss_window), ("write", ti._tk_write)):
+    for mode in (0, 2):  # scan_store=False, and the GPU's scan_store (the inline PTX store)
+        meta = ti.kernel_meta(16, 0, dot="tc", pack_counts=4, BG=32, BN=64)  # token lists' pass tile, bf16
+        warps = meta.pop("num_warps")
+        meta["SCAN_STORE"] = mode
+        names = list(inspect.signature(fn.fn).parameters)
+        sig = {n: "constexpr" if n in meta else types.get(n, "*bf16") for n in names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*")}
+        src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in meta.items()}, attrs=attrs)
+        try:
+            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=3))
+        except Exception as e:
+            if "ptxas" in str(e).lower() and "not found" in str(e).lower():
+                print(json.dumps({"skip": f"no ptxas in this Triton build: {e}"})); sys.exit(0)
+            raise
+        ptx = kernel.asm["ptx"]
+        out[f"{name}{mode}"] = dict(cubin=len(kernel.asm["cubin"]), ptx_stores=ptx.count("@p st.global.b32"),
+                                    converts=kernel.asm["ttgir"].count("convert_layout"))
+print(json.dumps(out))
+"""
+
+
+def test_topk_scan_store_compiles_for_sm90(tmp_path):
+    """The Triton top-k's window and write passes with ``scan_store`` (``triton_impl.scan_store_mode`` 2: the keys
+    carried through the scan, the store as inline PTX in its layout) compile for sm_90 with their layout conversions
+    down to 3 and 1 (8 and 5 with ``scan_store=False``, Triton 3.6 and 3.9), and the store is the inline one."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""), TRITON_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", _TOPK_COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "skip" in result:
+        pytest.skip(result["skip"])
+    for name, most in (("window", 3), ("write", 1)):
+        old, new = result[f"{name}0"], result[f"{name}2"]
+        assert old["cubin"] > 0 and new["cubin"] > 0, result
+        assert new["converts"] <= most < old["converts"], result
+        assert new["ptx_stores"] > 0 and old["ptx_stores"] == 0, result

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .scoring import _item_scores, _scores_at
-from .triton_impl import _kth_compacting
+from .triton_impl import _kth_compacting, _last_column, _scan_carrying, _store_i32
 
 __all__ = ["run_sample", "SMALL_KEYS", "window_slots"]
 
@@ -84,22 +84,31 @@ def _sample_thresholds(Pb, Kb, K, offs_g, mask_g, b_rows, Buf, Small, s_rows, S,
 @triton.jit
 def _window_pass(Pb, Kb, offs_g, mask_g, b_rows, Buf, t_lo, t_hi, S, n_items, CAP,
                  R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr,
-                 DOT: tl.constexpr):
+                 DOT: tl.constexpr, SCAN_STORE: tl.constexpr = 0):
     """Step 2 of method "sample", the one pass over all items: the exact count of keys above ``t_hi`` and the keys of
     the window [``t_lo``, ``t_hi``] appended to the group's buffer row (those past ``CAP`` counted, not stored).
-    Returns int32 ``(a_hi, run)`` [BG], ``run`` the window's keys."""
+    ``SCAN_STORE`` as ``triton_impl._tk_write``'s. Returns int32 ``(a_hi, run)`` [BG], ``run`` the window's keys."""
     run = tl.zeros([BG], tl.int32)
     a_hi = tl.zeros([BG], tl.int32)
     for it0 in range(0, n_items, BN):
         key, items, valid = _item_scores(Pb, Kb, offs_g, mask_g, it0, S, n_items, R, BG, BN, BS, LSE, DOT)
         ok = valid[None, :] & mask_g[:, None]
-        cand = (key >= t_lo[:, None]) & (key <= t_hi[:, None]) & ok
         # one scan and one sum count both: the window's keys in the low 16 bits, those above it in the high ones
         # (a tile row holds BN < 2^15 items)
-        both = cand.to(tl.int32) + (((key > t_hi[:, None]) & ok).to(tl.int32) << 16)
-        pos = run[:, None] + (tl.cumsum(both, axis=1) & 0xFFFF) - 1
-        tl.store(Buf + b_rows[:, None] + pos, key, mask=cand & (pos < CAP))
-        tot = tl.sum(both, axis=1)
+        both = (((key >= t_lo[:, None]) & (key <= t_hi[:, None]) & ok).to(tl.int32)
+                + (((key > t_hi[:, None]) & ok).to(tl.int32) << 16))
+        if SCAN_STORE:
+            pre, key = _scan_carrying(both, key)
+            ok = ((it0 + tl.arange(0, BN)) < n_items)[None, :] & mask_g[:, None]  # anew, in the scan's layout
+        else:
+            pre = tl.cumsum(both, axis=1)
+        pos = run[:, None] + (pre & 0xFFFF) - 1
+        cand = (key >= t_lo[:, None]) & (key <= t_hi[:, None]) & ok
+        _store_i32(Buf + b_rows[:, None] + pos, key, cand & (pos < CAP), SCAN_STORE == 2)
+        if SCAN_STORE:
+            tot = _last_column(pre, BN)
+        else:
+            tot = tl.sum(both, axis=1)
         run += tot & 0xFFFF
         a_hi += tot >> 16
     return a_hi, run
@@ -154,7 +163,7 @@ def _ss_thresholds(P, Kp, Counts, Tlo, Thi, Buf, Small, S, n_items, NG, CAP, F, 
 @triton.jit
 def _ss_window(P, Kp, Counts, Tlo, Thi, Buf, Ahi, Run, S, n_items, NG, CAP,
                R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr,
-               DOT: tl.constexpr = False, PACK: tl.constexpr = 1):
+               DOT: tl.constexpr = False, PACK: tl.constexpr = 1, SCAN_STORE: tl.constexpr = 0):
     """Step 2 (groups with 0 < K < n_items): :func:`_window_pass` over every item, its counts into ``Ahi``
     and ``Run``. ``PACK`` is unused (the launch's shared settings)."""
     bh, K, offs_g, mask_g, rows = _tile_rows(Counts, NG, BG)
@@ -163,7 +172,7 @@ def _ss_window(P, Kp, Counts, Tlo, Thi, Buf, Ahi, Run, S, n_items, NG, CAP,
         t_lo = tl.load(Tlo + rows, mask=mask_g, other=0)
         t_hi = tl.load(Thi + rows, mask=mask_g, other=0)
         a_hi, run = _window_pass(Pb, Kb, offs_g, mask_g, rows * CAP, Buf, t_lo, t_hi, S, n_items, CAP, R, BG, BN,
-                                 BS, LSE, DOT)
+                                 BS, LSE, DOT, SCAN_STORE)
         tl.store(Ahi + rows, a_hi, mask=mask_g)
         tl.store(Run + rows, run, mask=mask_g)
 
@@ -193,12 +202,13 @@ def _ss_kth(Counts, Tlo, Thi, Ahi, Run, Buf, Small, Tout, GTout, Flags, n_items,
 
 
 def run_sample(P, proxies, k, counts, thr, above, flags, buf, cap: int, F: int, nsv: int, z: float,
-               meta: dict, pass_meta: dict, nprobe: int, phase) -> None:
+               meta: dict, pass_meta: dict, nprobe: int, phase, scan_store: int = 0) -> None:
     """Steps 1-3 on ``P`` (``common.check_problem``'s problem): ``meta`` the launch settings of steps 1 and 3 (the
     sample's tile), ``pass_meta`` those of step 2; ``thr``, ``above``, ``flags`` ``[B, H, NG]`` int32 receive the
     thresholds, the counts above them and the flags (what ``_tk_write`` and the fallback read); ``buf`` the groups'
     rows of ``cap`` keys; ``phase(name)`` a context that times a step (``triton_impl._phase``: ``ms_sample``,
-    ``ms_window``, ``ms_window_kth``)."""
+    ``ms_window``, ``ms_window_kth``); ``scan_store``: the window pass's ``SCAN_STORE``
+    (``triton_impl.scan_store_mode``)."""
     rows = P.B * P.H * P.num_groups
     t_lo, t_hi, a_hi, run = (torch.empty(rows, dtype=torch.int32, device=proxies.device) for _ in range(4))
     w_slots = window_slots(cap)
@@ -209,7 +219,8 @@ def run_sample(P, proxies, k, counts, thr, above, flags, buf, cap: int, F: int, 
                              float(z), NPROBE=nprobe, SMALL=SMALL_KEYS, **meta)
     with phase("window"):
         _ss_window[(triton.cdiv(P.num_groups, pass_meta["BG"]), P.B * P.H)](
-            proxies, k, counts, t_lo, t_hi, buf, a_hi, run, P.Sk, P.num_items, P.num_groups, cap, **pass_meta)
+            proxies, k, counts, t_lo, t_hi, buf, a_hi, run, P.Sk, P.num_items, P.num_groups, cap,
+            SCAN_STORE=scan_store, **pass_meta)
     narrow = {n: meta[n] for n in ("BG", "BN", "PACK", "num_warps")}
     with phase("window_kth"):
         _ss_kth[grid](counts, t_lo, t_hi, a_hi, run, buf, small, thr, above, flags, P.num_items, P.num_groups, cap,

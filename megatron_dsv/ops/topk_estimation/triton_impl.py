@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 
 import torch
 import triton
@@ -34,7 +35,7 @@ from .naive import group_proxies
 from .scoring import _item_scores
 
 __all__ = ["estimate_topk_triton", "kernel_meta", "resolve_method", "resolve_pass_tile", "resolve_scoring",
-           "resolve_tile", "sample_plan", "sample_positions", "METHODS"]
+           "resolve_tile", "sample_plan", "sample_positions", "scan_store_mode", "METHODS"]
 
 _NPROBE = 16
 _NPASS = 9  # (17-way split) 8 passes shrink 2^32 to 1; one spare
@@ -339,11 +340,49 @@ def _sliced_fallback(P, proxies, k, counts, flags, thr, above, n_slices: int, me
 
 
 @triton.jit
+def _add_carry(s_a, k_a, s_b, k_b):
+    """:func:`_scan_carrying`'s combine: the counts summed, the later element's key kept."""
+    return s_a + s_b, k_b
+
+
+@triton.jit
+def _scan_carrying(both, key):
+    """The inclusive row prefix sums of ``both`` and ``key`` itself ([BG, BN] int32), out of ONE scan, so that both
+    leave it in the scan's (blocked) layout and what a pass computes after it (masks, positions, the store) stays
+    there: one layout conversion a tile, the key's out of the tensor-core product's layout (Triton scans no MMA
+    layout), where a scan of ``both`` alone left the keys, masks and positions to 5-6 conversions (Triton 3.6,
+    sm_90a; ``SCAN_STORE`` of :func:`_tk_write` and ``sample_impl._window_pass``)."""
+    return tl.associative_scan((both, key), 1, _add_carry)
+
+
+@triton.jit
+def _last_column(pre, BN: tl.constexpr):
+    """Each row's last entry of ``pre`` [BG, BN], an inclusive scan's (the row total), reduced in ``pre``'s layout,
+    within a warp (a ``tl.sum`` of the scan's input ran in the product's layout, across warps)."""
+    return tl.sum(tl.where(tl.arange(0, BN)[None, :] == BN - 1, pre, 0), axis=1)
+
+
+@triton.jit
+def _store_i32(ptr, val, mask, PTX: tl.constexpr):
+    """``tl.store(ptr, val, mask=mask)`` of int32 values; PTX: one inline ``st.global.b32`` an element, which takes
+    its operands in their own layout, where ``tl.store`` takes the one Triton's Coalesce pass gives a scatter
+    (threads down the rows, from the pointers' axis info: 3-4 conversions through shared memory a tile). Not under
+    the interpreter (no inline PTX there: :func:`scan_store_mode`)."""
+    if PTX:
+        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.b32 $0, 0; }",
+                                  "=r,l,r,r", [ptr, val, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.store(ptr, val, mask=mask)
+
+
+@triton.jit
 def _tk_write(P, Kp, Counts, Tin, GTin, Out, S, n_items, NG, KMAX,
               R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr,
-              DOT: tl.constexpr = False, PACK: tl.constexpr = 1):
+              DOT: tl.constexpr = False, PACK: tl.constexpr = 1, SCAN_STORE: tl.constexpr = 0):
     """One ordered pass per query group: the items above the threshold ``Tin`` and the first
-    (K - ``GTin``) equal to it, lower index first, so the lists come out ascending."""
+    (K - ``GTin``) equal to it, lower index first, so the lists come out ascending. ``SCAN_STORE``
+    (:func:`scan_store_mode`): 1 or 2, the keys ride the scan and the masks, positions and store follow in its
+    layout (2: the store as inline PTX), the same lists."""
     pid_g = tl.program_id(0)
     bh = tl.program_id(1)
     K = tl.load(Counts + bh)
@@ -361,19 +400,25 @@ def _tk_write(P, Kp, Counts, Tin, GTin, Out, S, n_items, NG, KMAX,
     for it0 in range(0, n_loop, BN):
         key, items, valid = _item_scores(Pb, Kb, offs_g, mask_g, it0, S, n_items, R, BG, BN, BS, LSE, DOT)
         ok = valid[None, :] & mask_g[:, None]
-        gt = (key > t[:, None]) & ok
-        eq = (key == t[:, None]) & ok
         # one scan counts both, those above in the low 16 bits, those equal in the high ones (BN < 2^15): item j is
         # selected if above, or equal within the first need_eq equal ones; selected up to j: the row's keys above
         # up to j, plus min(its equal ones up to j, need_eq)
-        both = gt.to(tl.int32) + (eq.to(tl.int32) << 16)
-        pre = tl.cumsum(both, axis=1)
+        both = ((key > t[:, None]) & ok).to(tl.int32) + (((key == t[:, None]) & ok).to(tl.int32) << 16)
+        if SCAN_STORE:
+            pre, key = _scan_carrying(both, key)
+            items = it0 + tl.arange(0, BN)  # the items and masks anew, in the scan's layout
+            ok = (items < n_items)[None, :] & mask_g[:, None]
+        else:
+            pre = tl.cumsum(both, axis=1)
         eq_rank = run_eq[:, None] + (pre >> 16)
-        sel = gt | (eq & (eq_rank <= need_eq[:, None]))
+        sel = ((key > t[:, None]) & ok) | ((key == t[:, None]) & ok & (eq_rank <= need_eq[:, None]))
         pos = run_gt[:, None] + (pre & 0xFFFF) + tl.minimum(eq_rank, need_eq[:, None]) - 1
         # pos < K: a threshold that disagreed with these keys could never write past the group's row
-        tl.store(o_rows[:, None] + pos, items[None, :], mask=sel & (pos < K))
-        tot = tl.sum(both, axis=1)
+        _store_i32(o_rows[:, None] + pos, items[None, :], sel & (pos < K), SCAN_STORE == 2)
+        if SCAN_STORE:
+            tot = _last_column(pre, BN)
+        else:
+            tot = tl.sum(both, axis=1)
         run_gt += tot & 0xFFFF
         run_eq += tot >> 16
 
@@ -478,6 +523,19 @@ def resolve_scoring(dot, pack_counts: int, dtype: torch.dtype, r: int, block_siz
     return dot, pack_counts
 
 
+def scan_store_mode(scan_store: bool = True) -> int:
+    """``SCAN_STORE`` of the window and write passes (:func:`_tk_write`, ``sample_impl._window_pass``): 0 (False) a
+    scan of the counts alone, then the keys, masks and positions converted to ``tl.store``'s layout (Triton 3.6,
+    sm_90a, token lists' tensor-core scores: 6 / 5 conversions, 15 / 13 barriers, 411 / 482 instructions a tile in
+    the window / write pass's loop, 108 / 80 registers); 2 the keys ride the scan (:func:`_scan_carrying`), the masks,
+    positions, row totals and an inline-PTX store follow in its layout (1 conversion, 2 barriers, 309 / 340
+    instructions, 48 / 61 registers); 1 the same code with ``tl.store``, under the interpreter, which runs no PTX
+    (compiled, Coalesce would give that store its own layout again: 9 / 7 barriers, 635 / 487 instructions)."""
+    if not scan_store:
+        return 0
+    return 1 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 2
+
+
 def kernel_meta(r: int, block_size: int, block_score: str = "max", BG: int = 16, BN: int = 0,
                 dot: bool | str = False, pack_counts: int = 1) -> dict:
     """The launch settings of the search, sample, write and keys kernels (constexprs and ``num_warps``): tiles
@@ -508,7 +566,7 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
                          BG: int = 0, BN: int = 0, method: str = "auto", *, sample_size: int = 1024,
                          z: float = 4.0, capacity: int = 0, stats: dict | None = None, chunk_elems: int = 1 << 25,
                          forced=None, forced_extra: bool = False, dot: bool | str = "auto", pack_counts: int = 0,
-                         slice_items: int = 1024, pass_tile: tuple = ()):
+                         slice_items: int = 1024, pass_tile: tuple = (), scan_store: bool = True):
     """Same contract as :func:`estimate_topk`, on Triton (GPU, or CPU under TRITON_INTERPRET=1).
     q_lr [B, H, Sq, r], k_lr [B, H, Sk, r]: Sk may differ from Sq.
 
@@ -561,6 +619,8 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     defaults. With "tc" the lists equal naive's up to near-exact ties (the CUDA kernel's rule), and so may those of
     ``dot=True`` (its summation order is the compiler's); the loop (False) gives naive's bit for bit. Method "gemm"
     scores through cuBLAS and ignores ``dot``.
+    ``scan_store``: the window pass and the write pass carry each tile's keys through the scan of its counts and
+    store in the scan's layout (:func:`scan_store_mode`); False: the layout conversions of before; the same lists.
     """
     P = check_problem(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score)
     tc = tensor_core_scorable(q_lr.dtype, P.r) and dot in ("auto", "tc") and (BG == 0 or BG >= 16)
@@ -627,7 +687,7 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
         from .sample_impl import run_sample  # imports this module's search functions
 
         run_sample(P, proxies, k, counts, thr, above, flags, buf, cap, F, nsv, z, meta, pass_meta, _NPROBE,
-                   lambda name: _phase(stats, name, q_lr.device))
+                   lambda name: _phase(stats, name, q_lr.device), scan_store_mode(scan_store))
         del buf
         if stats is not None:
             padded = torch.nn.functional.pad(flags.view(P.B * P.H, P.num_groups), (0, (-P.num_groups) % pBG))
@@ -645,5 +705,6 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
             _tk_threshold[grid](proxies, k, counts, thr, above, flags, P.Sk, P.num_items, P.num_groups,
                                 NPROBE=_NPROBE, NPASS=_NPASS, HAS_FLAGS=fb, **pass_meta)
     with _phase(stats, "write", q_lr.device):
-        _tk_write[grid](proxies, k, counts, thr, above, out, P.Sk, P.num_items, P.num_groups, P.kmax, **pass_meta)
+        _tk_write[grid](proxies, k, counts, thr, above, out, P.Sk, P.num_items, P.num_groups, P.kmax,
+                        SCAN_STORE=scan_store_mode(scan_store), **pass_meta)
     return out, counts
