@@ -65,10 +65,10 @@ TRITON_CANDIDATES = {"triton_loop": dict(dot=False, pack_counts=1), "triton_pack
                      # five or six layout conversions of a tile the window and write passes pay after tl.dot (2 barriers
                      # an iteration instead of 15-17 as compiled for sm_90a, NOTES_topk_estimation after run 28)
                      **{f"triton_fma_pass{g}x{n}": dict(dot=False, pass_tile=(g, n)) for g, n in ((32, 64), (128, 32))},
-                     # the window and write passes as before scan_store (triton_impl.scan_store_mode): the keys,
-                     # masks and positions converted to tl.store's layout, 6 / 5 conversions and 15 / 13 barriers a
-                     # tile as compiled for sm_90a, against 1 and 2 with the keys carried through the scan
-                     "triton_plain_store": dict(scan_store=False)}
+                     # the window and write passes with scan_store (triton_impl.scan_store_mode): the keys carried
+                     # through the scan of the counts, masks, positions and an inline-PTX store in its layout, 1
+                     # conversion and 2 barriers a tile as compiled for sm_90a against the default's 6 / 5 and 15 / 13
+                     "triton_scan_store": dict(scan_store=True)}
 # block lists: "gemm" (the default until run 27: every token's score through cuBLAS, read back by the selection) and
 # method "keys" scoring each tile's blocks with one tensor-core product over their tokens then the block max
 # (scoring._scores_at; the default since run 27 on resolve_tile's 64 groups x 256 tokens): BG groups x BN blocks a

@@ -27,8 +27,9 @@
 #   lists (G = 128, blocks of 128, auto = "keys" on tensor cores since run 27) at 16K-128K, each beside the CUDA kernel in the same run)
 #   topkprof (~2 min: ncu's sections for the Triton top-k's token-list kernels at 64K, G = 32, second call: where the
 #   window and write passes' time goes, NOTES_topk_estimation run 28; needs ncu's counters: Firecracker machines)
-#   topkfma (~4 min: the GPU tests of "sample"'s copied searches and sliced fallback, then token lists at 16K-128K,
-#   the default beside the passes scored by the FMA loop instead of tensor cores and the CUDA kernel)
+#   topkfma (~4 min: the GPU tests of "sample"'s copied searches, sliced fallback and scan_store, then token lists at
+#   16K-128K, the default beside the passes with scan_store (keys carried through the scan, inline-PTX store), the
+#   passes scored by the FMA loop instead of tensor cores, and the CUDA kernel)
 #   topkblock (~2 min: the Triton top-k's block lists scored on tensor cores, method "keys" with dot="tc": every
 #   test of tests/ops/test_topk_keys.py on the GPU (its rc printed), then G = 128 / blocks of 128 at 16K-128K, the
 #   default (since run 27 "keys" on tensor cores, 64 x 256-token tiles), "gemm" (the default before) and four
@@ -127,9 +128,9 @@ for s in $stages; do
                 --section InstructionStats --section SchedulerStats --section MemoryWorkloadAnalysis \
                 python3 benchmarks/profile_topk.py --backend triton --S 65536 ;;
     topkfma) run topkfma 300 sh -c "python3 -m pytest -q -p no:cacheprovider tests/ops/test_topk_sample.py \
-               -k 'gpu or sliced or many_tiles or copied'; echo pytest rc=\$?; \
+               -k 'gpu or sliced or many_tiles or copied or scan_store'; echo pytest rc=\$?; \
                python3 benchmarks/bench_topk_estimation.py --granularity token --group-size 32 \
-               --backends cuda,triton,triton_pass128x32,triton_fma_pass32x64,triton_fma_pass128x32 \
+               --backends cuda,triton,triton_scan_store,triton_fma_pass32x64,triton_fma_pass128x32 \
                --sizes 16384,32768,65536,131072 --triton-max-s 131072 --out '$out/topkfma'" ;;
     topkblock) run topkblock 300 sh -c "python3 -m pytest -q -p no:cacheprovider tests/ops/test_topk_keys.py; \
                  echo pytest rc=\$?; \

@@ -147,7 +147,7 @@ def resources(fn, constexprs: Dict[str, object], num_warps: int, num_stages: int
 
 # the Triton top-k's (topk_estimation)
 TOPK_KERNELS = ("threshold", "threshold_flags", "slice_pass", "sample_thresholds", "window", "window_kth", "write",
-                "keys", "window_plain", "write_plain")
+                "keys", "window_scan", "write_scan")
 _TOPK_ARG_TYPES = {"P": "*bf16", "Kp": "*bf16", "Counts": "*i32", "Tout": "*i32", "GTout": "*i32", "Flags": "*i32",
                    "Tin": "*i32", "GTin": "*i32", "Out": "*i32", "Buf": "*i32", "Keys": "*i32", "S": "i32",
                    "n_items": "i32", "NG": "i32", "KMAX": "i32", "CAP": "i32", "F": "i32", "NSV": "i32", "Z": "fp32",
@@ -161,8 +161,8 @@ def topk_rows(block_sizes, r: int = 16) -> List[Dict[str, object]]:
     """Registers, spills and shared memory of the Triton top-k's kernels as ``estimate_topk_triton`` launches them
     (``triton_impl.kernel_meta`` on ``resolve_tile``'s tiles, the passes that decide the lists (the exact search, the
     window pass, the write pass) on ``resolve_pass_tile``'s, with ``resolve_scoring``'s defaults; bf16 proxies and
-    keys, ``r`` ranks), per list kind (block size, 0: token lists); ``window_plain`` and ``write_plain``: those two
-    passes with ``scan_store=False`` (``triton_impl.scan_store_mode``)."""
+    keys, ``r`` ranks), per list kind (block size, 0: token lists); ``window_scan`` and ``write_scan``: those two
+    passes with ``scan_store=True`` (``triton_impl.scan_store_mode``: the opt-in inline-PTX store)."""
     import torch
 
     from megatron_dsv.ops.topk_estimation import keys_impl, sample_impl
@@ -175,10 +175,10 @@ def topk_rows(block_sizes, r: int = 16) -> List[Dict[str, object]]:
                "window": (sample_impl._ss_window, dict(SCAN_STORE=ti.scan_store_mode())),
                "window_kth": (sample_impl._ss_kth, dict(NPROBE=ti._NPROBE, SMALL=sample_impl.SMALL_KEYS)),
                "write": (ti._tk_write, dict(SCAN_STORE=ti.scan_store_mode())), "keys": (keys_impl._tk_keys, {}),
-               # the two passes with scan_store=False (bench_topk_estimation's triton_plain_store)
-               "window_plain": (sample_impl._ss_window, dict(SCAN_STORE=0)),
-               "write_plain": (ti._tk_write, dict(SCAN_STORE=0))}
-    deciding = ("threshold", "threshold_flags", "slice_pass", "window", "write", "window_plain", "write_plain")
+               # the two passes with scan_store=True (bench_topk_estimation's triton_scan_store), as the GPU compiles
+               "window_scan": (sample_impl._ss_window, dict(SCAN_STORE=2)),
+               "write_scan": (ti._tk_write, dict(SCAN_STORE=2))}
+    deciding = ("threshold", "threshold_flags", "slice_pass", "window", "write", "window_scan", "write_scan")
     rows = []
     tc = "tc" if ti.tensor_core_scorable(torch.bfloat16, r) else False
     for bs in block_sizes:

@@ -148,8 +148,8 @@ def test_topk_kernels_compile_without_spilling(report):
     rows = report["topk"]
     assert {(r["kernel"], r["block_size"]) for r in rows} == {(k, b) for k in ("threshold", "threshold_flags",
                                                               "slice_pass", "sample_thresholds", "window",
-                                                              "window_kth", "write", "keys", "window_plain",
-                                                              "write_plain")
+                                                              "window_kth", "write", "keys", "window_scan",
+                                                              "write_scan")
                                                               for b in (0, 64, 128)}
     assert not [r for r in rows if "error" in r], rows
     assert all(r["spill_stores"] == 0 and r["spill_loads"] == 0 for r in rows if r["block_size"] == 0), rows

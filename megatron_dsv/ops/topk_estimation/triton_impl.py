@@ -523,7 +523,7 @@ def resolve_scoring(dot, pack_counts: int, dtype: torch.dtype, r: int, block_siz
     return dot, pack_counts
 
 
-def scan_store_mode(scan_store: bool = True) -> int:
+def scan_store_mode(scan_store: bool = False) -> int:
     """``SCAN_STORE`` of the window and write passes (:func:`_tk_write`, ``sample_impl._window_pass``): 0 (False) a
     scan of the counts alone, then the keys, masks and positions converted to ``tl.store``'s layout (Triton 3.6,
     sm_90a, token lists' tensor-core scores: 6 / 5 conversions, 15 / 13 barriers, 411 / 482 instructions a tile in
@@ -566,7 +566,7 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
                          BG: int = 0, BN: int = 0, method: str = "auto", *, sample_size: int = 1024,
                          z: float = 4.0, capacity: int = 0, stats: dict | None = None, chunk_elems: int = 1 << 25,
                          forced=None, forced_extra: bool = False, dot: bool | str = "auto", pack_counts: int = 0,
-                         slice_items: int = 1024, pass_tile: tuple = (), scan_store: bool = True):
+                         slice_items: int = 1024, pass_tile: tuple = (), scan_store: bool = False):
     """Same contract as :func:`estimate_topk`, on Triton (GPU, or CPU under TRITON_INTERPRET=1).
     q_lr [B, H, Sq, r], k_lr [B, H, Sk, r]: Sk may differ from Sq.
 
@@ -620,7 +620,8 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     ``dot=True`` (its summation order is the compiler's); the loop (False) gives naive's bit for bit. Method "gemm"
     scores through cuBLAS and ignores ``dot``.
     ``scan_store``: the window pass and the write pass carry each tile's keys through the scan of its counts and
-    store in the scan's layout (:func:`scan_store_mode`); False: the layout conversions of before; the same lists.
+    store in the scan's layout (:func:`scan_store_mode`), the same lists; off by default until a GPU run has checked
+    its inline-PTX store and timed it (bench_topk_estimation's ``triton_scan_store``).
     """
     P = check_problem(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score)
     tc = tensor_core_scorable(q_lr.dtype, P.r) and dot in ("auto", "tc") and (BG == 0 or BG >= 16)
