@@ -79,6 +79,8 @@ def pick_config(kind: str, D: int, G: int, BS: int, keys_as_rows: bool = True) -
         else:
             cfg = dict(BM=min(G, 128), BN=64 if big else BS, num_warps=8, num_stages=1 if big else 2)
     elif kind == "bwd_kv":
+        # bwd_kv_kernel; a config with DESC / WS / DQ_ROLE keys (DESC_KEYS: TMA tiles, a warp-specialised walk, dq
+        # programs in the same launch) takes the candidate bwd_desc_kernel instead: untimed, so never a default
         cfg = dict(BM=min(G, 64), BN=64, num_warps=4 if not big else 8, num_stages=2)
     elif kind == "bwd_kv_token":  # BN is fixed: the inverse map's key masks are BN bits (not tuned yet)
         cfg = dict(BM=min(G, 32 if big else 64), BN=TOKEN_TILE, num_warps=4 if not big else 8,
