@@ -562,7 +562,7 @@ def _launch_desc(q, k, v, do, lse, delta, dq, dk, dv, inv_ptr, inv_grp, kv_indic
         raise ValueError(f"bwd_desc_kernel: key tiles BN={BN} / BNQ={BNQ} must not exceed block_size={BS}")
     aligned = (D * q.element_size()) % 16 == 0 and all(t.data_ptr() % 16 == 0 for t in (q, k, v, do))
     desc, ws, warps = _desc_flags(cfg, D, H // hkv, aligned)
-    if dq_role and ws:
+    if dq_role and cfg.get("WS"):
         raise ValueError("cfg_kv WS=1 with DQ_ROLE=1: Triton 3.6 does not specialise a loop under the role branch "
                          "(it compiles unspecialised on 4 warps and spills ~2 KB a thread); time them apart")
     nkb = math.ceil(TK / BS)
