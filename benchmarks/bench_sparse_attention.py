@@ -29,7 +29,8 @@ start (warm phase included); the rest are rows with ``skipped``.
 
 The grid, its time model, the warm-up split and the heatmap live in ``sparse_attention_sweep.py``;
 this script times the points. Estimated H200 time of the default grid (``--dry-run`` prints it for
-any grid; model in ``sparse_attention_sweep.estimate_s``: per-call ms scaled from sparse_attention-h200-20261130.json and the -groups- file,
+any grid; model in ``sparse_attention_sweep.estimate_s``: per-call ms scaled from
+sparse_attention-h200-20261130.json and the -groups- file,
 plus do_bench's ~125 ms per timing; compile times are assumptions, not measurements):
 kernels and cuDNN baselines ~125 s (cuDNN ~40 s of it), loading cached kernels and tracing flex
 per shape ~40 s: ~3 min for the timed run once the caches are warm. Cold, it would add ~2 min of
@@ -68,14 +69,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import bench_ms, collect_meta, dense_fwd_bwd_ms, write_results  # noqa: E402
 from benchmarks.list_shapes import neighbour_overlap, video_lists  # noqa: E402
+from benchmarks.sparse_attention_sweep import (  # noqa: E402
+    HEATMAP_AT,
+    SWEEP_DIMS,
+    SWEEP_GROUPS,
+    B,
+    H,
+    estimate_s,
+    flex_skip_reason,
+    gran_label,
+    plot_sweep,
+    print_grid,
+    print_sweep_table,
+    sweep_grid,
+    warm_shards_of,
+)
 from megatron_dsv.ops.sparse_attention import launch  # noqa: E402
 from megatron_dsv.ops.sparse_attention.flex import build_block_mask, sparse_attention_flex  # noqa: E402
 from megatron_dsv.ops.sparse_attention.op import choose_backend, sparse_attention  # noqa: E402
 from megatron_dsv.ops.sparse_attention.packing import pack_token_lists, packing_on, token_pack_factor  # noqa: E402
-
-from benchmarks.sparse_attention_sweep import (B, H, HEATMAP_AT, SWEEP_DIMS, SWEEP_GROUPS, estimate_s,  # noqa: E402
-                                               flex_skip_reason, gran_label, plot_sweep, print_grid,
-                                               print_sweep_table, sweep_grid, warm_shards_of)
 
 D = 128  # the main table's head dim (and the groups sweep's); H heads, batch B
 
@@ -288,6 +300,32 @@ def tune_space(name: str, dim: int, group_size: int = 128):
     return space
 
 
+# bwd_kv candidates of block lists at D = 128 beside TUNE_SPACE's: (BM, BN, warps, stages, extra cfg keys). Flex's
+# dk/dv tile (128 keys x 64 queries, 8 warps, 3 stages) on bwd_kv_kernel, then triton_bwd_desc.bwd_desc_kernel
+# (launch.DESC_KEYS): TMA tiles; TMA with the walk warp-specialised (4 warps asked, 12 run: a producer warp group
+# and two consumers of 64 keys each, setmaxnreg 40 / 232 on sm_90a); dq programs in the same launch (FlexAttention's
+# scheme: the row then times delta pre-pass + one kernel, no dq kernel) on Flex's dq tile (128 x 64) over TMA or
+# pointers, and on the default dq kernel's tile (128 x 128). Each row times the whole backward, as bwd_kv's do
+TUNE_SPACE_KV_DESC = [
+    (64, 128, 8, 3, {}),
+    (64, 128, 8, 3, dict(DESC=1)),
+    (64, 128, 4, 3, dict(DESC=1, WS=1)),
+    (64, 128, 8, 3, dict(DESC=1, DQ_ROLE=1, BMQ=128, BNQ=64)),
+    (64, 128, 8, 3, dict(DESC=0, DQ_ROLE=1, BMQ=128, BNQ=64)),
+    (64, 128, 8, 2, dict(DESC=1, DQ_ROLE=1, BMQ=128, BNQ=128)),
+]
+
+
+def tune_configs(name: str, dim: int, group_size: int, group_rows: int, block_size: int = 128) -> List[Dict]:
+    """The config dicts the sweep times for one pass: :func:`tune_space`'s tiles (query tiles capped at
+    ``group_rows``, the group the pass's config key names) and, for block lists' dk/dv at D = 128 over blocks of at
+    least 128 keys, :data:`TUNE_SPACE_KV_DESC`'s."""
+    space = [(BM, BN, w, st, {}) for BM, BN, w, st in tune_space(name, dim, group_size)]
+    if name == "bwd_kv" and dim == 128 and block_size >= 128:
+        space += TUNE_SPACE_KV_DESC
+    return [dict(BM=min(BM, group_rows), BN=BN, num_warps=w, num_stages=st, **extra) for BM, BN, w, st, extra in space]
+
+
 def config_group(kind: str, G: int, BS: int) -> int:
     """The group size ``launch.pick_config`` sees for pass ``kind`` (its CONFIG_OVERRIDES key): the token dq kernel
     runs on packed groups of P * G rows (``launch.sparse_bwd``), every other pass on groups of G."""
@@ -306,9 +344,13 @@ def _time_pass(kind, cfg, q, k, v, o, lse, do, idx, cnt, G, BS, scale):
     return bench_ms(lambda: launch.sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, BS, scale, cfg_q=cq, cfg_kv=ckv))
 
 
-def tune(S, G, sparsity=0.9, dim=D, heads=H, lists="random", granularity="both"):
+TUNE_PASSES = ("fwd", "bwd_q", "bwd_kv", "fwd_tok", "bwd_q_tok")
+
+
+def tune(S, G, sparsity=0.9, dim=D, heads=H, lists="random", granularity="both", passes=None):
     """Sweep each pass's configs at one shape; install winners in launch.CONFIG_OVERRIDES. ``lists``: the lists'
-    kind (:func:`make_lists`); ``granularity``: block (128-key blocks), token or both."""
+    kind (:func:`make_lists`); ``granularity``: block (128-key blocks), token or both; ``passes``: only these of
+    :data:`TUNE_PASSES` (None: all, and the block lists' atomic dK/dV variant)."""
     rows = []
     scale = 1 / math.sqrt(dim)
     for BS in {"block": (128,), "token": (0,), "both": (128, 0)}[granularity]:
@@ -316,15 +358,14 @@ def tune(S, G, sparsity=0.9, dim=D, heads=H, lists="random", granularity="both")
         idx, cnt, _ = make_lists(S, G, BS, sparsity, heads=heads, kind=lists)
         o, lse = launch.sparse_fwd(q, k, v, idx, cnt, G, BS, scale)
         do = torch.randn_like(o)
-        passes = ("fwd", "bwd_q", "bwd_kv") if BS else ("fwd_tok", "bwd_q_tok")
-        for name in passes:
+        names = ("fwd", "bwd_q", "bwd_kv") if BS else ("fwd_tok", "bwd_q_tok")
+        for name in (n for n in names if passes is None or n in passes):
             kind = name.replace("_tok", "")
             # the token dq kernel's query tile and config key are its packed group's (timing 32-row tiles of a
             # 128-row packed group repeats the dK/dV atomics: 150-169 ms against the packed default's 53 in run 25)
             group_rows = config_group(kind, G, BS)
             best = (float("inf"), None)
-            for BM, BN, w, st in tune_space(name, dim, G):
-                cfg = dict(BM=min(BM, group_rows), BN=BN, num_warps=w, num_stages=st)
+            for cfg in tune_configs(name, dim, G, group_rows, BS):
                 try:
                     ms = _time_pass(kind, cfg, q, k, v, o, lse, do, idx, cnt, G, BS, scale)
                 except Exception as e:  # out of shared memory etc.: not a candidate
@@ -332,11 +373,13 @@ def tune(S, G, sparsity=0.9, dim=D, heads=H, lists="random", granularity="both")
                     print(f"  {name} {cfg} failed: {type(e).__name__}: {str(e)[:80]}", flush=True)
                 rows.append(dict(pass_=name, S=S, D=dim, H=heads, G=G, block_size=BS, sparsity=sparsity, lists=lists,
                                  ms=ms, **cfg))
-                print(f"  tune {name:10s} BM={cfg['BM']:3d} BN={BN:3d} w={w} s={st}: {ms:8.3f} ms", flush=True)
+                extra = " ".join(f"{k}={v}" for k, v in cfg.items() if k not in ("BM", "BN", "num_warps", "num_stages"))
+                print(f"  tune {name:10s} BM={cfg['BM']:3d} BN={cfg['BN']:3d} w={cfg['num_warps']} "
+                      f"s={cfg['num_stages']} {extra}: {ms:8.3f} ms", flush=True)
                 best = min(best, (ms, cfg), key=lambda t: t[0])
             launch.CONFIG_OVERRIDES[(kind, dim, group_rows, BS)] = best[1]
             print(f"tune {name}: best {best[1]} {best[0]:.3f} ms", flush=True)
-        if BS:
+        if BS and passes is None:
             cq = dict(BM=128, BN=64, num_warps=8, num_stages=2)  # the atomic variant needs smaller tiles
             try:
                 ms = bench_ms(lambda: launch.sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, BS, scale,
@@ -476,7 +519,8 @@ def print_sweep(rows, header=True):
     for r in rows:
         r = {k: (nan if v is None else v) for k, v in r.items()}
         c = r["bwd_fused_cfg"]
-        print(f"{r['S']:>6} {r['G']:>4} {r['block_size']:>4} {r['ms_fwd_default']:6.2f} {r.get('ms_fwd_pair', nan):6.2f} "
+        print(f"{r['S']:>6} {r['G']:>4} {r['block_size']:>4} {r['ms_fwd_default']:6.2f} "
+              f"{r.get('ms_fwd_pair', nan):6.2f} "
               f"{r.get('ms_flex_fwd', nan):6.2f} {r['ms_bwd_split']:6.2f} {r['ms_bwd_fused']:6.2f} "
               f"{r.get('ms_flex_bwd', nan):6.2f} {r['speedup_fwd']:5.2f} {r['speedup_bwd']:5.2f} "
               f"{r.get('speedup_vs_flex_fwd', nan):7.2f} {r.get('speedup_vs_flex_bwd', nan):7.2f}  "
@@ -685,6 +729,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="S in {16K, 64K}, sparsity 0.9 only")
     ap.add_argument("--tune", action="store_true", help="sweep tile configs first (S=64K, 90%%)")
+    ap.add_argument("--tune-passes", default=None,
+                    help=f"with --tune: only these passes, comma-separated, of {','.join(TUNE_PASSES)} (default all)")
     ap.add_argument("--groups-sweep", action="store_true", help="(G, block) sweep, split vs fused bwd, flex")
     ap.add_argument("--sweep", action="store_true",
                     help="D x G x granularity sweep (issue #15), heatmap PNG; est. ~4.7 min on an H200 with "
@@ -739,12 +785,17 @@ def main(argv=None):
     seqs = args.seq_lens or ((16384, 65536) if args.quick else (16384, 32768, 65536, 131072))
     sparsities = args.sparsities or ((0.9,) if args.quick else (0.8, 0.9, 0.95, 0.98))
     dims, groups = args.head_dim or [D], args.group_size or [128]
+    tune_passes = None if args.tune_passes is None else [p for p in args.tune_passes.split(",") if p]
+    if tune_passes is not None and (not tune_passes or set(tune_passes) - set(TUNE_PASSES)):
+        ap.error(f"--tune-passes: {args.tune_passes!r}; allowed: {TUNE_PASSES}")
     if args.tune:
         t0 = time.time()
         trows = [r for d in dims for g in groups
-                 for r in tune(65536, g, dim=d, heads=args.heads, lists=args.lists, granularity=args.granularity)]
+                 for r in tune(65536, g, dim=d, heads=args.heads, lists=args.lists, granularity=args.granularity,
+                               passes=tune_passes)]
         write_results("sparse_attention-tune", trows, args.out, meta)
-        print(f"tuning took {time.time() - t0:.0f} s; configs: {json.dumps({str(k): v for k, v in launch.CONFIG_OVERRIDES.items()})}")
+        configs = json.dumps({str(k): v for k, v in launch.CONFIG_OVERRIDES.items()})
+        print(f"tuning took {time.time() - t0:.0f} s; configs: {configs}")
     points = sweep_grid(dims, groups, args.granularity, args.block_sizes, seqs, sparsities, args.heads)
     points.sort(key=lambda p: (p["S"], p["D"], p["G"], -p["block_size"] if p["block_size"] else 0, p["sparsity"]))
 

@@ -38,6 +38,10 @@
 #   pass on resolve_pass_tile's tiles and others (bench_topk_estimation.PASS_TILES; 16 x 64 the fused kernel's before
 #   run 27): every test of tests/ops/test_topk_sample.py on the GPU, then 16K / 32K / 64K / 128K beside the CUDA
 #   kernel, each row's kernels timed apart in its "phases")
+#   bwdtma (~3 min: the block lists' candidate dk/dv kernel, triton_bwd_desc.bwd_desc_kernel: its GPU tests (TMA
+#   tiles, the warp-specialised walk, dq programs in the same launch), then bench_sparse_attention.py --tune of the
+#   bwd_kv pass alone at D = 128, G = 128, 64K, 90% block lists: the default and every candidate (TUNE_SPACE and
+#   TUNE_SPACE_KV_DESC, each timing the whole backward), then that point on the winner against FlexAttention)
 #   models (every test of tests/models and the local-list tests on the GPU host, not only the gpu-marked ones:
 #   with GPU_WHEEL_DIRS=".whl-mc019 .whl-wan" it checks megatron-core 0.19.2 and the Wan bf16 test against
 #   diffusers; .whl-mc019 = megatron-core 0.19.2, .whl-wan = diffusers 0.42.1 and its pure-Python deps)
@@ -109,6 +113,9 @@ for s in $stages; do
     g128) run g128 300 sh -c "b='python3 benchmarks/bench_sparse_attention.py --sweep --head-dim 128 --group-size 128 \
             --seq-lens 64K --sparsities 0.9'; \$b --out '$out/g128'; \$b --lists video --granularity token \
             --out '$out/g128-video'" ;;
+    bwdtma) run bwdtma 300 sh -c "python3 -m pytest -q -p no:cacheprovider tests/ops/test_sparse_attention_gpu.py \
+              -k desc_bwd; echo pytest rc=\$?; python3 benchmarks/bench_sparse_attention.py --tune --tune-passes bwd_kv \
+              --granularity block --head-dim 128 --group-size 128 --seq-lens 64K --sparsities 0.9 --out '$out/bwdtma'" ;;
     d256tune) run d256tune 540 python3 benchmarks/bench_sparse_attention.py --tune --head-dim 256 --group-size 128 \
                 --seq-lens 64K --sparsities 0.9 --no-flex --time-budget-s 480 --out "$out/d256tune" ;;
     topk3x) run topk3x 360 sh -c "python3 -m pytest -q -p no:cacheprovider tests/ops/test_topk_sample.py \
@@ -138,6 +145,6 @@ for s in $stages; do
                  --backends cuda,triton,triton_gemm,triton_keys_tc,triton_keys_tc_g32,triton_keys_tc_g64,triton_keys_tc_g128 \
                  --sizes 16384,32768,65536,131072 --triton-max-s 131072 --out '$out/topkblock'" ;;
     *) echo "unknown stage $s (build tests train recall predictor topk e2e e2etok topksample topkkeys models sweep" \
-            "smallg d256 d256tune g128 artifact tok32 topk3x topkblock topkpass topkprof topkfma)"; exit 2 ;;
+            "smallg d256 d256tune g128 bwdtma artifact tok32 topk3x topkblock topkpass topkprof topkfma)"; exit 2 ;;
   esac
 done

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from megatron_dsv.ops.dense import dense_attention
-from megatron_dsv.ops.sparse_attention import sparse_attention, sparse_attention_naive
-from megatron_dsv.ops.sparse_attention import launch
+from megatron_dsv.ops.sparse_attention import launch, sparse_attention, sparse_attention_naive
 from megatron_dsv.ops.sparse_attention.launch import build_inverse_map, sparse_bwd, sparse_fwd
 
 
@@ -231,6 +230,74 @@ def test_paired_blocks_per_step():
     paired = sparse_bwd(do, q, k, v, o, lse, idx, cnt, G, BS, 0.125, mode="split",
                         cfg_q=dict(BM=64, BN=128, num_warps=8, num_stages=2))
     assert rel_rmse(paired[0], base[0]) < 1e-5
+
+
+# the candidate dk/dv kernel's variants (launch.DESC_KEYS; the tune space's shapes): TMA tiles, TMA + a
+# warp-specialised walk, and the one-launch backward (dq programs beside the dk/dv programs) over TMA and pointers
+DESC_CFGS = {
+    "tma": dict(BM=64, BN=128, num_warps=8, num_stages=3, DESC=1),
+    "tma-ws": dict(BM=64, BN=128, num_warps=4, num_stages=3, DESC=1, WS=1),
+    "one-launch-tma": dict(BM=64, BN=128, num_warps=8, num_stages=3, DESC=1, DQ_ROLE=1, BMQ=128, BNQ=64),
+    "one-launch-ptr": dict(BM=64, BN=128, num_warps=8, num_stages=3, DESC=0, DQ_ROLE=1, BMQ=128, BNQ=64),
+}
+DESC_CASES = [
+    # B, H, Hkv, S, D, G, BS, dtype: partial last group and key block; GQA over blocks of 64 (BN, BNQ capped at the
+    # block) with D = 96 (padded columns: pointer loads instead of TMA); two batches, and key tiles of half a block
+    (1, 2, 2, 300, 64, 128, 128, torch.float32),
+    (1, 4, 2, 200, 96, 64, 64, torch.float16),
+    (2, 2, 1, 260, 128, 128, 128, torch.float16),
+]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("name", list(DESC_CFGS))
+@pytest.mark.parametrize("case", [pytest.param(c, id=case_id(c)) for c in DESC_CASES])
+def test_desc_bwd_matches_naive(case, name, monkeypatch):
+    """cfg_kv with DESC / WS / DQ_ROLE (``triton_bwd_desc.bwd_desc_kernel``) against the naive twin: odd S, a
+    partial last key block, an empty (head 0) and a full (last head) list. The interpreter runs the tensor
+    descriptors' loads too (zero fill past a head's rows) and ignores warp specialisation (its math is WS = 0's)."""
+    B, H, Hkv, S, D, G, BS, dt = case
+    cfg = dict(DESC_CFGS[name])
+    cfg["BN"], cfg["BNQ"] = min(cfg["BN"], BS), min(cfg.get("BNQ", 64), BS)
+    if case == DESC_CASES[-1]:
+        cfg["BN"] = BS // 2  # two programs a key block
+    monkeypatch.setenv("DSV_SPARSE_BWD", "split")  # G = 64 / blocks of 64 would take the fused backward
+    monkeypatch.setitem(launch.CONFIG_OVERRIDES, ("bwd_kv", D, G, BS), cfg)
+    calls = []
+    launch_desc = launch._launch_desc
+    monkeypatch.setattr(launch, "_launch_desc", lambda *a, **kw: calls.append(kw) or launch_desc(*a, **kw))
+    tol = 1e-4 if dt == torch.float32 else 5e-3
+    (ours, ref), _ = run_both(B, H, Hkv, S, D, G, BS, dt, empty_head=0, full_head=H - 1)
+    assert calls == [dict(dq_role=bool(cfg.get("DQ_ROLE")))]
+    for what, x, r in zip(("o", "dq", "dk", "dv"), ours, ref):
+        assert not torch.isnan(x).any(), what
+        assert x.dtype == r.dtype and x.shape == r.shape, what
+        assert rel_rmse(x, r) < tol, (what, rel_rmse(x, r))
+    assert ours[1][:, 0].abs().max() == 0  # the empty list's dq
+
+
+def test_desc_kernel_flags_and_refusals():
+    """Which configs take the candidate kernel, where TMA and warp specialisation fall back (padded head dims, GQA),
+    and the refusals: WS with DQ_ROLE (not specialised by Triton 3.6), key tiles wider than a block."""
+    assert not launch.uses_desc_kernel(None) and not launch.uses_desc_kernel(dict(BM=64, BN=64))
+    assert launch.uses_desc_kernel(dict(BM=64, BN=64, DESC=0))
+    ws = dict(num_warps=4, DESC=1, WS=1)
+    assert launch._desc_flags(ws, 128, hr=1) == (1, 1, 4)
+    # GQA: the walk is nested in the heads' loop, so it runs unspecialised on the consumers' 8 warps
+    assert launch._desc_flags(ws, 128, hr=2) == (1, 0, 8)
+    assert launch._desc_flags(dict(ws, DESC=0), 128, hr=1) == (0, 0, 8)  # WS only over TMA loads
+    assert launch._desc_flags(ws, 96, hr=1) == (0, 0, 8)  # padded columns: pointers
+    assert launch._desc_flags(ws, 128, hr=1, aligned=False) == (0, 0, 8)
+    assert launch._desc_flags(dict(num_warps=8, DESC=1), 64, hr=2) == (1, 0, 8)
+    q, k = torch.zeros(1, 2, 64, 128), torch.zeros(1, 2, 64, 128)
+    idx, cnt = make_lists(1, 2, 64, 64, 64, 0.5)
+    args = (q, k, k, q, torch.zeros(1, 2, 64), torch.zeros(1, 2, 64), q, k, k, *build_inverse_map(idx, cnt, 1),
+            idx, cnt, 64, 64, 0.1)
+    with pytest.raises(ValueError, match="WS=1 with DQ_ROLE=1"):
+        launch._launch_desc(*args, dict(BM=64, BN=64, num_warps=4, num_stages=3, DESC=1, WS=1, DQ_ROLE=1),
+                            dq_role=True)
+    with pytest.raises(ValueError, match="must not exceed block_size"):
+        launch._launch_desc(*args, dict(BM=64, BN=128, num_warps=8, num_stages=3, DESC=1), dq_role=False)
 
 
 def test_forward_configs_follow_the_timed_winners():
@@ -703,5 +770,5 @@ def test_per_group_counts_match_naive_and_a_dense_reference(BS, G, D, dtype, mon
     # per-head counts given as [B, H] or broadcast to [B, H, NG] are the same call
     idx2, cnt2 = make_lists(B, H, S, G, BS, 0.3, seed=6)
     cnt3 = cnt2[:, :, None].expand(B, H, NG).contiguous()
-    torch.testing.assert_close(sparse_attention(q, k, v, idx2, cnt3, G, BS), sparse_attention(q, k, v, idx2, cnt2, G, BS),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(sparse_attention(q, k, v, idx2, cnt3, G, BS),
+                               sparse_attention(q, k, v, idx2, cnt2, G, BS), rtol=0, atol=0)
