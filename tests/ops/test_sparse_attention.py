@@ -261,7 +261,8 @@ def test_desc_bwd_matches_naive(case, name, monkeypatch):
     cfg["BN"], cfg["BNQ"] = min(cfg["BN"], BS), min(cfg.get("BNQ", 64), BS)
     if case == DESC_CASES[-1]:
         cfg["BN"] = BS // 2  # two programs a key block
-    monkeypatch.setenv("DSV_SPARSE_BWD", "split")  # G = 64 / blocks of 64 would take the fused backward
+    monkeypatch.delenv("DSV_SPARSE_BWD", raising=False)  # G = 64 / 64-key blocks: auto's fused, but the config
+    # names the split backward's candidate kernel, which sparse_bwd then runs (the calls below)
     monkeypatch.setitem(launch.CONFIG_OVERRIDES, ("bwd_kv", D, G, BS), cfg)
     calls = []
     launch_desc = launch._launch_desc
@@ -298,6 +299,9 @@ def test_desc_kernel_flags_and_refusals():
                             dq_role=True)
     with pytest.raises(ValueError, match="must not exceed block_size"):
         launch._launch_desc(*args, dict(BM=64, BN=128, num_warps=8, num_stages=3, DESC=1), dq_role=False)
+    with pytest.raises(ValueError, match="mode='fused' has no such kernel"):  # not silently the fused kernel
+        launch.sparse_bwd(q, q, k, k, q, torch.zeros(1, 2, 64), idx, cnt, 64, 64, 0.1, mode="fused",
+                          cfg_kv=dict(BM=64, BN=64, num_warps=4, num_stages=2, DESC=0))
 
 
 def test_forward_configs_follow_the_timed_winners():

@@ -199,6 +199,8 @@ def test_scan_store_mode(monkeypatch):
     under the interpreter, which runs no PTX."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert (scan_store_mode(False), scan_store_mode(True), scan_store_mode()) == (0, 1, 0)
+    monkeypatch.setenv("TRITON_INTERPRET", "true")  # Triton's own reading of the variable, not only "1"
+    assert scan_store_mode(True) == 1
     monkeypatch.delenv("TRITON_INTERPRET")
     assert (scan_store_mode(False), scan_store_mode(True)) == (0, 2)
 

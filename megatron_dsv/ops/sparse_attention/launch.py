@@ -344,7 +344,13 @@ def sparse_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scal
     explicit = atomic_kv is not None or mode is not None  # asked for by the caller: bwd_mode checked neither
     if atomic_kv is None:
         atomic_kv = BS == 0 and not torch.are_deterministic_algorithms_enabled()
+    asked_mode = mode
     mode = mode or bwd_mode(G, BS, D)
+    if BS and uses_desc_kernel(cfg_kv):  # the config names the split backward's candidate dk/dv kernel
+        if asked_mode == "fused":
+            raise ValueError("sparse_bwd: cfg_kv with DESC / WS / DQ_ROLE keys selects bwd_desc_kernel, a split "
+                             "backward; mode='fused' has no such kernel (pass mode='split' or None)")
+        mode = "split"  # where auto would take fused (G = 64 / 128-key blocks, G = 32 / 64 at D = 128)
     if explicit and torch.are_deterministic_algorithms_enabled() and (atomic_kv or (mode == "fused" and BS)):
         _nondeterministic("atomic_kv=True scatters dK/dV with fp32 atomics" if atomic_kv else
                           "mode='fused' adds dQ with fp32 atomics")
@@ -570,9 +576,13 @@ def _launch_desc(q, k, v, do, lse, delta, dq, dk, dv, inv_ptr, inv_grp, kv_indic
     NG, KMAX = kv_indices.shape[2], kv_indices.shape[3]
     n_dq = (H // hkv) * NG * (G // BMQ) if dq_role else 0
     counts = _kernel_counts(kv_counts, NG) if dq_role else inv_ptr  # dq programs only
+    if not dq_role:  # the dq tiles' slots go unread: plain tensors (no descriptors to encode), one compile
+        BMQ, BNQ = BM, BN
+    dq_desc = desc if dq_role else 0
     bwd_desc_kernel[(n_kv + n_dq, B * hkv)](
         _desc_args(q, BM, desc), _desc_args(k, BN, desc), _desc_args(v, BN, desc), _desc_args(do, BM, desc),
-        _desc_args(q, BMQ, desc), _desc_args(k, BNQ, desc), _desc_args(v, BNQ, desc), _desc_args(do, BMQ, desc),
+        _desc_args(q, BMQ, dq_desc), _desc_args(k, BNQ, dq_desc), _desc_args(v, BNQ, dq_desc),
+        _desc_args(do, BMQ, dq_desc),
         lse, delta, dq, dk, dv, inv_ptr, inv_grp, kv_indices, counts, T, TK, nkb, NG, KMAX, n_kv, scale * LOG2E,
         scale, H=H, HR=H // hkv, K=D, BD=_bd(D), G=G, BS=BS, BM=BM, BN=BN, BMQ=BMQ, BNQ=BNQ,
         EVEN_T=_even_keys(TK, BS), DESC=desc, WS=ws, DQ_ROLE=int(dq_role), num_warps=warps,

@@ -533,7 +533,21 @@ def scan_store_mode(scan_store: bool = False) -> int:
     (compiled, Coalesce would give that store its own layout again: 9 / 7 barriers, 635 / 487 instructions)."""
     if not scan_store:
         return 0
-    return 1 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 2
+    return 1 if _interpreting() else 2
+
+
+def _interpreter_env() -> bool:
+    """``TRITON_INTERPRET`` read as Triton reads it (1 / true / on / yes), for Triton builds without ``knobs``."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def _interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (no inline PTX there)."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return _interpreter_env()
+    return bool(knobs.runtime.interpret)
 
 
 def kernel_meta(r: int, block_size: int, block_score: str = "max", BG: int = 16, BN: int = 0,
@@ -621,7 +635,9 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     scores through cuBLAS and ignores ``dot``.
     ``scan_store``: the window pass and the write pass carry each tile's keys through the scan of its counts and
     store in the scan's layout (:func:`scan_store_mode`), the same lists; off by default until a GPU run has checked
-    its inline-PTX store and timed it (bench_topk_estimation's ``triton_scan_store``).
+    its inline-PTX store and timed it (bench_topk_estimation's ``triton_scan_store``). Token lists only: block lists'
+    pass tiles (16 x 4 on 8 warps) hold each element in several threads, and the inline store, unlike ``tl.store``,
+    would write it from each of them.
     """
     P = check_problem(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score)
     tc = tensor_core_scorable(q_lr.dtype, P.r) and dot in ("auto", "tc") and (BG == 0 or BG >= 16)
@@ -688,7 +704,7 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
         from .sample_impl import run_sample  # imports this module's search functions
 
         run_sample(P, proxies, k, counts, thr, above, flags, buf, cap, F, nsv, z, meta, pass_meta, _NPROBE,
-                   lambda name: _phase(stats, name, q_lr.device), scan_store_mode(scan_store))
+                   lambda name: _phase(stats, name, q_lr.device), scan_store_mode(scan_store and not P.block_size))
         del buf
         if stats is not None:
             padded = torch.nn.functional.pad(flags.view(P.B * P.H, P.num_groups), (0, (-P.num_groups) % pBG))
@@ -707,5 +723,5 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
                                 NPROBE=_NPROBE, NPASS=_NPASS, HAS_FLAGS=fb, **pass_meta)
     with _phase(stats, "write", q_lr.device):
         _tk_write[grid](proxies, k, counts, thr, above, out, P.Sk, P.num_items, P.num_groups, P.kmax,
-                        SCAN_STORE=scan_store_mode(scan_store), **pass_meta)
+                        SCAN_STORE=scan_store_mode(scan_store and not P.block_size), **pass_meta)
     return out, counts
