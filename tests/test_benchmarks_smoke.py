@@ -314,7 +314,7 @@ def test_sparse_attention_sweep_overrides_and_skipped_reasons():
 def test_tune_space_adds_the_artifact_shape_for_small_token_groups():
     """--tune times the DSV artifact's token-forward shape (4 warps, 128- or 256-key steps) only where its
     forward was the faster one (G = 32, D <= 128); other passes, groups and head dims keep their spaces."""
-    from benchmarks import bench_sparse_attention as sweep
+    from benchmarks import sparse_attention_tune as sweep
 
     small = sweep.tune_space("fwd_tok", 128, 32)
     assert small[:len(sweep.TUNE_SPACE["fwd_tok"])] == sweep.TUNE_SPACE["fwd_tok"]

@@ -20,7 +20,7 @@ Passes (``launch.pick_config``'s kinds): ``fwd``; ``bwd_q``, the dq kernel (toke
 packed as ``DSV_TOKEN_PACK`` packs them, as they run); ``bwd_q_fixed`` (token lists' dq kernel scattering dK/dV as
 int64 fixed point: the deterministic backward's ``fixed``); ``bwd_kv`` (block lists' inverse-map dK/dV);
 ``bwd_kv_token`` (token lists' deterministic inverse walk) and ``bwd_fused`` (pointer atomics; the TMA variant,
-``DQ=2``, is not reported). ``--space tune`` takes the candidates of ``bench_sparse_attention.tune_configs`` instead
+``DQ=2``, is not reported). ``--space tune`` takes the candidates of ``sparse_attention_tune.tune_configs`` instead
 of the defaults (for forwards of fewer than 128 query rows also the keys-as-rows forward, cfg ``KT=1``, that the
 sweep times beside the default; for block lists' dk/dv at D = 128 also the candidate kernel ``bwd_desc_kernel``,
 cfg ``DESC`` / ``WS`` / ``DQ_ROLE``: TMA tiles through tensor descriptors, a warp-specialised walk (the row says how
@@ -242,7 +242,7 @@ def configs(kind: str, D: int, G: int, BS: int, space: str) -> List[Dict[str, in
         raise ValueError(f"space must be 'defaults' or 'tune'; got {space!r}")
     if space == "defaults" or kind in ("bwd_fused", "bwd_kv_token"):
         return [pick_config(kind, D, G, BS)]
-    from benchmarks.bench_sparse_attention import tune_configs
+    from benchmarks.sparse_attention_tune import tune_configs
 
     name = {("fwd", True): "fwd_tok", ("bwd_q", True): "bwd_q_tok"}.get((kind, BS == 0), kind)
     out = tune_configs(name, D, G, G, BS)  # with bwd_kv's candidate kernel (TUNE_SPACE_KV_DESC) at D = 128

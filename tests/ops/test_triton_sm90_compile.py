@@ -82,14 +82,21 @@ print(json.dumps(out))
 """
 
 
-def test_fixed_point_scatter_compiles_for_sm90(tmp_path):
+def _compile_in_subprocess(script: str, tmp_path) -> dict:
+    """Run a compile script in a fresh process without the interpreter (Triton's real compiler, its own cache
+    in ``tmp_path``): the JSON it prints last, or a skip with the reason it gives."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""), TRITON_CACHE_DIR=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     if "skip" in result:
         pytest.skip(result["skip"])
+    return result
+
+
+def test_fixed_point_scatter_compiles_for_sm90(tmp_path):
+    result = _compile_in_subprocess(_COMPILE, tmp_path)
     fp32, fixed = result["1"], result["2"]
     assert fp32["cubin"] > 0 and fixed["cubin"] > 0
     assert fp32["f32"] > 0 and fp32["u64"] == 0, fp32  # the fp32 atomics: float reductions only
@@ -142,13 +149,7 @@ def test_topk_scan_store_compiles_for_sm90(tmp_path):
     """The Triton top-k's window and write passes with ``scan_store`` (``triton_impl.scan_store_mode`` 2: the keys
     carried through the scan, the store as inline PTX in its layout) compile for sm_90 with their layout conversions
     down to 3 and 1 (8 and 5 with ``scan_store=False``, Triton 3.6 and 3.9), and the store is the inline one."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""), TRITON_CACHE_DIR=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", _TOPK_COMPILE], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    if "skip" in result:
-        pytest.skip(result["skip"])
+    result = _compile_in_subprocess(_TOPK_COMPILE, tmp_path)
     for name, most in (("window", 3), ("write", 1)):
         old, new = result[f"{name}0"], result[f"{name}2"]
         assert old["cubin"] > 0 and new["cubin"] > 0, result

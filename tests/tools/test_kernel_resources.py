@@ -101,7 +101,7 @@ def test_every_default_config_compiles_and_fits_hopper_shared_memory(report):
 
 
 def test_candidate_dkdv_kernel_compiles_on_wgmma(report):
-    """The candidate dk/dv kernel's configs (bench_sparse_attention.TUNE_SPACE_KV_DESC) compile for sm_90a on wgmma
+    """The candidate dk/dv kernel's configs (sparse_attention_tune.TUNE_SPACE_KV_DESC) compile for sm_90a on wgmma
     within an SM's shared memory, spilling at most a few dozen bytes a thread (Triton 3.6: 8 at most). The warp-
     specialised walk (WS = 1, 4 warps asked): Triton 3.6, the GPU machine's, makes 12 warps of it (a producer warp
     group and two consumers) that move registers with setmaxnreg and spill nothing; Triton 3.9 fails its

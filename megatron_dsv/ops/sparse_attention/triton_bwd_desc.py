@@ -52,6 +52,18 @@ def _store_rows(x, val, i_head, row0, L, K: tl.constexpr, BD: tl.constexpr, ROWS
 
 
 @triton.jit
+def _query_tile(q, do, lse, delta, i_bh, m0, T, K: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
+                DESC: tl.constexpr):
+    """Query rows m0 .. m0 + BM of head i_bh: q, do [BM, BD] and lse, delta [BM]. Rows past T read 0, and their
+    lse +inf makes their p exactly 0."""
+    o_m = m0 + tl.arange(0, BM)
+    m_m = o_m < T
+    b_lse = tl.load(lse + i_bh.to(tl.int64) * T + o_m, mask=m_m, other=float("inf"))
+    b_delta = tl.load(delta + i_bh.to(tl.int64) * T + o_m, mask=m_m, other=0.)
+    return _rows(q, i_bh, m0, T, K, BD, BM, DESC), _rows(do, i_bh, m0, T, K, BD, BM, DESC), b_lse, b_delta
+
+
+@triton.jit
 def _dkdv_tile(q, k, v, do, lse, delta, dk, dv, inv_ptr, inv_grp, i_n, i_bhkv, T, TK, NKB, qk_scale, sm_scale,
                H: tl.constexpr, HR: tl.constexpr, K: tl.constexpr, BD: tl.constexpr, G: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, DESC: tl.constexpr, WS: tl.constexpr):
@@ -75,13 +87,7 @@ def _dkdv_tile(q, k, v, do, lse, delta, dk, dv, inv_ptr, inv_grp, i_n, i_bhkv, T
             i_e = e_lo * (G // BM) + i_j
             i_g = tl.load(inv_grp + i_e // (G // BM))
             m0 = i_g * G + (i_e % (G // BM)) * BM
-            o_m = m0 + tl.arange(0, BM)
-            m_m = o_m < T
-            # [BM, BD]: rows past T read 0, and their lse +inf makes their p exactly 0
-            b_q = _rows(q, i_bh, m0, T, K, BD, BM, DESC)
-            b_do = _rows(do, i_bh, m0, T, K, BD, BM, DESC)
-            b_lse = tl.load(lse + i_bh.to(tl.int64) * T + o_m, mask=m_m, other=float("inf"))
-            b_delta = tl.load(delta + i_bh.to(tl.int64) * T + o_m, mask=m_m, other=0.)
+            b_q, b_do, b_lse, b_delta = _query_tile(q, do, lse, delta, i_bh, m0, T, K, BD, BM, DESC)
             # [BN, BM]: transposed scores, so dk/dv accumulate without transposing them
             b_pt = tl.exp2(tl.dot(b_k, tl.trans(b_q)) * qk_scale - b_lse[None, :])
             b_dv += tl.dot(b_pt.to(b_do.dtype), b_do)
@@ -101,13 +107,7 @@ def _dq_tile(q, k, v, do, lse, delta, dq, idx, cnt_ptr, i_m, i_bh, T, TK, NG, KM
     i_bhkv = (i_bh // H) * (H // HR) + (i_bh % H) // HR
     i_g = i_m // (G // BM)
     m0 = i_g * G + (i_m % (G // BM)) * BM
-    o_m = m0 + tl.arange(0, BM)
-    m_m = o_m < T
-    b_q = _rows(q, i_bh, m0, T, K, BD, BM, DESC)
-    b_do = _rows(do, i_bh, m0, T, K, BD, BM, DESC)
-    # padded rows get lse = +inf so their p is exactly 0
-    b_lse = tl.load(lse + i_bh.to(tl.int64) * T + o_m, mask=m_m, other=float("inf"))
-    b_delta = tl.load(delta + i_bh.to(tl.int64) * T + o_m, mask=m_m, other=0.)
+    b_q, b_do, b_lse, b_delta = _query_tile(q, do, lse, delta, i_bh, m0, T, K, BD, BM, DESC)
     cnt = tl.load(cnt_ptr + i_bh.to(tl.int64) * NG + i_g)  # [B, H, NG] counts
     p_idx = idx + (i_bh.to(tl.int64) * NG + i_g) * KMAX
     b_dq = tl.zeros([BM, BD], tl.float32)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import os
 
 import torch
 import triton
@@ -533,21 +532,9 @@ def scan_store_mode(scan_store: bool = False) -> int:
     (compiled, Coalesce would give that store its own layout again: 9 / 7 barriers, 635 / 487 instructions)."""
     if not scan_store:
         return 0
-    return 1 if _interpreting() else 2
+    from triton import knobs  # TRITON_INTERPRET as Triton reads it (1 / true / on / yes)
 
-
-def _interpreter_env() -> bool:
-    """``TRITON_INTERPRET`` read as Triton reads it (1 / true / on / yes), for Triton builds without ``knobs``."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
-
-
-def _interpreting() -> bool:
-    """Whether Triton runs kernels in its interpreter (no inline PTX there)."""
-    try:
-        from triton import knobs
-    except ImportError:
-        return _interpreter_env()
-    return bool(knobs.runtime.interpret)
+    return 1 if knobs.runtime.interpret else 2
 
 
 def kernel_meta(r: int, block_size: int, block_score: str = "max", BG: int = 16, BN: int = 0,
