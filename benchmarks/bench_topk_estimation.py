@@ -61,14 +61,9 @@ TRITON_CANDIDATES = {"triton_loop": dict(dot=False, pack_counts=1), "triton_pack
                      # the window pass of "sample" and the write pass on other tiles than resolve_pass_tile's (run 27:
                      # 16 x 64 was the fused sample kernel's, whose 236 registers held one program an SM)
                      **{f"triton_pass{g}x{n}": dict(pass_tile=(g, n)) for g, n in PASS_TILES},
-                     # the scores from the FMA loop in the scan's own layout: no tensor-core product, so none of the
-                     # five or six layout conversions of a tile the window and write passes pay after tl.dot (2 barriers
-                     # an iteration instead of 15-17 as compiled for sm_90a, NOTES_topk_estimation after run 28)
-                     **{f"triton_fma_pass{g}x{n}": dict(dot=False, pass_tile=(g, n)) for g, n in ((32, 64), (128, 32))},
-                     # the window and write passes with scan_store (triton_impl.scan_store_mode): the keys carried
-                     # through the scan of the counts, masks, positions and an inline-PTX store in its layout, 1
-                     # conversion and 2 barriers a tile as compiled for sm_90a against the default's 6 / 5 and 15 / 13
-                     "triton_scan_store": dict(scan_store=True)}
+                     # the window and write passes without scan_store (triton_impl.scan_store_mode, the default
+                     # since run 29): the keys, masks and positions converted to tl.store's layout after the scan
+                     "triton_tl_store": dict(scan_store=False)}
 # block lists: "gemm" (the default until run 27: every token's score through cuBLAS, read back by the selection) and
 # method "keys" scoring each tile's blocks with one tensor-core product over their tokens then the block max
 # (scoring._scores_at; the default since run 27 on resolve_tile's 64 groups x 256 tokens): BG groups x BN blocks a

@@ -1,6 +1,6 @@
-"""The tile sweep of ``bench_sparse_attention.py --tune``: every pass's candidate configs (BM, BN, warps, stages, and
-the candidate dk/dv kernel's keys) timed at one shape, the winners installed in ``launch.CONFIG_OVERRIDES`` for the
-points timed after it. ``tools/kernel_resources.py --space tune`` compiles the same candidates offline."""
+"""The tile sweep of ``bench_sparse_attention.py --tune``: every pass's candidate configs (BM, BN, warps, stages)
+timed at one shape, the winners installed in ``launch.CONFIG_OVERRIDES`` for the points timed after it.
+``tools/kernel_resources.py --space tune`` compiles the same candidates offline."""
 
 from __future__ import annotations
 
@@ -56,30 +56,11 @@ def tune_space(name: str, dim: int, group_size: int = 128):
     return space
 
 
-# bwd_kv candidates of block lists at D = 128 beside TUNE_SPACE's: (BM, BN, warps, stages, extra cfg keys). Flex's
-# dk/dv tile (128 keys x 64 queries, 8 warps, 3 stages) on bwd_kv_kernel, then triton_bwd_desc.bwd_desc_kernel
-# (launch.DESC_KEYS): TMA tiles; TMA with the walk warp-specialised (4 warps asked, 12 run: a producer warp group
-# and two consumers of 64 keys each, setmaxnreg 40 / 232 on sm_90a); dq programs in the same launch (FlexAttention's
-# scheme: the row then times delta pre-pass + one kernel, no dq kernel) on Flex's dq tile (128 x 64) over TMA or
-# pointers, and on the default dq kernel's tile (128 x 128). Each row times the whole backward, as bwd_kv's do
-TUNE_SPACE_KV_DESC = [
-    (64, 128, 8, 3, {}),
-    (64, 128, 8, 3, dict(DESC=1)),
-    (64, 128, 4, 3, dict(DESC=1, WS=1)),
-    (64, 128, 8, 3, dict(DESC=1, DQ_ROLE=1, BMQ=128, BNQ=64)),
-    (64, 128, 8, 3, dict(DESC=0, DQ_ROLE=1, BMQ=128, BNQ=64)),
-    (64, 128, 8, 2, dict(DESC=1, DQ_ROLE=1, BMQ=128, BNQ=128)),
-]
-
-
-def tune_configs(name: str, dim: int, group_size: int, group_rows: int, block_size: int = 128) -> List[Dict]:
-    """The config dicts the sweep times for one pass: :func:`tune_space`'s tiles (query tiles capped at
-    ``group_rows``, the group the pass's config key names) and, for block lists' dk/dv at D = 128 over blocks of at
-    least 128 keys, :data:`TUNE_SPACE_KV_DESC`'s."""
-    space = [(BM, BN, w, st, {}) for BM, BN, w, st in tune_space(name, dim, group_size)]
-    if name == "bwd_kv" and dim == 128 and block_size >= 128:
-        space += TUNE_SPACE_KV_DESC
-    return [dict(BM=min(BM, group_rows), BN=BN, num_warps=w, num_stages=st, **extra) for BM, BN, w, st, extra in space]
+def tune_configs(name: str, dim: int, group_size: int, group_rows: int) -> List[Dict]:
+    """The config dicts the sweep times for one pass: :func:`tune_space`'s tiles, query tiles capped at
+    ``group_rows`` (the group the pass's config key names)."""
+    return [dict(BM=min(BM, group_rows), BN=BN, num_warps=w, num_stages=st)
+            for BM, BN, w, st in tune_space(name, dim, group_size)]
 
 
 def config_group(kind: str, G: int, BS: int) -> int:
@@ -121,7 +102,7 @@ def tune(S, G, sparsity=0.9, dim=D, heads=H, lists="random", granularity="both",
             # 128-row packed group repeats the dK/dV atomics: 150-169 ms against the packed default's 53 in run 25)
             group_rows = config_group(kind, G, BS)
             best = (float("inf"), None)
-            for cfg in tune_configs(name, dim, G, group_rows, BS):
+            for cfg in tune_configs(name, dim, G, group_rows):
                 try:
                     ms = _time_pass(kind, cfg, q, k, v, o, lse, do, idx, cnt, G, BS, scale)
                 except Exception as e:  # out of shared memory etc.: not a candidate
@@ -129,9 +110,8 @@ def tune(S, G, sparsity=0.9, dim=D, heads=H, lists="random", granularity="both",
                     print(f"  {name} {cfg} failed: {type(e).__name__}: {str(e)[:80]}", flush=True)
                 rows.append(dict(pass_=name, S=S, D=dim, H=heads, G=G, block_size=BS, sparsity=sparsity, lists=lists,
                                  ms=ms, **cfg))
-                extra = " ".join(f"{k}={v}" for k, v in cfg.items() if k not in ("BM", "BN", "num_warps", "num_stages"))
                 print(f"  tune {name:10s} BM={cfg['BM']:3d} BN={cfg['BN']:3d} w={cfg['num_warps']} "
-                      f"s={cfg['num_stages']} {extra}: {ms:8.3f} ms", flush=True)
+                      f"s={cfg['num_stages']}: {ms:8.3f} ms", flush=True)
                 best = min(best, (ms, cfg), key=lambda t: t[0])
             launch.CONFIG_OVERRIDES[(kind, dim, group_rows, BS)] = best[1]
             print(f"tune {name}: best {best[1]} {best[0]:.3f} ms", flush=True)

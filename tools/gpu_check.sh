@@ -27,9 +27,9 @@
 #   lists (G = 128, blocks of 128, auto = "keys" on tensor cores since run 27) at 16K-128K, each beside the CUDA kernel in the same run)
 #   topkprof (~2 min: ncu's sections for the Triton top-k's token-list kernels at 64K, G = 32, second call: where the
 #   window and write passes' time goes, NOTES_topk_estimation run 28; needs ncu's counters: Firecracker machines)
-#   topkfma (~4 min: the GPU tests of "sample"'s copied searches, sliced fallback and scan_store, then token lists at
-#   16K-128K, the default beside the passes with scan_store (keys carried through the scan, inline-PTX store), the
-#   passes scored by the FMA loop instead of tensor cores, and the CUDA kernel)
+#   topkstore (~4 min: the GPU tests of "sample"'s copied searches, sliced fallback and scan_store, then token lists
+#   at 16K-128K, the default (keys carried through the scan, inline-PTX store) beside the passes without scan_store
+#   and the CUDA kernel)
 #   topkblock (~2 min: the Triton top-k's block lists scored on tensor cores, method "keys" with dot="tc": every
 #   test of tests/ops/test_topk_keys.py on the GPU (its rc printed), then G = 128 / blocks of 128 at 16K-128K, the
 #   default (since run 27 "keys" on tensor cores, 64 x 256-token tiles), "gemm" (the default before) and four
@@ -38,10 +38,6 @@
 #   pass on resolve_pass_tile's tiles and others (bench_topk_estimation.PASS_TILES; 16 x 64 the fused kernel's before
 #   run 27): every test of tests/ops/test_topk_sample.py on the GPU, then 16K / 32K / 64K / 128K beside the CUDA
 #   kernel, each row's kernels timed apart in its "phases")
-#   bwdtma (~3 min: the block lists' candidate dk/dv kernel, triton_bwd_desc.bwd_desc_kernel: its GPU tests (TMA
-#   tiles, the warp-specialised walk, dq programs in the same launch), then bench_sparse_attention.py --tune of the
-#   bwd_kv pass alone at D = 128, G = 128, 64K, 90% block lists: the default and every candidate (TUNE_SPACE and
-#   TUNE_SPACE_KV_DESC, each timing the whole backward), then that point on the winner against FlexAttention)
 #   models (every test of tests/models and the local-list tests on the GPU host, not only the gpu-marked ones:
 #   with GPU_WHEEL_DIRS=".whl-mc019 .whl-wan" it checks megatron-core 0.19.2 and the Wan bf16 test against
 #   diffusers; .whl-mc019 = megatron-core 0.19.2, .whl-wan = diffusers 0.42.1 and its pure-Python deps)
@@ -113,9 +109,6 @@ for s in $stages; do
     g128) run g128 300 sh -c "b='python3 benchmarks/bench_sparse_attention.py --sweep --head-dim 128 --group-size 128 \
             --seq-lens 64K --sparsities 0.9'; \$b --out '$out/g128'; \$b --lists video --granularity token \
             --out '$out/g128-video'" ;;
-    bwdtma) run bwdtma 300 sh -c "python3 -m pytest -q -p no:cacheprovider tests/ops/test_sparse_attention_gpu.py \
-              -k desc_bwd; echo pytest rc=\$?; python3 benchmarks/bench_sparse_attention.py --tune --tune-passes bwd_kv \
-              --granularity block --head-dim 128 --group-size 128 --seq-lens 64K --sparsities 0.9 --out '$out/bwdtma'" ;;
     d256tune) run d256tune 540 python3 benchmarks/bench_sparse_attention.py --tune --head-dim 256 --group-size 128 \
                 --seq-lens 64K --sparsities 0.9 --no-flex --time-budget-s 480 --out "$out/d256tune" ;;
     topk3x) run topk3x 360 sh -c "python3 -m pytest -q -p no:cacheprovider tests/ops/test_topk_sample.py \
@@ -134,17 +127,17 @@ for s in $stages; do
                 --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
                 --section InstructionStats --section SchedulerStats --section MemoryWorkloadAnalysis \
                 python3 benchmarks/profile_topk.py --backend triton --S 65536 ;;
-    topkfma) run topkfma 300 sh -c "python3 -m pytest -q -p no:cacheprovider tests/ops/test_topk_sample.py \
+    topkstore) run topkstore 300 sh -c "python3 -m pytest -q -p no:cacheprovider tests/ops/test_topk_sample.py \
                -k 'gpu or sliced or many_tiles or copied or scan_store'; echo pytest rc=\$?; \
                python3 benchmarks/bench_topk_estimation.py --granularity token --group-size 32 \
-               --backends cuda,triton,triton_scan_store,triton_fma_pass32x64,triton_fma_pass128x32 \
-               --sizes 16384,32768,65536,131072 --triton-max-s 131072 --out '$out/topkfma'" ;;
+               --backends cuda,triton,triton_tl_store \
+               --sizes 16384,32768,65536,131072 --triton-max-s 131072 --out '$out/topkstore'" ;;
     topkblock) run topkblock 300 sh -c "python3 -m pytest -q -p no:cacheprovider tests/ops/test_topk_keys.py; \
                  echo pytest rc=\$?; \
                  python3 benchmarks/bench_topk_estimation.py --granularity block --group-size 128 --block-size 128 \
                  --backends cuda,triton,triton_gemm,triton_keys_tc,triton_keys_tc_g32,triton_keys_tc_g64,triton_keys_tc_g128 \
                  --sizes 16384,32768,65536,131072 --triton-max-s 131072 --out '$out/topkblock'" ;;
     *) echo "unknown stage $s (build tests train recall predictor topk e2e e2etok topksample topkkeys models sweep" \
-            "smallg d256 d256tune g128 bwdtma artifact tok32 topk3x topkblock topkpass topkprof topkfma)"; exit 2 ;;
+            "smallg d256 d256tune g128 artifact tok32 topk3x topkblock topkpass topkprof topkstore)"; exit 2 ;;
   esac
 done

@@ -22,12 +22,10 @@ int64 fixed point: the deterministic backward's ``fixed``); ``bwd_kv`` (block li
 ``bwd_kv_token`` (token lists' deterministic inverse walk) and ``bwd_fused`` (pointer atomics; the TMA variant,
 ``DQ=2``, is not reported). ``--space tune`` takes the candidates of ``sparse_attention_tune.tune_configs`` instead
 of the defaults (for forwards of fewer than 128 query rows also the keys-as-rows forward, cfg ``KT=1``, that the
-sweep times beside the default; for block lists' dk/dv at D = 128 also the candidate kernel ``bwd_desc_kernel``,
-cfg ``DESC`` / ``WS`` / ``DQ_ROLE``: TMA tiles through tensor descriptors, a warp-specialised walk (the row says how
-many warps Triton made of it), dq programs in the same launch); ``--uneven-keys`` adds block lists over key
-lengths that are not a multiple of the block (their masked loads take more shared memory); ``--query-heads-per-kv``
-compiles for GQA; ``--topk`` reports the Triton top-k's kernels (``topk_estimation.triton_impl`` and ``keys_impl``)
-instead. Needs Triton's compiler API and a ptxas in its build; runs without ``TRITON_INTERPRET``.
+sweep times beside the default); ``--uneven-keys`` adds block lists over key lengths that are not a multiple of the
+block (their masked loads take more shared memory); ``--query-heads-per-kv`` compiles for GQA; ``--topk`` reports
+the Triton top-k's kernels (``topk_estimation.triton_impl`` and ``keys_impl``) instead. Needs Triton's compiler API
+and a ptxas in its build; runs without ``TRITON_INTERPRET``.
 """
 
 from __future__ import annotations
@@ -74,7 +72,7 @@ def pass_kernel(kind: str, D: int, G: int, BS: int, cfg: Dict[str, int], pack: i
     """``(kernel, constexprs)`` of one pass as ``launch`` launches it (bf16; ``hr`` query heads per kv head). Token
     lists (``BS == 0``) with ``pack`` > 1 run packed groups of ``pack * G`` rows (:mod:`...sparse_attention.packing`);
     ``even_keys`` False: block lists over a key length that is not a multiple of the block (``EVEN_T``)."""
-    from megatron_dsv.ops.sparse_attention.launch import _bd, _desc_flags, uses_desc_kernel
+    from megatron_dsv.ops.sparse_attention.launch import _bd
     from megatron_dsv.ops.sparse_attention.triton_bwd import bwd_kv_kernel, bwd_q_kernel
     from megatron_dsv.ops.sparse_attention.triton_fwd import sparse_attn_fwd_kernel, sparse_attn_fwd_kt_kernel
 
@@ -101,45 +99,15 @@ def pass_kernel(kind: str, D: int, G: int, BS: int, cfg: Dict[str, int], pack: i
     if kind in DQ_PASSES:  # token lists scatter dK/dV here (fp32 atomics, or int64 fixed point)
         atomic = 2 if kind == "bwd_q_fixed" else int(BS == 0)
         return bwd_q_kernel, dict(const, EVEN_T=even, ATOMIC_KV=atomic, GB=GB)
-    if kind == "bwd_kv" and uses_desc_kernel(cfg):  # the candidate dk/dv kernel (launch.DESC_KEYS)
-        from megatron_dsv.ops.sparse_attention.triton_bwd_desc import bwd_desc_kernel
-
-        desc, ws, _ = _desc_flags(cfg, D, hr)  # TMA and warp specialisation where the launch takes them
-        return bwd_desc_kernel, dict(const, BMQ=min(cfg.get("BMQ", 128), G), BNQ=cfg.get("BNQ", 64), EVEN_T=even,
-                                     DESC=desc, WS=ws, DQ_ROLE=int(cfg.get("DQ_ROLE", 0)))
     return bwd_kv_kernel, dict(const, BS=0 if kind == "bwd_kv_token" else BS,
                                DQ=int(cfg.get("DQ", 1)) if kind == "bwd_fused" else 0)
-
-
-def launch_warps(kind: str, D: int, cfg: Dict[str, int], hr: int = 1) -> int:
-    """The num_warps ``launch`` compiles a pass's config with: the config's, but where the candidate dk/dv kernel
-    drops a warp-specialised walk (``launch._desc_flags``: GQA, padded head dims) it runs on twice the warps."""
-    from megatron_dsv.ops.sparse_attention.launch import _desc_flags, uses_desc_kernel
-
-    return _desc_flags(cfg, D, hr)[2] if kind == "bwd_kv" and uses_desc_kernel(cfg) else cfg["num_warps"]
-
-
-def kernel_arg_types(constexprs: Dict[str, object]) -> Optional[Dict[str, str]]:
-    """Argument types of :func:`pass_kernel`'s kernel where they differ from :data:`_ARG_TYPES`: the candidate
-    dk/dv kernel's q / k / v / do (dk/dv tiles) and q2 / k2 / v2 / do2 (dq tiles) are tensor descriptors with
-    DESC = 1 (``launch._desc_args``: boxes of [1, rows, D] over [B * heads, length, D]); None: the defaults."""
-    if "DESC" not in constexprs:
-        return None
-    types = dict(_ARG_TYPES, N_KV="i32")
-    if constexprs["DESC"]:
-        rows = dict(q=constexprs["BM"], do=constexprs["BM"], k=constexprs["BN"], v=constexprs["BN"],
-                    q2=constexprs["BMQ"], do2=constexprs["BMQ"], k2=constexprs["BNQ"], v2=constexprs["BNQ"])
-        types.update({n: f"tensordesc<bf16[1, {r}, {constexprs['BD']}]>" for n, r in rows.items()})
-    return types
 
 
 def resources(fn, constexprs: Dict[str, object], num_warps: int, num_stages: int,
               arg_types: Optional[Dict[str, str]] = None) -> Dict[str, object]:
     """Compile ``fn`` (the constexprs of :func:`pass_kernel`) for sm_90a: ``{regs, spill_stores, spill_loads, smem,
-    fits, warps, wgmma, setmaxnreg}`` (bytes per thread for the spills, per program for smem; ``fits``: smem within
-    :data:`HOPPER_SMEM_BYTES`; ``warps`` the warps the kernel runs, more than asked where Triton warp-specialised
-    it (``regs`` is then the cap at entry, ``setmaxnreg`` the register moves between warp groups); ``wgmma`` the
-    Hopper MMA instructions in its PTX), or ``{error}`` if it does not compile."""
+    fits}`` (bytes per thread for the spills, per program for smem; ``fits``: smem within
+    :data:`HOPPER_SMEM_BYTES`), or ``{error}`` if it does not compile."""
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -173,15 +141,13 @@ def resources(fn, constexprs: Dict[str, object], num_warps: int, num_stages: int
     if regs is None or spill is None:
         return dict(error=f"no ptxas report in Triton's output: {report.strip()[-200:]!r}")
     smem = int(kernel.metadata.shared)
-    ptx = kernel.asm["ptx"]
     return dict(regs=int(regs.group(1)), spill_stores=int(spill.group(1)), spill_loads=int(spill.group(2)),
-                smem=smem, fits=smem <= HOPPER_SMEM_BYTES, warps=int(kernel.metadata.num_warps),
-                wgmma=ptx.count("wgmma.mma_async"), setmaxnreg=ptx.count("setmaxnreg."))
+                smem=smem, fits=smem <= HOPPER_SMEM_BYTES)
 
 
 # the Triton top-k's (topk_estimation)
 TOPK_KERNELS = ("threshold", "threshold_flags", "slice_pass", "sample_thresholds", "window", "window_kth", "write",
-                "keys", "window_scan", "write_scan")
+                "keys")
 _TOPK_ARG_TYPES = {"P": "*bf16", "Kp": "*bf16", "Counts": "*i32", "Tout": "*i32", "GTout": "*i32", "Flags": "*i32",
                    "Tin": "*i32", "GTin": "*i32", "Out": "*i32", "Buf": "*i32", "Keys": "*i32", "S": "i32",
                    "n_items": "i32", "NG": "i32", "KMAX": "i32", "CAP": "i32", "F": "i32", "NSV": "i32", "Z": "fp32",
@@ -195,8 +161,8 @@ def topk_rows(block_sizes, r: int = 16) -> List[Dict[str, object]]:
     """Registers, spills and shared memory of the Triton top-k's kernels as ``estimate_topk_triton`` launches them
     (``triton_impl.kernel_meta`` on ``resolve_tile``'s tiles, the passes that decide the lists (the exact search, the
     window pass, the write pass) on ``resolve_pass_tile``'s, with ``resolve_scoring``'s defaults; bf16 proxies and
-    keys, ``r`` ranks), per list kind (block size, 0: token lists); ``window_scan`` and ``write_scan``: those two
-    passes with ``scan_store=True`` (``triton_impl.scan_store_mode``: the opt-in inline-PTX store)."""
+    keys, ``r`` ranks), per list kind (block size, 0: token lists); the window and write passes of token lists with
+    ``scan_store`` as a GPU runs it (``triton_impl.scan_store_mode`` 2: the inline-PTX store), block lists' without."""
     import torch
 
     from megatron_dsv.ops.topk_estimation import keys_impl, sample_impl
@@ -206,13 +172,10 @@ def topk_rows(block_sizes, r: int = 16) -> List[Dict[str, object]]:
                "threshold_flags": (ti._tk_threshold, dict(NPROBE=ti._NPROBE, NPASS=ti._NPASS, HAS_FLAGS=True)),
                "slice_pass": (ti._tk_slice_pass, dict(NPROBE=ti._NPROBE, LAST=True)),
                "sample_thresholds": (sample_impl._ss_thresholds, dict(NPROBE=ti._NPROBE, SMALL=sample_impl.SMALL_KEYS)),
-               "window": (sample_impl._ss_window, dict(SCAN_STORE=ti.scan_store_mode())),
+               "window": (sample_impl._ss_window, {}),
                "window_kth": (sample_impl._ss_kth, dict(NPROBE=ti._NPROBE, SMALL=sample_impl.SMALL_KEYS)),
-               "write": (ti._tk_write, dict(SCAN_STORE=ti.scan_store_mode())), "keys": (keys_impl._tk_keys, {}),
-               # the two passes with scan_store=True (bench_topk_estimation's triton_scan_store), as the GPU compiles
-               "window_scan": (sample_impl._ss_window, dict(SCAN_STORE=2)),
-               "write_scan": (ti._tk_write, dict(SCAN_STORE=2))}
-    deciding = ("threshold", "threshold_flags", "slice_pass", "window", "write", "window_scan", "write_scan")
+               "write": (ti._tk_write, {}), "keys": (keys_impl._tk_keys, {})}
+    deciding = ("threshold", "threshold_flags", "slice_pass", "window", "write")
     rows = []
     tc = "tc" if ti.tensor_core_scorable(torch.bfloat16, r) else False
     for bs in block_sizes:
@@ -226,6 +189,8 @@ def topk_rows(block_sizes, r: int = 16) -> List[Dict[str, object]]:
             if name == "window_kth":  # the search on the buffer alone: no scoring settings
                 meta = {n: meta[n] for n in ("BG", "BN", "PACK")}
             fn, extra = kernels[name]
+            if name in ("window", "write"):  # scan_store on token lists only (estimate_topk_triton)
+                extra = dict(SCAN_STORE=2 if bs == 0 else 0)
             row = dict(kernel=name, block_size=bs, BG=meta["BG"], BN=meta["BN"], num_warps=warps)
             row.update(resources(fn, dict(meta, **extra), warps, 3, _TOPK_ARG_TYPES))
             rows.append(row)
@@ -245,7 +210,7 @@ def configs(kind: str, D: int, G: int, BS: int, space: str) -> List[Dict[str, in
     from benchmarks.sparse_attention_tune import tune_configs
 
     name = {("fwd", True): "fwd_tok", ("bwd_q", True): "bwd_q_tok"}.get((kind, BS == 0), kind)
-    out = tune_configs(name, D, G, G, BS)  # with bwd_kv's candidate kernel (TUNE_SPACE_KV_DESC) at D = 128
+    out = tune_configs(name, D, G, G)
     if kind == "fwd" and G < 128 and D <= 128:  # the keys-as-rows forward the sweep times beside the default
         from benchmarks.bench_sparse_attention import KT_FWD_CONFIGS
 
@@ -266,16 +231,14 @@ def report_rows(dims, groups, blocks, passes, space: str = "defaults", pack: Opt
         P = default_pack(kind, G, BS) if pack is None else pack
         if P > 1 and (BS != 0 or kind not in PACKING_PASSES or P * G > 128):
             continue
+        evens = (True, False) if uneven_keys and BS and kind in ("fwd", "bwd_q") else (True,)
         cfgs = [c for c in configs(kind, D, G * P, BS, space) if P == 1 or not c.get("KT")]  # KT: unpacked only
-        for cfg in cfgs:  # the passes that mask the partial last key block: fwd, dq, the one-launch dq programs
-            masks = kind in ("fwd", "bwd_q") or (kind == "bwd_kv" and cfg.get("DQ_ROLE"))
-            todo += [(D, G, BS, kind, P, even, cfg) for even in ((True, False) if uneven_keys and BS and masks
-                                                                  else (True,))]
+        todo += [(D, G, BS, kind, P, even, cfg) for cfg in cfgs for even in evens]
     rows = []
     for i, (D, G, BS, kind, P, even, cfg) in enumerate(todo):
         fn, const = pass_kernel(kind, D, G, BS, cfg, P, hr, even)
         row = dict(D=D, G=G, block_size=BS, pack=P, hr=hr, even_keys=even, pass_=kind, **cfg,
-                   **resources(fn, const, launch_warps(kind, D, cfg, hr), cfg["num_stages"], kernel_arg_types(const)))
+                   **resources(fn, const, cfg["num_warps"], cfg["num_stages"]))
         rows.append(row)
         if progress:
             print(f"[{i + 1}/{len(todo)}] {format_row(row)}", flush=True)
@@ -287,16 +250,12 @@ def format_row(r: Dict[str, object]) -> str:
     extra += "" if r.get("even_keys", True) else " uneven"
     extra += (" keys-as-rows" + (" lazy-sum" if r.get("LAZY_L") else "")) if r.get("KT") else ""
     head = (f"D={r['D']:3d} G={r['G']:3d} block={r['block_size']:3d}{extra} "
-            f"{r['pass_']:12s} BM={r['BM']:3d} BN={r['BN']:3d} w={r['num_warps']} s={r['num_stages']}"
-            + "".join(f" {k}={r[k]}" for k in ("DESC", "WS", "DQ_ROLE", "BMQ", "BNQ") if k in r))
+            f"{r['pass_']:12s} BM={r['BM']:3d} BN={r['BN']:3d} w={r['num_warps']} s={r['num_stages']}")
     if "error" in r:
         return f"{head}  does not compile: {r['error']}"
     flag = "" if r["fits"] else "  TOO MUCH SHARED MEMORY"
     spill = f"  spills {r['spill_stores']} B" if r["spill_stores"] else ""
-    warps = r.get("warps", r["num_warps"])
-    ws = f"  warp-specialised: {warps} warps" if r.get("setmaxnreg") else \
-        (f"  runs on {warps} warps" if warps != r["num_warps"] else "")
-    return f"{head}  regs {r['regs']:3d}  smem {r['smem'] // 1024:3d} KB{spill}{ws}{flag}"
+    return f"{head}  regs {r['regs']:3d}  smem {r['smem'] // 1024:3d} KB{spill}{flag}"
 
 
 def _ints(text: str) -> List[int]:

@@ -176,37 +176,6 @@ def test_bf16_fused_bwd(monkeypatch, dq, B, H, Hkv, S, D, G, BS, BN, density):
     check_against_torch(B, H, Hkv, S, D, G, BS, density)
 
 
-# the candidate dk/dv kernel's variants as the tune space times them (launch.DESC_KEYS; bench_sparse_attention
-# TUNE_SPACE_KV_DESC): TMA tiles, TMA + a warp-specialised walk (12 warps on sm_90a), the one-launch backward
-DESC_GPU_CFGS = {
-    "flex-shape": dict(BM=64, BN=128, num_warps=8, num_stages=3, DESC=0),
-    "tma": dict(BM=64, BN=128, num_warps=8, num_stages=3, DESC=1),
-    "tma-ws": dict(BM=64, BN=128, num_warps=4, num_stages=3, DESC=1, WS=1),
-    "one-launch-tma": dict(BM=64, BN=128, num_warps=8, num_stages=3, DESC=1, DQ_ROLE=1, BMQ=128, BNQ=64),
-    "one-launch-ptr": dict(BM=64, BN=128, num_warps=8, num_stages=3, DESC=0, DQ_ROLE=1, BMQ=128, BNQ=64),
-}
-
-
-@pytest.mark.parametrize("name", list(DESC_GPU_CFGS))
-@pytest.mark.parametrize("B,H,Hkv,S,D,G,BS,density", [
-    pytest.param(1, 2, 2, 1000, 128, 128, 128, 0.3, id="B1-T1000-H2-D128-G128-blk128"),
-    pytest.param(2, 4, 2, 1000, 64, 64, 64, 0.2, id="B2-T1000-H4-Hkv2-D64-G64-blk64"),
-    pytest.param(1, 2, 2, 65536, 128, 128, 128, 0.1, id="T65536-blk128"),
-])
-def test_bf16_desc_bwd(monkeypatch, name, B, H, Hkv, S, D, G, BS, density):
-    """The candidate dk/dv kernel (``triton_bwd_desc.bwd_desc_kernel``: bulk tensor copies through tensor
-    descriptors, the warp-specialised walk, dq programs in the same launch) compiled for sm_90, under the same
-    bound; GQA (HR = 2) runs the walk unspecialised."""
-    from megatron_dsv.ops.sparse_attention import launch
-
-    cfg = dict(DESC_GPU_CFGS[name], BN=min(128, BS))  # key tiles never cross a block
-    if "BNQ" in cfg:
-        cfg["BNQ"] = min(cfg["BNQ"], BS)
-    monkeypatch.setenv("DSV_SPARSE_BWD", "split")
-    monkeypatch.setitem(launch.CONFIG_OVERRIDES, ("bwd_kv", D, G, BS), cfg)
-    check_against_torch(B, H, Hkv, S, D, G, BS, density)
-
-
 @pytest.mark.parametrize("G,BS,token_kv", [(128, 128, None), (64, 128, None), (32, 0, "fixed"), (32, 0, "inverse")],
                          ids=["G128-blk128", "G64-blk128-fused-cell", "G32-token", "G32-token-inverse"])
 def test_deterministic_mode_gives_the_same_bits(monkeypatch, G, BS, token_kv):

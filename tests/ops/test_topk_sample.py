@@ -175,7 +175,7 @@ def test_sample_pass_tiles_equal_naive(case, pass_tile):
      dict(capacity=95))],
     ids=["tok-Sk700-tc", "tok-G16-clip", "blk128-lse-tc", "tok-G16-search-64x32", "tok-Sk413-overflow"])
 def test_scan_store_gives_the_same_lists(case, dtype, method, kw):
-    """The window and write passes with the keys carried through the scan (``scan_store``, opt-in until timed;
+    """The window and write passes with the keys carried through the scan (``scan_store``, the default;
     :func:`scan_store_mode`) and without: the same lists and counts, naive's, on odd shapes (700 keys, 130 queries
     in groups of 16 in two batches, 2000 keys in blocks of 128 with a partial last one, budgets of every item), a
     buffer small enough to overflow (its groups redone by the search), another pass tile. Under the interpreter the
@@ -186,9 +186,9 @@ def test_scan_store_gives_the_same_lists(case, dtype, method, kw):
     budgets = torch.as_tensor(budgets)
     ref = estimate_topk_naive(q, k, budgets, G, bs, proxy, bscore)
     st = {}
-    new = estimate_topk_triton(q, k, budgets, G, bs, proxy, bscore, method=method, sample_size=ns, stats=st,
-                               scan_store=True, **kw)
-    old = estimate_topk_triton(q, k, budgets, G, bs, proxy, bscore, method=method, sample_size=ns, **kw)
+    new = estimate_topk_triton(q, k, budgets, G, bs, proxy, bscore, method=method, sample_size=ns, stats=st, **kw)
+    old = estimate_topk_triton(q, k, budgets, G, bs, proxy, bscore, method=method, sample_size=ns,
+                               scan_store=False, **kw)
     assert torch.equal(new[0], old[0]) and torch.equal(new[1], old[1])
     assert torch.equal(new[0], ref[0]) and torch.equal(new[1], ref[1])
     assert st["fallback_groups"] > 0 or not ("capacity" in kw or method == "search")
@@ -198,11 +198,11 @@ def test_scan_store_mode(monkeypatch):
     """The passes' ``SCAN_STORE``: 0 without ``scan_store``; else the inline PTX store (2), but ``tl.store`` (1)
     under the interpreter, which runs no PTX."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert (scan_store_mode(False), scan_store_mode(True), scan_store_mode()) == (0, 1, 0)
+    assert (scan_store_mode(False), scan_store_mode(True), scan_store_mode()) == (0, 1, 1)
     monkeypatch.setenv("TRITON_INTERPRET", "true")  # Triton's own reading of the variable, not only "1"
     assert scan_store_mode(True) == 1
     monkeypatch.delenv("TRITON_INTERPRET")
-    assert (scan_store_mode(False), scan_store_mode(True)) == (0, 2)
+    assert (scan_store_mode(False), scan_store_mode(True), scan_store_mode()) == (0, 2, 2)
 
 
 @pytest.mark.parametrize("small", [1, 16])
@@ -430,10 +430,10 @@ def test_tensor_core_scoring_gives_naives_lists_up_to_near_ties_on_the_gpu():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compares compiled kernels: needs a CUDA GPU")
 def test_scan_store_gives_the_same_lists_on_the_gpu():
-    """The inline PTX store of the window and write passes (``scan_store``, :func:`scan_store_mode` 2, which the
-    interpreter never runs) against ``scan_store=False``: the same lists bit for bit (both score each tile with the
-    same product), continuous bf16 inputs on tensor cores, "sample" and "search", 16K keys and an odd 9999, budgets
-    from one item to nearly all."""
+    """The inline PTX store of the window and write passes (``scan_store``, the default: :func:`scan_store_mode` 2,
+    which the interpreter never runs) against ``scan_store=False``: the same lists bit for bit (both score each tile
+    with the same product), continuous bf16 inputs on tensor cores, "sample" and "search", 16K keys and an odd 9999,
+    budgets from one item to nearly all."""
     torch.manual_seed(47)
     for S in (16384, 9999):
         q = torch.randn(1, 4, S, 16, device="cuda", dtype=torch.bfloat16)
@@ -441,8 +441,8 @@ def test_scan_store_gives_the_same_lists_on_the_gpu():
         k[:, :, 900:1200] = k[:, :, 5:6]  # planted ties
         budgets = torch.tensor([S // 10, 820, 1, S - 3], device="cuda")
         for method in ("sample", "search"):
-            new = estimate_topk_triton(q, k, budgets, 32, method=method, scan_store=True)
-            old = estimate_topk_triton(q, k, budgets, 32, method=method)
+            new = estimate_topk_triton(q, k, budgets, 32, method=method)
+            old = estimate_topk_triton(q, k, budgets, 32, method=method, scan_store=False)
             assert torch.equal(new[1], old[1])
             diff = (new[0] != old[0]).sum().item()
             assert diff == 0, f"{method}, S={S}: {diff} of {new[0].numel()} entries differ"

@@ -23,7 +23,6 @@ import triton
 from .checks import group_counts
 from .packing import pack_token_lists, packed_row_chunks, token_pack_factor
 from .triton_bwd import bwd_delta_kernel, bwd_kv_kernel, bwd_q_kernel
-from .triton_bwd_desc import bwd_desc_kernel
 from .triton_fwd import LOG2E, sparse_attn_fwd_kernel, sparse_attn_fwd_kt_kernel
 
 Config = Dict[str, int]
@@ -79,8 +78,6 @@ def pick_config(kind: str, D: int, G: int, BS: int, keys_as_rows: bool = True) -
         else:
             cfg = dict(BM=min(G, 128), BN=64 if big else BS, num_warps=8, num_stages=1 if big else 2)
     elif kind == "bwd_kv":
-        # bwd_kv_kernel; a config with DESC / WS / DQ_ROLE keys (DESC_KEYS: TMA tiles, a warp-specialised walk, dq
-        # programs in the same launch) takes the candidate bwd_desc_kernel instead: untimed, so never a default
         cfg = dict(BM=min(G, 64), BN=64, num_warps=4 if not big else 8, num_stages=2)
     elif kind == "bwd_kv_token":  # BN is fixed: the inverse map's key masks are BN bits (not tuned yet)
         cfg = dict(BM=min(G, 32 if big else 64), BN=TOKEN_TILE, num_warps=4 if not big else 8,
@@ -344,13 +341,7 @@ def sparse_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scal
     explicit = atomic_kv is not None or mode is not None  # asked for by the caller: bwd_mode checked neither
     if atomic_kv is None:
         atomic_kv = BS == 0 and not torch.are_deterministic_algorithms_enabled()
-    asked_mode = mode
     mode = mode or bwd_mode(G, BS, D)
-    if BS and uses_desc_kernel(cfg_kv):  # the config names the split backward's candidate dk/dv kernel
-        if asked_mode == "fused":
-            raise ValueError("sparse_bwd: cfg_kv with DESC / WS / DQ_ROLE keys selects bwd_desc_kernel, a split "
-                             "backward; mode='fused' has no such kernel (pass mode='split' or None)")
-        mode = "split"  # where auto would take fused (G = 64 / 128-key blocks, G = 32 / 64 at D = 128)
     if explicit and torch.are_deterministic_algorithms_enabled() and (atomic_kv or (mode == "fused" and BS)):
         _nondeterministic("atomic_kv=True scatters dK/dV with fp32 atomics" if atomic_kv else
                           "mode='fused' adds dQ with fp32 atomics")
@@ -360,10 +351,6 @@ def sparse_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scal
             raise ValueError(f"fused backward: key tile BN={cfg_kv['BN']} must not exceed block_size={BS}")
         return _sparse_bwd_fused(do, q, k, v, o, lse, kv_indices, kv_counts, G, BS, scale, cfg_kv)
     hkv = k.shape[1]
-    if BS and not atomic_kv:  # block lists' split backward: its dk/dv config may also take over dq (DQ_ROLE)
-        cfg_kv = cfg_kv or pick_config("bwd_kv", D, G, BS)
-        if uses_desc_kernel(cfg_kv) and cfg_kv.get("DQ_ROLE"):
-            return _sparse_bwd_one_launch(do, q, k, v, o, lse, kv_indices, kv_counts, G, BS, scale, cfg_kv)
     fixed = BS == 0 and not atomic_kv and (token_kv or token_kv_mode()) == "fixed"
     fx, inv = fixed_point_scales(q, k, v, do, scale) if fixed else (None, None)
     # o only feeds delta inside the dq kernel: its contiguous copy (if any) dies with that call
@@ -380,12 +367,9 @@ def sparse_bwd(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scal
         return (dq, *_sparse_bwd_token_kv(do, q, k, v, lse, delta, kv_indices, kv_counts, G, scale, cfg_kv))
     nkb = math.ceil(TK / BS)
     inv_ptr, inv_grp = build_inverse_map(kv_indices, kv_counts, nkb)
+    cfg_kv = cfg_kv or pick_config("bwd_kv", D, G, BS)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    if uses_desc_kernel(cfg_kv):  # the candidate dk/dv kernel (bwd_desc_kernel), after the dq kernel
-        _launch_desc(q, k, v, do, lse, delta, dq, dk, dv, inv_ptr, inv_grp, kv_indices, kv_counts, G, BS, scale,
-                     cfg_kv, dq_role=False)
-        return dq, dk, dv
     bwd_kv_kernel[(nkb * (BS // cfg_kv["BN"]), B * hkv)](
         q, k, v, do, lse, delta, dk, dv, dq, inv_ptr, inv_grp, inv_grp, T, TK, nkb, scale * LOG2E, scale,  # no bits
         BM=cfg_kv["BM"], BN=cfg_kv["BN"], DQ=0, H=H, HR=H // hkv, K=D, BD=_bd(D), G=G, BS=BS,
@@ -517,88 +501,3 @@ def _sparse_bwd_fused(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: in
         H=H, HR=H // hkv, K=D, BD=_bd(D), G=G, BS=BS, BM=cfg["BM"], BN=cfg["BN"], DQ=dqm,
         **_launch_opts(cfg))
     return dq32.to(q.dtype), dk, dv
-
-
-# cfg_kv keys that select the block lists' candidate dk/dv kernel (triton_bwd_desc.bwd_desc_kernel) over
-# bwd_kv_kernel: DESC (1: q/do/k/v tiles by TMA through tensor descriptors), WS (1: the walk warp-specialised),
-# DQ_ROLE (1: dq programs in the same launch, tiles BMQ x BNQ, after a delta pre-pass instead of the dq kernel)
-DESC_KEYS = ("DESC", "WS", "DQ_ROLE")
-
-
-def uses_desc_kernel(cfg: Optional[Config]) -> bool:
-    """Whether a dk/dv config asks for ``bwd_desc_kernel`` (any of :data:`DESC_KEYS` present, even as 0)."""
-    return bool(cfg) and any(key in cfg for key in DESC_KEYS)
-
-
-def _desc_flags(cfg: Config, D: int, hr: int, aligned: bool = True) -> Tuple[int, int, int]:
-    """(DESC, WS, num_warps) as the kernel can take them for head dim D and ``hr`` query heads a kv head.
-    DESC needs rows the copy engine can address: D a power of two (no padded columns: a TMA box is the tile's
-    width) and ``aligned`` (16-byte row strides and base addresses). WS needs DESC and hr == 1: Triton 3.6
-    specialises the walk only over TMA loads (pointer loads fail its NVGPUWarpSpecialization pass) and not when it
-    is nested in the GQA heads' loop (the same failure). Where WS is dropped the config runs unspecialised on
-    twice its warps (the two consumer warp groups WS would have made: 4 warps alone on 128 x 64 tiles spill
-    ~1.6 KB a thread), rather than failing, so a tuned winner stays usable."""
-    desc = int(cfg.get("DESC", 0)) if _bd(D) == D and aligned else 0
-    ws = int(cfg.get("WS", 0)) if desc and hr == 1 else 0
-    warps = cfg["num_warps"] * (2 if cfg.get("WS") and not ws else 1)
-    return desc, ws, warps
-
-
-def _desc_args(x, rows: int, desc: int):
-    """A [B, heads, L, D] contiguous tensor as the kernel reads it: a tensor descriptor over [B * heads, L, D] with
-    [1, rows, D] boxes (``desc``), else the tensor itself (pointer loads)."""
-    if not desc:
-        return x
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    B, Hx, L, D = x.shape
-    return TensorDescriptor(x.view(B * Hx, L, D), shape=[B * Hx, L, D], strides=[L * D, D, 1],
-                            block_shape=[1, rows, D])
-
-
-def _launch_desc(q, k, v, do, lse, delta, dq, dk, dv, inv_ptr, inv_grp, kv_indices, kv_counts, G: int, BS: int,
-                 scale: float, cfg: Config, dq_role: bool):
-    """One launch of ``bwd_desc_kernel``: dk, dv (and, with ``dq_role``, dq) of block lists from the inverse map
-    and delta. q, k, do, v contiguous. Grid (key tiles [+ HR x dq tiles], B * Hkv)."""
-    B, H, T, D = q.shape
-    TK, hkv = k.shape[2], k.shape[1]
-    BM, BN = min(cfg["BM"], G), cfg["BN"]
-    BMQ, BNQ = min(cfg.get("BMQ", 128), G), cfg.get("BNQ", 64)
-    if BN > BS or (dq_role and BNQ > BS):
-        raise ValueError(f"bwd_desc_kernel: key tiles BN={BN} / BNQ={BNQ} must not exceed block_size={BS}")
-    aligned = (D * q.element_size()) % 16 == 0 and all(t.data_ptr() % 16 == 0 for t in (q, k, v, do))
-    desc, ws, warps = _desc_flags(cfg, D, H // hkv, aligned)
-    if dq_role and cfg.get("WS"):
-        raise ValueError("cfg_kv WS=1 with DQ_ROLE=1: Triton 3.6 does not specialise a loop under the role branch "
-                         "(it compiles unspecialised on 4 warps and spills ~2 KB a thread); time them apart")
-    nkb = math.ceil(TK / BS)
-    n_kv = nkb * (BS // BN)
-    NG, KMAX = kv_indices.shape[2], kv_indices.shape[3]
-    n_dq = (H // hkv) * NG * (G // BMQ) if dq_role else 0
-    counts = _kernel_counts(kv_counts, NG) if dq_role else inv_ptr  # dq programs only
-    if not dq_role:  # the dq tiles' slots go unread: plain tensors (no descriptors to encode), one compile
-        BMQ, BNQ = BM, BN
-    dq_desc = desc if dq_role else 0
-    bwd_desc_kernel[(n_kv + n_dq, B * hkv)](
-        _desc_args(q, BM, desc), _desc_args(k, BN, desc), _desc_args(v, BN, desc), _desc_args(do, BM, desc),
-        _desc_args(q, BMQ, dq_desc), _desc_args(k, BNQ, dq_desc), _desc_args(v, BNQ, dq_desc),
-        _desc_args(do, BMQ, dq_desc),
-        lse, delta, dq, dk, dv, inv_ptr, inv_grp, kv_indices, counts, T, TK, nkb, NG, KMAX, n_kv, scale * LOG2E,
-        scale, H=H, HR=H // hkv, K=D, BD=_bd(D), G=G, BS=BS, BM=BM, BN=BN, BMQ=BMQ, BNQ=BNQ,
-        EVEN_T=_even_keys(TK, BS), DESC=desc, WS=ws, DQ_ROLE=int(dq_role), num_warps=warps,
-        num_stages=cfg["num_stages"])
-
-
-def _sparse_bwd_one_launch(do, q, k, v, o, lse, kv_indices, kv_counts, G: int, BS: int, scale: float, cfg: Config):
-    """Block lists, 7 matmuls in one launch (cfg DQ_ROLE=1): delta pre-pass, then ``bwd_desc_kernel`` running the
-    dk/dv programs and the dq programs side by side (FlexAttention's scheme); no atomics, so deterministic."""
-    B, H, T, D = q.shape
-    delta = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
-    o = o.contiguous()  # o only feeds delta: drop its contiguous copy (if any) right after
-    bwd_delta_kernel[(triton.cdiv(T, 64), B * H)](o, do, delta, T, K=D, BD=_bd(D), BM=64, num_warps=4)
-    del o
-    inv_ptr, inv_grp = build_inverse_map(kv_indices, kv_counts, math.ceil(k.shape[2] / BS))
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    _launch_desc(q, k, v, do, lse, delta, dq, dk, dv, inv_ptr, inv_grp, kv_indices, kv_counts, G, BS, scale, cfg,
-                 dq_role=True)
-    return dq, dk, dv
