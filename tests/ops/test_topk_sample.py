@@ -175,18 +175,19 @@ def test_sample_pass_tiles_equal_naive(case, pass_tile):
      dict(capacity=95))],
     ids=["tok-Sk700-tc", "tok-G16-clip", "blk128-lse-tc", "tok-G16-search-64x32", "tok-Sk413-overflow"])
 def test_scan_store_gives_the_same_lists(case, dtype, method, kw):
-    """The window and write passes with the keys carried through the scan (``scan_store``, the default;
-    :func:`scan_store_mode`) and without: the same lists and counts, naive's, on odd shapes (700 keys, 130 queries
-    in groups of 16 in two batches, 2000 keys in blocks of 128 with a partial last one, budgets of every item), a
-    buffer small enough to overflow (its groups redone by the search), another pass tile. Under the interpreter the
-    carried keys' code runs with ``tl.store`` (mode 1), not the inline PTX store (mode 2, the GPU's:
+    """The window and write passes with the keys carried through the scan (``scan_store``, the GPU's default, not
+    the interpreter's: :func:`scan_store_mode`) and without: the same lists and counts, naive's, on odd shapes (700
+    keys, 130 queries in groups of 16 in two batches, 2000 keys in blocks of 128 with a partial last one, budgets of
+    every item), a buffer small enough to overflow (its groups redone by the search), another pass tile. Under the
+    interpreter the carried keys' code runs with ``tl.store`` (mode 1), not the inline PTX store (mode 2, the GPU's:
     test_scan_store_gives_the_same_lists_on_the_gpu and tests/ops/test_triton_sm90_compile.py)."""
     B, H, Sq, Sk, r, G, bs, proxy, bscore, budgets, ns = case.values
     q, k = _ints((B, H, Sq, r), dtype, 51), _ints((B, H, Sk, r), dtype, 52)
     budgets = torch.as_tensor(budgets)
     ref = estimate_topk_naive(q, k, budgets, G, bs, proxy, bscore)
     st = {}
-    new = estimate_topk_triton(q, k, budgets, G, bs, proxy, bscore, method=method, sample_size=ns, stats=st, **kw)
+    new = estimate_topk_triton(q, k, budgets, G, bs, proxy, bscore, method=method, sample_size=ns, stats=st,
+                               scan_store=True, **kw)
     old = estimate_topk_triton(q, k, budgets, G, bs, proxy, bscore, method=method, sample_size=ns,
                                scan_store=False, **kw)
     assert torch.equal(new[0], old[0]) and torch.equal(new[1], old[1])
@@ -196,9 +197,10 @@ def test_scan_store_gives_the_same_lists(case, dtype, method, kw):
 
 def test_scan_store_mode(monkeypatch):
     """The passes' ``SCAN_STORE``: 0 without ``scan_store``; else the inline PTX store (2), but ``tl.store`` (1)
-    under the interpreter, which runs no PTX."""
+    under the interpreter, which runs no PTX; by default (None) on a GPU only (the carried scan is slower to
+    interpret)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert (scan_store_mode(False), scan_store_mode(True), scan_store_mode()) == (0, 1, 1)
+    assert (scan_store_mode(False), scan_store_mode(True), scan_store_mode()) == (0, 1, 0)
     monkeypatch.setenv("TRITON_INTERPRET", "true")  # Triton's own reading of the variable, not only "1"
     assert scan_store_mode(True) == 1
     monkeypatch.delenv("TRITON_INTERPRET")
@@ -441,7 +443,7 @@ def test_scan_store_gives_the_same_lists_on_the_gpu():
         k[:, :, 900:1200] = k[:, :, 5:6]  # planted ties
         budgets = torch.tensor([S // 10, 820, 1, S - 3], device="cuda")
         for method in ("sample", "search"):
-            new = estimate_topk_triton(q, k, budgets, 32, method=method)
+            new = estimate_topk_triton(q, k, budgets, 32, method=method)  # the default on a GPU: scan_store
             old = estimate_topk_triton(q, k, budgets, 32, method=method, scan_store=False)
             assert torch.equal(new[1], old[1])
             diff = (new[0] != old[0]).sum().item()

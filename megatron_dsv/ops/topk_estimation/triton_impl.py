@@ -522,7 +522,7 @@ def resolve_scoring(dot, pack_counts: int, dtype: torch.dtype, r: int, block_siz
     return dot, pack_counts
 
 
-def scan_store_mode(scan_store: bool = True) -> int:
+def scan_store_mode(scan_store: bool | None = None) -> int:
     """``SCAN_STORE`` of the window and write passes (:func:`_tk_write`, ``sample_impl._window_pass``) for token lists
     (the default since run 29: 12.2 against 18.3 ms at 64K, H100, the same lists). 0 (False; block lists) a
     scan of the counts alone, then the keys, masks and positions converted to ``tl.store``'s layout (Triton 3.6,
@@ -530,12 +530,17 @@ def scan_store_mode(scan_store: bool = True) -> int:
     the window / write pass's loop, 108 / 80 registers); 2 the keys ride the scan (:func:`_scan_carrying`), the masks,
     positions, row totals and an inline-PTX store follow in its layout (1 conversion, 2 barriers, 309 / 340
     instructions, 48 / 61 registers); 1 the same code with ``tl.store``, under the interpreter, which runs no PTX
-    (compiled, Coalesce would give that store its own layout again: 9 / 7 barriers, 635 / 487 instructions)."""
-    if not scan_store:
-        return 0
+    (compiled, Coalesce would give that store its own layout again: 9 / 7 barriers, 635 / 487 instructions).
+    ``None`` (the default): 2 on a GPU, 0 under the interpreter, where the carried scan runs 2-3x slower than the
+    plain one and gives the same lists (``True`` runs it there: ``test_scan_store_gives_the_same_lists``)."""
     from triton import knobs  # TRITON_INTERPRET as Triton reads it (1 / true / on / yes)
 
-    return 1 if knobs.runtime.interpret else 2
+    interpret = knobs.runtime.interpret
+    if scan_store is None:
+        scan_store = not interpret
+    if not scan_store:
+        return 0
+    return 1 if interpret else 2
 
 
 def kernel_meta(r: int, block_size: int, block_score: str = "max", BG: int = 16, BN: int = 0,
@@ -568,7 +573,7 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
                          BG: int = 0, BN: int = 0, method: str = "auto", *, sample_size: int = 1024,
                          z: float = 4.0, capacity: int = 0, stats: dict | None = None, chunk_elems: int = 1 << 25,
                          forced=None, forced_extra: bool = False, dot: bool | str = "auto", pack_counts: int = 0,
-                         slice_items: int = 1024, pass_tile: tuple = (), scan_store: bool = True):
+                         slice_items: int = 1024, pass_tile: tuple = (), scan_store: bool | None = None):
     """Same contract as :func:`estimate_topk`, on Triton (GPU, or CPU under TRITON_INTERPRET=1).
     q_lr [B, H, Sq, r], k_lr [B, H, Sk, r]: Sk may differ from Sq.
 
@@ -622,16 +627,18 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     ``dot=True`` (its summation order is the compiler's); the loop (False) gives naive's bit for bit. Method "gemm"
     scores through cuBLAS and ignores ``dot``.
     ``scan_store``: the window pass and the write pass carry each tile's keys through the scan of its counts and
-    store in the scan's layout (:func:`scan_store_mode`), the same lists (run 29, H100, bf16 token lists, G = 32, 90%:
-    1.39 / 3.93 / 12.2 / 43.2 ms at 16K / 32K / 64K / 128K against 1.62 / 5.38 / 18.3 / 68.4 with ``False``, the
-    CUDA kernel's 0.50 / 1.52 / 4.80 / 18.3; every list entry equal). Token lists only: block lists' pass tiles
-    (16 x 4 on 8 warps) hold each element in several threads, and the inline store, unlike ``tl.store``, would write
-    it from each of them. ``False`` keeps the tiles' ``tl.store`` path (the block lists') for token lists too.
+    store in the scan's layout (:func:`scan_store_mode`; None: on a GPU, not under the interpreter), the same lists
+    (run 29, H100, bf16 token lists, G = 32, 90%: 1.39 / 3.93 / 12.2 / 43.2 ms at 16K / 32K / 64K / 128K against
+    1.62 / 5.38 / 18.3 / 68.4 with ``False``, the CUDA kernel's 0.50 / 1.52 / 4.80 / 18.3; every list entry equal).
+    Token lists only: block lists' pass tiles (16 x 4 on 8 warps) hold each element in several threads, and the
+    inline store, unlike ``tl.store``, would write it from each of them. ``False`` keeps the tiles' ``tl.store`` path
+    (the block lists') for token lists too.
     """
     P = check_problem(q_lr, k_lr, budgets, group_size, block_size, proxy, block_score)
     tc = tensor_core_scorable(q_lr.dtype, P.r) and dot in ("auto", "tc") and (BG == 0 or BG >= 16)
     method = resolve_method(method, block_size, tc, forced is not None)
     BG, BN = resolve_tile(method, "tc" if tc else dot, block_size, BG, BN)
+    store_mode = scan_store_mode(scan_store if not P.block_size else False)  # the window and write passes' SCAN_STORE
     if forced is not None and method not in ("keys", "gemm"):
         raise ValueError(f"estimate_topk_triton: `forced` items need method 'keys', 'gemm' (or 'auto'), "
                          f"got {method!r}")
@@ -693,7 +700,7 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
         from .sample_impl import run_sample  # imports this module's search functions
 
         run_sample(P, proxies, k, counts, thr, above, flags, buf, cap, F, nsv, z, meta, pass_meta, _NPROBE,
-                   lambda name: _phase(stats, name, q_lr.device), scan_store_mode(scan_store and not P.block_size))
+                   lambda name: _phase(stats, name, q_lr.device), store_mode)
         del buf
         if stats is not None:
             padded = torch.nn.functional.pad(flags.view(P.B * P.H, P.num_groups), (0, (-P.num_groups) % pBG))
@@ -712,5 +719,5 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
                                 NPROBE=_NPROBE, NPASS=_NPASS, HAS_FLAGS=fb, **pass_meta)
     with _phase(stats, "write", q_lr.device):
         _tk_write[grid](proxies, k, counts, thr, above, out, P.Sk, P.num_items, P.num_groups, P.kmax,
-                        SCAN_STORE=scan_store_mode(scan_store and not P.block_size), **pass_meta)
+                        SCAN_STORE=store_mode, **pass_meta)
     return out, counts
