@@ -202,12 +202,12 @@ def _ss_kth(Counts, Tlo, Thi, Ahi, Run, Buf, Small, Tout, GTout, Flags, n_items,
 
 
 def run_sample(P, proxies, k, counts, thr, above, flags, buf, cap: int, F: int, nsv: int, z: float,
-               meta: dict, pass_meta: dict, nprobe: int, phase, scan_store: int = 0) -> None:
+               meta: dict, pass_meta: dict, nprobe: int, phase, store_mode: int = 0) -> None:
     """Steps 1-3 on ``P`` (``common.check_problem``'s problem): ``meta`` the launch settings of steps 1 and 3 (the
     sample's tile), ``pass_meta`` those of step 2; ``thr``, ``above``, ``flags`` ``[B, H, NG]`` int32 receive the
     thresholds, the counts above them and the flags (what ``_tk_write`` and the fallback read); ``buf`` the groups'
     rows of ``cap`` keys; ``phase(name)`` a context that times a step (``triton_impl._phase``: ``ms_sample``,
-    ``ms_window``, ``ms_window_kth``); ``scan_store``: the window pass's ``SCAN_STORE``
+    ``ms_window``, ``ms_window_kth``); ``store_mode``: the window pass's ``SCAN_STORE``
     (``triton_impl.scan_store_mode``)."""
     rows = P.B * P.H * P.num_groups
     t_lo, t_hi, a_hi, run = (torch.empty(rows, dtype=torch.int32, device=proxies.device) for _ in range(4))
@@ -220,7 +220,7 @@ def run_sample(P, proxies, k, counts, thr, above, flags, buf, cap: int, F: int, 
     with phase("window"):
         _ss_window[(triton.cdiv(P.num_groups, pass_meta["BG"]), P.B * P.H)](
             proxies, k, counts, t_lo, t_hi, buf, a_hi, run, P.Sk, P.num_items, P.num_groups, cap,
-            SCAN_STORE=scan_store, **pass_meta)
+            SCAN_STORE=store_mode, **pass_meta)
     narrow = {n: meta[n] for n in ("BG", "BN", "PACK", "num_warps")}
     with phase("window_kth"):
         _ss_kth[grid](counts, t_lo, t_hi, a_hi, run, buf, small, thr, above, flags, P.num_items, P.num_groups, cap,
