@@ -31,13 +31,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_quality import FRONTIER  # noqa: E402
 from benchmarks.common import collect_meta  # noqa: E402
 from benchmarks.quality_report import SE_TARGET_PCT  # noqa: E402
+from benchmarks.video_runs import schedule_key  # noqa: E402
 from megatron_dsv.config import DSVConfig  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DEFAULT_ARM = "s1win_cap25_s400"  # the default's design, by name, in every study since run 11
 SETTING_KEYS = ("attn", "budget_rule", "recall_target", "granularity", "local_radius", "local_mode", "stage1",
                 "query_group_shape", "stage1_local", "sparsity_threshold", "max_density", "window_frac")
-COLUMNS = ("data", "S", "name", "steps", "seeds", "gpu", "delta_vs_full_pct", "delta_vs_full_se_pct",
+COLUMNS = ("data", "S", "name", "steps", "schedule", "seeds", "gpu", "delta_vs_full_pct", "delta_vs_full_se_pct",
            "kept_fraction", "sparse_layer_fraction", "recall", "time_to_full_loss_ratio",
            "time_to_full_loss_ratio_logged", "library_default", "settings", "source", "note")
 
@@ -57,6 +58,15 @@ def is_default(row: dict) -> bool:
 def settings_of(row: dict) -> str:
     """The arm's settings as its study recorded them (not today's FRONTIER entry of the same name)."""
     return ",".join(f"{k}={row[k]}" for k in SETTING_KEYS if row.get(k) not in (None, ""))
+
+
+def schedule_of(row: dict) -> str:
+    """The study's learning-rate schedule: ``"constant"`` (every study before run 30, and reports that recorded
+    ``{"constant": true}``) or ``"cooldown <f>"``, the decayed share of the steps (``--lr-cooldown``)."""
+    sch = row.get("lr_schedule")
+    if not sch or sch.get("constant") or schedule_key(sch) == "constant":
+        return "constant"
+    return f"cooldown {(sch['decay_end'] - sch['decay_start']) / sch['decay_end']:.2g}"
 
 
 def family(row: dict) -> str:
@@ -83,7 +93,8 @@ def study_rows(path: str) -> List[dict]:
                 or not row.get("seeds") or not row.get("steps")):  # full itself; a bare per-seed retrain check
             continue
         out.append(dict(
-            data=row["data"], S=int(row["S"]), name=name, steps=row.get("steps"), seeds=list(row.get("seeds") or []),
+            data=row["data"], S=int(row["S"]), name=name, steps=row.get("steps"), schedule=schedule_of(row),
+            seeds=list(row.get("seeds") or []),
             gpu=meta.get("gpu"), delta_vs_full_pct=row["delta_vs_full_pct"],
             delta_vs_full_se_pct=_finite(row.get("delta_vs_full_se_pct")),
             kept_fraction=_finite(row.get("kept_fraction")),
@@ -113,7 +124,8 @@ def joined_row(path: str, studies: Dict[str, List[dict]]) -> Optional[dict]:
 
     gpus = sorted({p.get("gpu") for p in res["per_seed"] if p.get("gpu")})
     return dict(
-        data=src[0]["data"], S=src[0]["S"], name=res["arm"], steps=res["step"], seeds=list(res["seeds"]),
+        data=src[0]["data"], S=src[0]["S"], name=res["arm"], steps=res["step"], schedule=src[0]["schedule"],
+        seeds=list(res["seeds"]),
         gpu=" + ".join(gpus), delta_vs_full_pct=res["delta_vs_full_pct"],
         delta_vs_full_se_pct=res.get("delta_vs_full_se_pct"),
         kept_fraction=mean_of("kept_fraction"), sparse_layer_fraction=mean_of("sparse_layer_fraction"),
@@ -124,14 +136,14 @@ def joined_row(path: str, studies: Dict[str, List[dict]]) -> Optional[dict]:
 
 
 def best_rows(rows: List[dict]) -> List[dict]:
-    """Per (data, S, arm, steps): the row with the most seeds, ties to the newest."""
+    """Per (data, S, arm, steps, learning-rate schedule): the row with the most seeds, ties to the newest."""
     best: Dict[tuple, dict] = {}
     for row in rows:
-        key = (row["data"], row["S"], row["name"], row["steps"])
+        key = (row["data"], row["S"], row["name"], row["steps"], row["schedule"])
         rank = (len(row["seeds"]), row["date"])
         if key not in best or rank > (len(best[key]["seeds"]), best[key]["date"]):
             best[key] = row
-    return sorted(best.values(), key=lambda r: (r["data"], r["S"], r["name"], r["steps"] or 0))
+    return sorted(best.values(), key=lambda r: (r["data"], r["S"], r["name"], r["steps"] or 0, r["schedule"]))
 
 
 def collect(paths: List[str]) -> List[dict]:
@@ -142,10 +154,11 @@ def collect(paths: List[str]) -> List[dict]:
 
 
 def default_rows(rows: List[dict]) -> List[dict]:
-    """The library default's row per data source and length: most seeds, then longest training."""
+    """The library default's row per data source and length: most seeds, then longest training, then the constant
+    rate every study but the cooldown checks (run 30) trained at."""
     keys = sorted({(r["data"], r["S"]) for r in rows if r["library_default"]})
     return [max((r for r in rows if r["library_default"] and (r["data"], r["S"]) == key),
-                key=lambda c: (len(c["seeds"]), c["steps"] or 0)) for key in keys]
+                key=lambda c: (len(c["seeds"]), c["steps"] or 0, c["schedule"] == "constant")) for key in keys]
 
 
 def default_verdict(rows: List[dict]) -> List[dict]:
@@ -173,8 +186,8 @@ def why_default(rows: List[dict]) -> str:
     length, the default's point, and every other arm measured at the same steps that came out below it."""
     parts = []
     for mine in default_rows(rows):
-        at = (mine["data"], mine["S"], mine["steps"])
-        peers = [r for r in rows if not r["library_default"] and (r["data"], r["S"], r["steps"]) == at]
+        at = (mine["data"], mine["S"], mine["steps"], mine["schedule"])
+        peers = [r for r in rows if not r["library_default"] and (r["data"], r["S"], r["steps"], r["schedule"]) == at]
         lower = sorted((r for r in peers if r["delta_vs_full_pct"] < mine["delta_vs_full_pct"]),
                        key=lambda r: r["delta_vs_full_pct"])
         text = f"{mine['data']} {mine['S'] // 1024}K @{mine['steps']}: {_point(mine)}"
@@ -203,8 +216,10 @@ def plot(rows: List[dict], path: str) -> None:
             fam = family(r)
             ax.errorbar(r["kept_fraction"], r["delta_vs_full_pct"], yerr=r["delta_vs_full_se_pct"], capsize=3,
                         fmt=markers[fam], ms=12 if fam == "library default" else 6, color=colours[r["S"]])
-            ax.annotate(f"{r['name']} @{r['steps']} ({len(r['seeds'])})", (r["kept_fraction"], r["delta_vs_full_pct"]),
-                        fontsize=6, textcoords="offset points", xytext=(5, 3))
+            sch = "" if r["schedule"] == "constant" else f", {r['schedule']}"
+            ax.annotate(f"{r['name']} @{r['steps']} ({len(r['seeds'])}{sch})",
+                        (r["kept_fraction"], r["delta_vs_full_pct"]), fontsize=6, textcoords="offset points",
+                        xytext=(5, 3))
         ax.axhline(0.0, color="k", lw=0.8)
         ax.axhspan(1.0, ax.get_ylim()[1] if ax.get_ylim()[1] > 1.0 else 1.5, color="r", alpha=0.06)
         ax.set_title(f"{data}: every arm against full attention of its own study", fontsize=9)
@@ -242,11 +257,13 @@ def main(argv=None) -> int:
     with open(args.out + ".json", "w") as f:
         json.dump(doc, f, indent=1)
     plot(rows, args.out + ".png")
-    print(f"{'data':8s} {'S':>6s} {'arm':22s} {'steps':>5s} {'n':>2s} {'delta %':>8s} {'se':>5s} {'kept':>5s}")
+    print(f"{'data':8s} {'S':>6s} {'arm':22s} {'steps':>5s} {'schedule':>12s} {'n':>2s} {'delta %':>8s} {'se':>5s} "
+          f"{'kept':>5s}")
     for r in rows:
         se = r["delta_vs_full_se_pct"]
         kept = r["kept_fraction"]
-        print(f"{r['data']:8s} {r['S']:6d} {r['name'][:22]:22s} {r['steps'] or 0:5d} {len(r['seeds']):2d} "
+        print(f"{r['data']:8s} {r['S']:6d} {r['name'][:22]:22s} {r['steps'] or 0:5d} {r['schedule']:>12s} "
+              f"{len(r['seeds']):2d} "
               f"{r['delta_vs_full_pct']:+8.2f} {'' if se is None else f'{se:.2f}':>5s} "
               f"{'' if kept is None else f'{kept:.2f}':>5s}")
     print(f"wrote {args.out}.json and {args.out}.png ({len(rows)} rows from {len(paths)} files)")

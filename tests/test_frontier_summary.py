@@ -13,7 +13,7 @@ from benchmarks import frontier_summary as fs  # noqa: E402
 def _row(name, seeds, delta, se, steps=3000, data="vizdoom", S=16384, kept=0.23):
     return dict(bench="quality_frontier", kind="arm", name=name, data=data, S=S, steps=steps, seeds=seeds,
                 delta_vs_full_pct=delta, delta_vs_full_se_pct=se, kept_fraction=kept, sparse_layer_fraction=1.0,
-                recall=0.5, time_to_full_loss_ratio=None)
+                recall=0.5, time_to_full_loss_ratio=None, schedule="constant")  # schedule: as collect() sets it
 
 
 def _study(path, date, rows, gpu="NVIDIA H200"):
@@ -80,3 +80,18 @@ def test_why_is_built_from_the_rows():
     assert f"vizdoom 16K @3000: {fs.DEFAULT_ARM} -1.00 +- 0.30% (3 seeds, kept 0.23)" in why
     assert "of 2 other arms at these steps, below it: window -1.80 +- 0.50% (2 seeds, kept 0.29)" in why
     assert "paper" not in why and "tok" not in why
+
+
+def test_a_cooldown_study_is_its_own_row_and_the_verdict_keeps_the_constant_rate(tmp_path):
+    """Run 30 repeated run 29 with a learning-rate cooldown: the same data, length, arm, steps and seeds, another
+    schedule. Both rows stay (the newer does not replace the older), each labelled; the default's verdict takes the
+    constant rate's row, as every other study ran."""
+    cooldown = dict(decay_end=3000, decay_start=2100, min_frac=0.0, warmup=100)
+    a = _study(tmp_path / "quality-frontier-r29.json", "2026-12-07T15", [_row(fs.DEFAULT_ARM, [0, 1, 2], -3.7, 4.4)])
+    b = _study(tmp_path / "quality-frontier-r30.json", "2026-12-07T19",
+               [dict(_row(fs.DEFAULT_ARM, [0, 1, 2], -3.2, 4.1), lr_schedule=cooldown)])
+    rows = fs.collect([a, b])
+    assert sorted(r["schedule"] for r in rows) == ["constant", "cooldown 0.3"]
+    assert fs.default_verdict(rows)[0]["delta_vs_full_pct"] == -3.7
+    assert fs.schedule_of(dict(lr_schedule={"constant": True})) == "constant"
+    assert fs.schedule_of(dict(lr_schedule=dict(cooldown, decay_start=3000))) == "constant"  # no decay: constant
