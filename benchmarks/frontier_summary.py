@@ -64,7 +64,7 @@ def schedule_of(row: dict) -> str:
     """The study's learning-rate schedule: ``"constant"`` (every study before run 30, and reports that recorded
     ``{"constant": true}``) or ``"cooldown <f>"``, the decayed share of the steps (``--lr-cooldown``)."""
     sch = row.get("lr_schedule")
-    if not sch or sch.get("constant") or schedule_key(sch) == "constant":
+    if schedule_key(sch) == "constant":  # also None and {"constant": true}: no decay_end past decay_start
         return "constant"
     return f"cooldown {(sch['decay_end'] - sch['decay_start']) / sch['decay_end']:.2g}"
 
