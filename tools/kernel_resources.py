@@ -146,7 +146,7 @@ def resources(fn, constexprs: Dict[str, object], num_warps: int, num_stages: int
 
 
 # the Triton top-k's (topk_estimation)
-TOPK_KERNELS = ("threshold", "threshold_flags", "slice_pass", "sample_thresholds", "window", "window_kth", "write",
+TOPK_KERNELS = ("threshold", "threshold_flags", "sliced_search", "sample_thresholds", "window", "window_kth", "write",
                 "keys")
 _TOPK_ARG_TYPES = {"P": "*bf16", "Kp": "*bf16", "Counts": "*i32", "Tout": "*i32", "GTout": "*i32", "Flags": "*i32",
                    "Tin": "*i32", "GTin": "*i32", "Out": "*i32", "Buf": "*i32", "Keys": "*i32", "S": "i32",
@@ -154,7 +154,7 @@ _TOPK_ARG_TYPES = {"P": "*bf16", "Kp": "*bf16", "Counts": "*i32", "Tout": "*i32"
                    "g0": "i32", "n_g": "i32", "Lo": "*i64", "Hi": "*i64", "Cnt": "*i32", "L": "i32", "Tlo": "*i32",
                    "Thi": "*i32", "Ahi": "*i32", "Run": "*i32", "Small": "*i32", "TileIds": "*i32",
                    "NFlagged": "*i32", "n_tiles": "i32", "n_slices": "i32", "TileDone": "*i32",
-                   "Chi": "*i32"}
+                   "Chi": "*i32", "Next": "*i32", "PassDone": "*i32"}
 
 
 def topk_rows(block_sizes, r: int = 16) -> List[Dict[str, object]]:
@@ -170,12 +170,12 @@ def topk_rows(block_sizes, r: int = 16) -> List[Dict[str, object]]:
 
     kernels = {"threshold": (ti._tk_threshold, dict(NPROBE=ti._NPROBE, NPASS=ti._NPASS, HAS_FLAGS=False)),
                "threshold_flags": (ti._tk_threshold, dict(NPROBE=ti._NPROBE, NPASS=ti._NPASS, HAS_FLAGS=True)),
-               "slice_pass": (ti._tk_slice_pass, dict(NPROBE=ti._NPROBE, LAST=True)),
+               "sliced_search": (ti._tk_sliced_search, dict(NPROBE=ti._NPROBE, NPASS=ti._NPASS)),
                "sample_thresholds": (sample_impl._ss_thresholds, dict(NPROBE=ti._NPROBE, SMALL=sample_impl.SMALL_KEYS)),
                "window": (sample_impl._ss_window, {}),
                "window_kth": (sample_impl._ss_kth, dict(NPROBE=ti._NPROBE, SMALL=sample_impl.SMALL_KEYS)),
                "write": (ti._tk_write, {}), "keys": (keys_impl._tk_keys, {})}
-    deciding = ("threshold", "threshold_flags", "slice_pass", "window", "write")
+    deciding = ("threshold", "threshold_flags", "sliced_search", "window", "write")
     rows = []
     tc = "tc" if ti.tensor_core_scorable(torch.bfloat16, r) else False
     for bs in block_sizes:

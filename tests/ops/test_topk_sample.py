@@ -119,9 +119,11 @@ def test_sliced_fallback_equals_naive(dtype, slice_items):
 
 
 def test_sliced_fallback_shares_many_tiles_among_few_programs(monkeypatch):
-    """The fallback's programs take the flagged tiles' (tile, slice) work items in turn: with 3 programs for 3 heads x
+    """The fallback's programs take the (pass, flagged tile, slice) work items by ticket: with 3 programs for 3 heads x
     3 flagged 16-group tiles x 3 slices of 128 items (and groups flagged in some heads only), every flagged group's
-    threshold, so naive's lists; the unflagged head's lists untouched."""
+    threshold, so naive's lists; the unflagged head's lists untouched. The interpreter runs one program after
+    another, so its first program takes every ticket in order (the waits for a tile's previous pass then never
+    spin); on a GPU the 3 programs share them, and wait."""
     from megatron_dsv.ops.topk_estimation import triton_impl
 
     monkeypatch.setattr(triton_impl, "_FALLBACK_PROGRAMS", 3)

@@ -147,7 +147,7 @@ def test_topk_kernels_compile_without_spilling(report):
     spilled 4.6 KB a thread and "sample" 18.9 KB, Triton 3.6). This machine's Triton may not be the GPU's."""
     rows = report["topk"]
     assert {(r["kernel"], r["block_size"]) for r in rows} == {(k, b) for k in ("threshold", "threshold_flags",
-                                                              "slice_pass", "sample_thresholds", "window",
+                                                              "sliced_search", "sample_thresholds", "window",
                                                               "window_kth", "write", "keys")
                                                               for b in (0, 64, 128)}
     assert not [r for r in rows if "error" in r], rows

@@ -226,17 +226,25 @@ def _tk_threshold(P, Kp, Counts, Tout, GTout, Flags, S, n_items, NG,
 
 
 @triton.jit
-def _flagged_tiles(Flags, TileIds, NFlagged, NG, BG: tl.constexpr):
+def _flagged_tiles(Flags, TileIds, NFlagged, Lo, Hi, Chi, Cnt, NG, BG: tl.constexpr, NPROBE: tl.constexpr):
     """Program (tile, b * H + h): if a group of its tile of BG groups is flagged by "sample", its number
     ``bh * n_tiles + tile`` into ``TileIds`` at a slot taken from ``NFlagged`` (an atomic counter): the tiles the
-    fallback's passes visit, in any order (each tile's search is its own)."""
+    fallback's search visits, in any order (each tile's search is its own); and the tile's search state set up
+    (``Lo`` = -2^31, ``Hi`` = 2^31, ``Chi`` and the counts ``Cnt`` 0), here rather than by fills of every row."""
     tile = tl.program_id(0)
     bh = tl.program_id(1)
     offs_g = tile * BG + tl.arange(0, BG)
-    fl = tl.load(Flags + bh * NG + offs_g, mask=offs_g < NG, other=0)
+    rows = bh.to(tl.int64) * NG + offs_g
+    inside = offs_g < NG
+    fl = tl.load(Flags + rows, mask=inside, other=0)
     if tl.max(fl, axis=0) != 0:
         slot = tl.atomic_add(NFlagged, 1)
         tl.store(TileIds + slot, bh * tl.num_programs(0) + tile)
+        tl.store(Lo + rows, tl.full([BG], -2147483648, tl.int64), mask=inside)
+        tl.store(Hi + rows, tl.full([BG], 2147483648, tl.int64), mask=inside)
+        tl.store(Chi + rows, tl.zeros([BG], tl.int32), mask=inside)
+        cells = rows[:, None] * NPROBE + tl.arange(0, NPROBE)[None, :]
+        tl.store(Cnt + cells, tl.zeros([BG, NPROBE], tl.int32), mask=inside[:, None])
 
 
 @triton.jit
@@ -252,25 +260,36 @@ def _flagged_tile(TileIds, j, Flags, NG, n_tiles, BG: tl.constexpr):
 
 
 @triton.jit
-def _tk_slice_pass(P, Kp, Counts, Flags, TileIds, NFlagged, TileDone, Lo, Hi, Chi, Cnt, Tout, GTout, S, n_items, NG,
-                   n_tiles, L, n_slices, R: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr,
-                   LSE: tl.constexpr, NPROBE: tl.constexpr, LAST: tl.constexpr, DOT: tl.constexpr = False,
-                   PACK: tl.constexpr = 1):
-    """One pass of :func:`_tk_threshold`'s search for the groups flagged by "sample", spread over slices of L items
-    (a multiple of BN): the work items (flagged tile, slice), ``NFlagged * n_slices`` of them, are shared round-robin
-    by the programs of this 1-D grid; each adds its slice's counts at the probes of each flagged group's (``Lo``,
-    ``Hi``) to ``Cnt`` [B * H * NG, NPROBE] (atomics), and the program that adds a tile's last slice (``TileDone``, a
-    counter a tile) narrows the tile (:func:`_narrow_flagged`). With no flagged tile every program returns at once,
-    so the grid, not the problem, sets the cost of a pass that finds nothing."""
+def _tk_sliced_search(P, Kp, Counts, Flags, TileIds, NFlagged, Next, TileDone, PassDone, Lo, Hi, Chi, Cnt, Tout,
+                      GTout, S, n_items, NG, n_tiles, L, n_slices, R: tl.constexpr, BG: tl.constexpr,
+                      BN: tl.constexpr, BS: tl.constexpr, LSE: tl.constexpr, NPROBE: tl.constexpr,
+                      NPASS: tl.constexpr, DOT: tl.constexpr = False, PACK: tl.constexpr = 1):
+    """:func:`_tk_threshold`'s NPASS-pass search for the groups flagged by "sample", in ONE launch, each pass's counts
+    spread over slices of L items (a multiple of BN). The work items (pass, flagged tile, slice), pass first,
+    ``NPASS * NFlagged * n_slices`` of them, are taken in order from the ticket counter ``Next`` by the programs of
+    this 1-D grid; each adds its slice's counts at the probes of each flagged group's (``Lo``, ``Hi``) to ``Cnt``
+    [B * H * NG, NPROBE] (atomics), and the program that adds a tile's last slice of a pass (``TileDone``, a counter
+    a tile) narrows the tile (:func:`_narrow_flagged`) and then releases the tile's next pass (``PassDone``, its
+    passes narrowed). A work item of pass p waits until its tile's pass p - 1 is narrowed: that work was given out on
+    lower tickets, to programs already running, which wait only on lower tickets still, so the lowest ticket held
+    never waits and the launch cannot deadlock whether or not its programs are resident together (and under the
+    interpreter, which runs one program after another, the first program takes every ticket in order). With no
+    flagged tile every program takes one ticket and returns."""
     pcol = tl.arange(0, NPROBE)
-    for w in range(tl.program_id(0), tl.load(NFlagged) * n_slices, tl.num_programs(0)):
-        j = w // n_slices
+    per_pass = tl.load(NFlagged) * n_slices
+    w = tl.atomic_add(Next, 1)
+    while w < per_pass * NPASS:
+        p = w // per_pass
+        j = (w % per_pass) // n_slices
+        while tl.atomic_add(PassDone + j, 0, sem="acquire") < p:  # the tile's pass p - 1 narrowed
+            pass
         bh, offs_g, mask_g, rows = _flagged_tile(TileIds, j, Flags, NG, n_tiles, BG)
         it_lo = (w % n_slices) * L
         Pb = P + bh.to(tl.int64) * NG * R
         Kb = Kp + bh.to(tl.int64) * S * R
-        lo = tl.load(Lo + rows, mask=mask_g, other=0)
-        hi = tl.load(Hi + rows, mask=mask_g, other=1)
+        # volatile (past the L1 cache): this program may hold a line of an earlier pass's values
+        lo = tl.load(Lo + rows, mask=mask_g, other=0, volatile=True)
+        hi = tl.load(Hi + rows, mask=mask_g, other=1, volatile=True)
         cnt = tl.zeros([BG, NPROBE], tl.int32)
         for it0 in range(it_lo, tl.minimum(it_lo + L, n_items), BN):
             key, items, valid = _item_scores(Pb, Kb, offs_g, mask_g, it0, S, n_items, R, BG, BN, BS, LSE, DOT)
@@ -278,64 +297,72 @@ def _tk_slice_pass(P, Kp, Counts, Flags, TileIds, NFlagged, TileDone, Lo, Hi, Ch
         tl.atomic_add(Cnt + rows[:, None] * NPROBE + pcol[None, :], cnt, mask=mask_g[:, None])
         tl.debug_barrier()  # every thread's counts added before the tile's done count
         if tl.atomic_add(TileDone + j, 1) == n_slices - 1:  # acq_rel: the other slices' counts are visible
-            tl.store(TileDone + j, 0)  # for the next pass
-            _narrow_flagged(Counts, bh, mask_g, rows, Lo, Hi, Chi, Cnt, Tout, GTout, BG, NPROBE, LAST)
+            tl.store(TileDone + j, 0)  # for the next pass (whose work waits on PassDone, released below)
+            _narrow_flagged(Counts, bh, mask_g, rows, Lo, Hi, Chi, Cnt, Tout, GTout, BG, NPROBE)
+            tl.debug_barrier()  # every thread's stores made before the release
+            tl.atomic_xchg(PassDone + j, p + 1, sem="release")
+        w = tl.atomic_add(Next, 1)
 
 
 @triton.jit
-def _narrow_flagged(Counts, bh, mask_g, rows, Lo, Hi, Chi, Cnt, Tout, GTout, BG: tl.constexpr, NPROBE: tl.constexpr,
-                    LAST: tl.constexpr):
+def _narrow_flagged(Counts, bh, mask_g, rows, Lo, Hi, Chi, Cnt, Tout, GTout, BG: tl.constexpr, NPROBE: tl.constexpr):
     """The narrowing step of a flagged tile once every slice's counts are in ``Cnt`` (read past the L1 cache, which
-    other programs' atomics bypassed): its flagged groups' (``Lo``, ``Hi``, ``Chi``), the counts cleared for the next
-    pass; after the LAST pass the threshold and the count above it (``Tout``, ``GTout``), as :func:`_tk_threshold`
-    stores them."""
+    other programs' atomics bypassed, as are ``Lo``, ``Hi``, ``Chi``, which other programs narrowed in earlier
+    passes): its flagged groups' (``Lo``, ``Hi``, ``Chi``), the counts cleared for the next pass, and the threshold
+    and the count above it so far (``Tout``, ``GTout``, as :func:`_tk_threshold` stores them; the last pass's
+    stand)."""
     K = tl.load(Counts + bh)
     cells = rows[:, None] * NPROBE + tl.arange(0, NPROBE)[None, :]
     cnt = tl.load(Cnt + cells, mask=mask_g[:, None], other=0, volatile=True)
-    lo = tl.load(Lo + rows, mask=mask_g, other=0)
-    hi = tl.load(Hi + rows, mask=mask_g, other=1)
-    c_hi = tl.load(Chi + rows, mask=mask_g, other=0)
+    lo = tl.load(Lo + rows, mask=mask_g, other=0, volatile=True)
+    hi = tl.load(Hi + rows, mask=mask_g, other=1, volatile=True)
+    c_hi = tl.load(Chi + rows, mask=mask_g, other=0, volatile=True)
     lo, hi, c_hi = _narrow(lo, hi, c_hi, cnt, K, NPROBE)
     tl.store(Lo + rows, lo, mask=mask_g)
     tl.store(Hi + rows, hi, mask=mask_g)
     tl.store(Chi + rows, c_hi, mask=mask_g)
     tl.store(Cnt + cells, tl.zeros([BG, NPROBE], tl.int32), mask=mask_g[:, None])
-    if LAST:
-        tl.store(Tout + rows, lo.to(tl.int32), mask=mask_g)
-        tl.store(GTout + rows, c_hi, mask=mask_g)
+    tl.store(Tout + rows, lo.to(tl.int32), mask=mask_g)
+    tl.store(GTout + rows, c_hi, mask=mask_g)
 
 
-# programs of the fallback's launches: enough to spread a few flagged tiles' slices over every SM, few enough that a
-# pass finding no flagged tile (the common case) costs a launch, not a wave of programs a tile
+# programs of the fallback's launch: enough to spread a few flagged tiles' slices over every SM, few enough that a
+# call finding no flagged tile (the common case) costs a launch, not a wave of programs a tile
 _FALLBACK_PROGRAMS = 1024
 
 
 def _sliced_fallback(P, proxies, k, counts, flags, thr, above, n_slices: int, meta: dict) -> None:
     """:func:`_tk_threshold`'s search on the groups "sample" flagged, each pass's counts spread over ``n_slices``
-    slices of the items and each tile narrowed by its last slice's program (:func:`_tk_slice_pass`), on the tiles
-    listed on the device by :func:`_flagged_tiles` (no host sync): NPASS + 1 launches of at most
+    slices of the items and each tile narrowed by its last slice's program, every pass in one launch
+    (:func:`_tk_sliced_search`), on the tiles listed on the device by :func:`_flagged_tiles` (no host sync), which
+    also sets up their search: one fill (the counters) and two launches, the second of at most
     ``_FALLBACK_PROGRAMS`` programs. Run 21 (H100): 1-4 flagged groups of 32K-64K took 12-25 ms in one program each,
     so the slices; run 28: with every tile of every head in the grids of 18 launches (counts, then narrowing), the
     fallback cost 0.5-0.7 ms at 16K-64K with NO group flagged and 3.7-7.8 ms for 2 flagged groups at 128K, hence the
     list of tiles (4 flagged groups at 128K: 1.2 ms); then 0.8-1.0 ms with none flagged at 16K-32K: the launches'
-    host cost, hence one launch a pass."""
+    host cost, hence one launch a pass; run 30 (H200): its 15 launches (five fills, the list, nine passes) still
+    0.6-1.0 ms at 16K whatever the work, hence the passes in one launch and the fills in the list's."""
     rows = P.B * P.H * P.num_groups
     dev = proxies.device
-    lo = torch.full((rows,), -2 ** 31, dtype=torch.int64, device=dev)
-    hi = torch.full((rows,), 2 ** 31, dtype=torch.int64, device=dev)
-    c_hi = torch.zeros(rows, dtype=torch.int32, device=dev)
-    cnt = torch.zeros(rows, _NPROBE, dtype=torch.int32, device=dev)
+    lo = torch.empty(rows, dtype=torch.int64, device=dev)  # set for the flagged tiles by _flagged_tiles, as are
+    hi = torch.empty_like(lo)  # the next three; no other row is read
+    c_hi = torch.empty(rows, dtype=torch.int32, device=dev)
+    cnt = torch.empty(rows, _NPROBE, dtype=torch.int32, device=dev)
     n_tiles = triton.cdiv(P.num_groups, meta["BG"])
-    tile_ids = torch.empty(P.B * P.H * n_tiles, dtype=torch.int32, device=dev)
-    done = torch.zeros(P.B * P.H * n_tiles + 1, dtype=torch.int32, device=dev)  # [-1]: the flagged tiles' count
-    _flagged_tiles[(n_tiles, P.B * P.H)](flags, tile_ids, done[-1:], P.num_groups, BG=meta["BG"])
+    tiles = P.B * P.H * n_tiles
+    tile_ids = torch.empty(tiles, dtype=torch.int32, device=dev)
+    # the counters, one fill: each listed tile's slices added in its pass (TileDone) and passes narrowed (PassDone),
+    # then the flagged tiles' count and the next ticket
+    ctr = torch.zeros(2 * tiles + 2, dtype=torch.int32, device=dev)
+    tile_done, pass_done, n_flagged, ticket = ctr[:tiles], ctr[tiles:2 * tiles], ctr[-2:-1], ctr[-1:]
+    _flagged_tiles[(n_tiles, P.B * P.H)](flags, tile_ids, n_flagged, lo, hi, c_hi, cnt, P.num_groups, BG=meta["BG"],
+                                         NPROBE=_NPROBE)
     length = triton.cdiv(triton.cdiv(P.num_items, n_slices), meta["BN"]) * meta["BN"]
     n_slices = triton.cdiv(P.num_items, length)
-    grid = (min(_FALLBACK_PROGRAMS, tile_ids.numel() * n_slices),)
-    for p in range(_NPASS):
-        _tk_slice_pass[grid](proxies, k, counts, flags, tile_ids, done[-1:], done, lo, hi, c_hi, cnt, thr, above,
-                             P.Sk, P.num_items, P.num_groups, n_tiles, length, n_slices, NPROBE=_NPROBE,
-                             LAST=p == _NPASS - 1, **meta)
+    grid = (min(_FALLBACK_PROGRAMS, tiles * n_slices),)
+    _tk_sliced_search[grid](proxies, k, counts, flags, tile_ids, n_flagged, ticket, tile_done, pass_done, lo, hi, c_hi,
+                            cnt, thr, above, P.Sk, P.num_items, P.num_groups, n_tiles, length, n_slices,
+                            NPROBE=_NPROBE, NPASS=_NPASS, **meta)
 
 
 @triton.jit
@@ -609,8 +636,8 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     ``ms_window``, ``ms_window_kth``: the three kernels of "sample"; ``ms_threshold``, ``ms_write``); host syncs,
     for tests and benchmarks.
     ``slice_items``: "sample"'s fallback search spreads each flagged group's passes over slices of about this many
-    items (:func:`_sliced_fallback`, its programs taking the flagged tiles' slices in turn; one program scans all items
-    where they are fewer); ``stats`` gets ``fallback_slices``, the slices of a pass (1: one program).
+    items (:func:`_sliced_fallback`, its programs taking the (pass, tile, slice) work items by ticket; one program
+    scans all items where they are fewer); ``stats`` gets ``fallback_slices``, the slices of a pass (1: one program).
     ``forced`` [NG, F] (local + predicted lists): items ranked first in their group; methods "keys" and
     "gemm" (their keys buffer takes the top key); "auto" then picks "gemm" for token lists. ``forced_extra``
     (the budgets count only the other items; :func:`~.common.forced_union`): the forced items take the lowest key
@@ -695,7 +722,7 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
     if fb:
         F, nsv, cap = sample_plan(P.num_items, P.kmax, sample_size, z)
         cap = max(capacity or cap, nsv)  # the buffer holds the sample first
-        flags = torch.zeros(P.B, P.H, P.num_groups, dtype=torch.int32, device=q_lr.device)
+        flags = torch.empty(P.B, P.H, P.num_groups, dtype=torch.int32, device=q_lr.device)  # _ss_kth sets every one
         buf = torch.empty(P.B * P.H * P.num_groups * cap, dtype=torch.int32, device=q_lr.device)
         from .sample_impl import run_sample  # imports this module's search functions
 
