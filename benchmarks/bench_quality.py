@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import collect_meta, init_dist, write_results  # noqa: E402
 from benchmarks.frontier_launch import launch  # noqa: E402
-from benchmarks.quality_report import plot, report, study_seeds  # noqa: E402
+from benchmarks.quality_report import harness_of, plot, report, study_seeds  # noqa: E402
 from benchmarks.video_runs import add_run_args, parse_arm, tokens_of  # noqa: E402
 from megatron_dsv.config import DSVConfig  # noqa: E402
 
@@ -163,6 +163,10 @@ def train_one(name: str, args) -> dict:
     if old and schedule_key(old.get("schedule")) != schedule_key(schedule):  # another learning-rate schedule
         print(f"{path}: trained on schedule {old.get('schedule')}, not {schedule}: started over", flush=True)
         old = {}
+    harness = dict(batch=args.batch, init_seed=getattr(args, "init_seed", None))  # what else a curve depends on
+    if old and harness_of(old) != harness:
+        print(f"{path}: trained at {harness_of(old)}, not {harness}: started over", flush=True)
+        old = {}
     curve = dict(old.get("curve", []))
     # cumulative (sparse layer-steps, stage-2 layer-steps) at each validation: how a stage-2 step is charged
     counts = {int(k): v for k, v in old.get("sparse_counts", {}).items()}
@@ -172,7 +176,8 @@ def train_one(name: str, args) -> dict:
     seconds = {int(k): v for k, v in old.get("train_seconds", {}).items()}
 
     def record(**extra):
-        return dict(name=name, seed=args.seed, arm=_plain(arm), schedule=schedule, curve=sorted(curve.items()),
+        return dict(name=name, seed=args.seed, arm=_plain(arm), schedule=schedule, **harness,
+                    curve=sorted(curve.items()),
                     sparse_counts={str(k): v for k, v in sorted(counts.items())},
                     val_breakdown={str(k): v for k, v in sorted(parts.items())},
                     train_seconds={str(k): v for k, v in sorted(seconds.items())}, **extra)

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_quality import FRONTIER  # noqa: E402
 from benchmarks.common import collect_meta  # noqa: E402
-from benchmarks.quality_report import SE_TARGET_PCT  # noqa: E402
+from benchmarks.quality_report import SE_TARGET_PCT, harness_of  # noqa: E402
 from benchmarks.video_runs import schedule_key  # noqa: E402
 from megatron_dsv.config import DSVConfig  # noqa: E402
 
@@ -38,8 +38,8 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DEFAULT_ARM = "s1win_cap25_s400"  # the default's design, by name, in every study since run 11
 SETTING_KEYS = ("attn", "budget_rule", "recall_target", "granularity", "local_radius", "local_mode", "stage1",
                 "query_group_shape", "stage1_local", "sparsity_threshold", "max_density", "window_frac")
-COLUMNS = ("data", "S", "name", "steps", "schedule", "seeds", "gpu", "delta_vs_full_pct", "delta_vs_full_se_pct",
-           "kept_fraction", "sparse_layer_fraction", "recall", "time_to_full_loss_ratio",
+COLUMNS = ("data", "S", "name", "steps", "schedule", "batch", "init_seed", "seeds", "gpu", "delta_vs_full_pct",
+           "delta_vs_full_se_pct", "kept_fraction", "sparse_layer_fraction", "recall", "time_to_full_loss_ratio",
            "time_to_full_loss_ratio_logged", "library_default", "settings", "source", "note")
 
 
@@ -94,6 +94,7 @@ def study_rows(path: str) -> List[dict]:
             continue
         out.append(dict(
             data=row["data"], S=int(row["S"]), name=name, steps=row.get("steps"), schedule=schedule_of(row),
+            **harness_of(row),
             seeds=list(row.get("seeds") or []),
             gpu=meta.get("gpu"), delta_vs_full_pct=row["delta_vs_full_pct"],
             delta_vs_full_se_pct=_finite(row.get("delta_vs_full_se_pct")),
@@ -115,8 +116,8 @@ def joined_row(path: str, studies: Dict[str, List[dict]]) -> Optional[dict]:
     files = sorted({p["file"] for p in per_seed})
     src = [r for f in files for r in studies.get(f, [])  # the rows that hold a joined seed of this file
            if r["name"] == res.get("arm") and any(p["file"] == f and p["seed"] in r["seeds"] for p in per_seed)]
-    if not src or len({(r["data"], r["S"]) for r in src}) != 1:
-        return None  # sources not committed, or an arm joined across data or lengths: not one frontier point
+    if not src or len({(r["data"], r["S"], r["schedule"], r["batch"], r["init_seed"]) for r in src}) != 1:
+        return None  # sources not committed, or an arm joined across data, lengths or harnesses: not one point
 
     def mean_of(key):
         vals = [r[key] for r in src if r[key] is not None]
@@ -125,6 +126,7 @@ def joined_row(path: str, studies: Dict[str, List[dict]]) -> Optional[dict]:
     gpus = sorted({p.get("gpu") for p in res["per_seed"] if p.get("gpu")})
     return dict(
         data=src[0]["data"], S=src[0]["S"], name=res["arm"], steps=res["step"], schedule=src[0]["schedule"],
+        batch=src[0]["batch"], init_seed=src[0]["init_seed"],
         seeds=list(res["seeds"]),
         gpu=" + ".join(gpus), delta_vs_full_pct=res["delta_vs_full_pct"],
         delta_vs_full_se_pct=res.get("delta_vs_full_se_pct"),
@@ -135,15 +137,22 @@ def joined_row(path: str, studies: Dict[str, List[dict]]) -> Optional[dict]:
         note="seeds joined across " + ", ".join(files), date=meta.get("date", ""))
 
 
+def harness_key(row: dict) -> tuple:
+    """What a row's comparison depends on besides its data, length and arm: steps, learning-rate schedule, batch and
+    fixed initial weights (None: the seed's own)."""
+    return row["steps"], row["schedule"], row["batch"], row["init_seed"]
+
+
 def best_rows(rows: List[dict]) -> List[dict]:
-    """Per (data, S, arm, steps, learning-rate schedule): the row with the most seeds, ties to the newest."""
+    """Per (data, S, arm, :func:`harness_key`): the row with the most seeds, ties to the newest."""
     best: Dict[tuple, dict] = {}
     for row in rows:
-        key = (row["data"], row["S"], row["name"], row["steps"], row["schedule"])
+        key = (row["data"], row["S"], row["name"]) + harness_key(row)
         rank = (len(row["seeds"]), row["date"])
         if key not in best or rank > (len(best[key]["seeds"]), best[key]["date"]):
             best[key] = row
-    return sorted(best.values(), key=lambda r: (r["data"], r["S"], r["name"], r["steps"] or 0, r["schedule"]))
+    return sorted(best.values(), key=lambda r: (r["data"], r["S"], r["name"], r["steps"] or 0, r["schedule"],
+                                                r["batch"], -1 if r["init_seed"] is None else r["init_seed"]))
 
 
 def collect(paths: List[str]) -> List[dict]:
@@ -154,11 +163,13 @@ def collect(paths: List[str]) -> List[dict]:
 
 
 def default_rows(rows: List[dict]) -> List[dict]:
-    """The library default's row per data source and length: most seeds, then longest training, then the constant
-    rate every study but the cooldown checks (run 30) trained at."""
+    """The library default's row per data source and length: most seeds, then the most clips trained on (steps x
+    batch), then the constant rate every study but the cooldown checks (run 30) trained at, then each seed's own
+    initial weights."""
     keys = sorted({(r["data"], r["S"]) for r in rows if r["library_default"]})
     return [max((r for r in rows if r["library_default"] and (r["data"], r["S"]) == key),
-                key=lambda c: (len(c["seeds"]), c["steps"] or 0, c["schedule"] == "constant")) for key in keys]
+                key=lambda c: (len(c["seeds"]), (c["steps"] or 0) * c["batch"], c["schedule"] == "constant",
+                               c["init_seed"] is None)) for key in keys]
 
 
 def default_verdict(rows: List[dict]) -> List[dict]:
@@ -167,7 +178,7 @@ def default_verdict(rows: List[dict]) -> List[dict]:
     out = []
     for r in default_rows(rows):
         se = r["delta_vs_full_se_pct"]
-        out.append(dict(data=r["data"], S=r["S"], steps=r["steps"], seeds=len(r["seeds"]),
+        out.append(dict(data=r["data"], S=r["S"], steps=r["steps"], batch=r["batch"], seeds=len(r["seeds"]),
                         delta_vs_full_pct=round(r["delta_vs_full_pct"], 3), se_pct=None if se is None else round(se, 3),
                         at_most_1pct_above_full=r["delta_vs_full_pct"] <= 1.0,
                         se_target_met=se is not None and se <= SE_TARGET_PCT,
@@ -181,16 +192,24 @@ def _point(r: dict) -> str:
     return f"{r['name']} {r['delta_vs_full_pct']:+.2f}{se}% ({len(r['seeds'])} seeds{kept})"
 
 
+def _harness_label(r: dict) -> str:
+    """What sets a row apart from the usual harness (constant rate, batch 1, each seed's own init), for labels."""
+    parts = [p for p in (r["schedule"] if r["schedule"] != "constant" else "",
+                         f"batch {r['batch']}" if r["batch"] != 1 else "",
+                         f"init {r['init_seed']}" if r["init_seed"] is not None else "") if p]
+    return "".join(f", {p}" for p in parts)
+
+
 def why_default(rows: List[dict]) -> str:
     """Why the default is the default, from the rows themselves (no figure written by hand): per data source and
     length, the default's point, and every other arm measured at the same steps that came out below it."""
     parts = []
     for mine in default_rows(rows):
-        at = (mine["data"], mine["S"], mine["steps"], mine["schedule"])
-        peers = [r for r in rows if not r["library_default"] and (r["data"], r["S"], r["steps"], r["schedule"]) == at]
+        at = (mine["data"], mine["S"]) + harness_key(mine)
+        peers = [r for r in rows if not r["library_default"] and (r["data"], r["S"]) + harness_key(r) == at]
         lower = sorted((r for r in peers if r["delta_vs_full_pct"] < mine["delta_vs_full_pct"]),
                        key=lambda r: r["delta_vs_full_pct"])
-        text = f"{mine['data']} {mine['S'] // 1024}K @{mine['steps']}: {_point(mine)}"
+        text = f"{mine['data']} {mine['S'] // 1024}K @{mine['steps']}{_harness_label(mine)}: {_point(mine)}"
         if peers:
             text += f"; of {len(peers)} other arms at these steps, " + (
                 "below it: " + ", ".join(_point(r) for r in lower) if lower else "none below it")
@@ -216,8 +235,7 @@ def plot(rows: List[dict], path: str) -> None:
             fam = family(r)
             ax.errorbar(r["kept_fraction"], r["delta_vs_full_pct"], yerr=r["delta_vs_full_se_pct"], capsize=3,
                         fmt=markers[fam], ms=12 if fam == "library default" else 6, color=colours[r["S"]])
-            sch = "" if r["schedule"] == "constant" else f", {r['schedule']}"
-            ax.annotate(f"{r['name']} @{r['steps']} ({len(r['seeds'])}{sch})",
+            ax.annotate(f"{r['name']} @{r['steps']} ({len(r['seeds'])}{_harness_label(r)})",
                         (r["kept_fraction"], r["delta_vs_full_pct"]), fontsize=6, textcoords="offset points",
                         xytext=(5, 3))
         ax.axhline(0.0, color="k", lw=0.8)
@@ -257,12 +275,15 @@ def main(argv=None) -> int:
     with open(args.out + ".json", "w") as f:
         json.dump(doc, f, indent=1)
     plot(rows, args.out + ".png")
-    print(f"{'data':8s} {'S':>6s} {'arm':22s} {'steps':>5s} {'schedule':>12s} {'n':>2s} {'delta %':>8s} {'se':>5s} "
+    print(f"{'data':8s} {'S':>6s} {'arm':22s} {'steps':>5s} {'schedule':>12s} {'batch':>5s} {'n':>2s} {'delta %':>8s} "
+          f"{'se':>5s} "
           f"{'kept':>5s}")
     for r in rows:
         se = r["delta_vs_full_se_pct"]
         kept = r["kept_fraction"]
+        init = "" if r["init_seed"] is None else f" init {r['init_seed']}"
         print(f"{r['data']:8s} {r['S']:6d} {r['name'][:22]:22s} {r['steps'] or 0:5d} {r['schedule']:>12s} "
+              f"{r['batch']:5d}{init} "
               f"{len(r['seeds']):2d} "
               f"{r['delta_vs_full_pct']:+8.2f} {'' if se is None else f'{se:.2f}':>5s} "
               f"{'' if kept is None else f'{kept:.2f}':>5s}")

@@ -5,7 +5,8 @@ Studies of one harness add seeds over several sessions (a session's device time 
 each seed's loss of the arm and of full attention at ``--step`` (from the row's ``curve_per_seed`` where the
 report kept it, else its ``val_loss_per_seed`` when the row was compared at that step), pairs them within the file,
 and reports the joined paired delta ``100 (arm / full - 1)``: per seed, mean +- se, sd and the seeds the 0.5% se
-target takes at that sd. A seed found in two files is refused (the same seed trained twice is not two seeds).
+target takes at that sd. A seed found in two files is refused (the same seed trained twice is not two seeds), and
+so are files of different harnesses (learning-rate schedule, batch, fixed initial weights).
 
     PYTHONPATH=. python benchmarks/join_seeds.py --arm s1win_cap25_s400 --step 3000 \\
         benchmarks/results/quality-frontier-run10-vizdoom-h200-20261203.json \\
@@ -24,7 +25,8 @@ from typing import Dict, List, Optional
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import collect_meta  # noqa: E402
-from benchmarks.quality_report import SE_TARGET_PCT, mean_se, seeds_for_se, unpaired_delta  # noqa: E402
+from benchmarks.quality_report import SE_TARGET_PCT, harness_of, mean_se, seeds_for_se, unpaired_delta  # noqa: E402
+from benchmarks.video_runs import schedule_key  # noqa: E402
 
 
 def losses_at(row: dict, step: int) -> Dict[int, float]:
@@ -41,12 +43,19 @@ def join(paths: List[str], arm: str, step: int) -> dict:
     """The joined comparison (see the module doc); raises ValueError naming the file and seed at fault."""
     seeds: List[dict] = []
     where: Dict[int, str] = {}
+    harness: Dict[str, str] = {}  # the harness of each file's rows: seeds of different harnesses are not one sample
     for path in paths:
         with open(path) as f:
             results = json.load(f)
         rows = {r["name"]: r for r in results["rows"] if r.get("kind") == "arm"}
         if arm not in rows or "full" not in rows:
             raise ValueError(f"{path}: needs rows 'full' and {arm!r}; has {sorted(rows)}")
+        for row in (rows[arm], rows["full"]):
+            harness.setdefault(json.dumps(dict(schedule=schedule_key(row.get("lr_schedule")), **harness_of(row)),
+                                          sort_keys=True), path)
+        if len(harness) > 1:
+            raise ValueError("the files trained in different harnesses (learning-rate schedule, batch, initial "
+                             "weights): " + "; ".join(f"{p}: {h}" for h, p in harness.items()))
         got, full = losses_at(rows[arm], step), losses_at(rows["full"], step)
         for seed in sorted(set(got) & set(full)):
             if seed in where:

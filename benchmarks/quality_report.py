@@ -86,6 +86,27 @@ def check_one_schedule(records: Dict[str, Dict[int, dict]]) -> dict:
     return {"constant": True} if key == "constant" else json.loads(key)
 
 
+def harness_of(rec: dict) -> dict:
+    """What a run's curve depends on besides its arm and schedule: ``batch`` (clips a step; 1 where a curve does not
+    record it: every study until run 31 trained at the --batch default, 1) and ``init_seed`` (the initial weights'
+    seed where a study fixed it apart from the seed, else None)."""
+    return dict(batch=int(rec.get("batch") or 1), init_seed=rec.get("init_seed"))
+
+
+def check_one_harness(records: Dict[str, Dict[int, dict]]) -> dict:
+    """The :func:`harness_of` every run of a study shares; runs of different batches or init seeds are not compared
+    (raises ValueError naming a run of each)."""
+    seen: Dict[str, str] = {}
+    for name, runs in records.items():
+        for seed, rec in runs.items():
+            seen.setdefault(json.dumps(harness_of(rec), sort_keys=True), f"{name} seed {seed}")
+    if len(seen) > 1:
+        raise ValueError("report: the runs trained in different harnesses: " +
+                         "; ".join(f"{run}: {key}" for key, run in seen.items()) +
+                         " (report each study from its own --save-dir)")
+    return json.loads(next(iter(seen)))
+
+
 def cut_records(records: Dict[str, Dict[int, dict]], step: int) -> Dict[str, Dict[int, dict]]:
     """Every run's curve and sparse counts up to ``step``, which every run must have validated at."""
     out: Dict[str, Dict[int, dict]] = {}
@@ -229,6 +250,7 @@ def logged_wall_clock(runs: Dict[int, dict], curve: List[tuple]):
 def report(args, names: List[str]) -> List[dict]:
     records = load_records(args)
     schedule = check_one_schedule(records)  # refused when the study's runs mix schedules
+    harness = check_one_harness(records)  # ... or batches, or initial weights
     timing_path = os.path.join(args.save_dir, "timing.json")
     timing = json.load(open(timing_path)) if os.path.exists(timing_path) else {}
     S = tokens_of(parse_arm(args.arm))
@@ -299,7 +321,7 @@ def report(args, names: List[str]) -> List[dict]:
                    # --at-step: curves cut there; kept_fraction, recall, sparsity and budget density are the runs'
                    # ends (their summaries), the sparse share is counted up to the cut
                    cut_at_step=getattr(args, "at_step", None),
-                   lr_schedule=schedule)
+                   lr_schedule=schedule, batch=harness["batch"], init_seed=harness["init_seed"])
         rows.append(row)
     full_by_S = next((r["time_to_full_loss_s_by_S"] for r in rows if r["name"] == "full"), {})
     for row in rows:

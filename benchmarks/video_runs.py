@@ -24,7 +24,8 @@ where it stopped and reports its last validation step), ``stage1`` (DSV's stage-
 half of ``steps``), ``window_frac`` (the window baseline's kept fraction of keys), ``label`` (a
 name for the plots; default built from the keys that differ from the defaults).
 Every arm with the same data keys trains on the same clips (``--data-seed``), in the same order and from the
-same initial weights (``--seed``: a seed is one draw of init and data order), and is validated on the same
+same initial weights (``--seed``: a seed is one draw of init, data order and training noise; ``--init-seed`` fixes
+the init apart from it), and is validated on the same
 held-out clips, noise and timesteps; with ``--ema-decay`` > 0 (default 0.999) validation evaluates the
 exponential moving average of the weights (:class:`megatron_dsv.training.ema.ModelEMA`), as diffusion
 trainers evaluate and sample.
@@ -250,6 +251,13 @@ def _readable_file(path: str):
     return path
 
 
+def init_seed(args) -> int:
+    """The seed of the initial weights: ``--init-seed``, else ``--seed`` (a seed is one draw of init, data order
+    and training noise; a study that fixes the init varies only the other two)."""
+    fixed = getattr(args, "init_seed", None)
+    return args.seed if fixed is None else fixed
+
+
 def _data_seed(args) -> int:
     """The seed of the rendered clips: ``--data-seed``, else ``--seed`` (runs before the two were split)."""
     data_seed = getattr(args, "data_seed", None)
@@ -284,7 +292,7 @@ def build_model(arm: dict, args, device, dtype):
         cube = DSVConfig().query_group_shape
         radius = radius_for_fraction(cfg.token_grid(), cube, arm["window_frac"])
         window = WindowConfig(cube=cube, radius=radius, block_size=DSVConfig().kv_block_size)
-    torch.manual_seed(args.seed)
+    torch.manual_seed(init_seed(args))
     kwargs = dict(window_config=window) if window is not None else {}
     model = build_video_dit(cfg, dsv_config=dsv, dtype=dtype, **kwargs).to(device)
     return model, cfg
@@ -386,7 +394,7 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
     schedule = lr_schedule(args, getattr(args, "schedule_steps", None) or arm["steps"])
     start, counters, last_val = 0, {"sparse_steps": 0, "layer_steps": 0}, None
     if path and os.path.exists(path):
-        start, counters, last_val = load_run(path, arm, model, opt, g, ema, schedule)
+        start, counters, last_val = load_run(path, arm, model, opt, g, ema, schedule, batch=args.batch)
         print(f" [{arm['label']}] resumed at step {start} from {path}", flush=True)
     if start == 0 or "train_s" in counters:  # a run saved before the seconds were counted never gets them
         counters.setdefault("train_s", 0.0)
@@ -440,7 +448,8 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
             on_val(step + 1, val, dict(counters), breakdown)
             if align and path and step + 1 < arm["steps"]:
                 aligned = (step + 1, val, dict(counters))
-                save_run(path, arm, model, opt, g, step + 1, counters, ema, last_val=aligned, schedule=schedule)
+                save_run(path, arm, model, opt, g, step + 1, counters, ema, last_val=aligned, schedule=schedule,
+                         batch=args.batch)
         if stop:
             print(f" [{arm['label']}] stopped at step {step + 1} by its {arm['minutes']} min budget", flush=True)
             break
@@ -450,7 +459,8 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
         # trained twice; validations stay at multiples of val_every), and what it reports (steps, loss,
         # counters) is its last validation step's, so every run of a study reports at validated steps
         if aligned[0] != steps_done:  # (stopped right at a validation: saved there already)
-            save_run(path, arm, model, opt, g, steps_done, counters, ema, last_val=aligned, schedule=schedule)
+            save_run(path, arm, model, opt, g, steps_done, counters, ema, last_val=aligned, schedule=schedule,
+                         batch=args.batch)
         print(f" [{arm['label']}] saved at step {steps_done}; reports its validation step {aligned[0]} (its DSV "
               f"metrics are of step {steps_done})", flush=True)
         steps_done, final_val, counters = aligned
@@ -458,7 +468,7 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
         final_val, breakdown = validate(model, ema, clips, args, class_names)
         if path:  # with its validation: a run extended later (more steps) and stopped early reports this one
             save_run(path, arm, model, opt, g, steps_done, counters, ema, last_val=(steps_done, final_val, counters),
-                     schedule=schedule)
+                     schedule=schedule, batch=args.batch)
         if on_val is not None and steps_done % args.val_every:
             on_val(steps_done, final_val, dict(counters), breakdown)
     summary = dict(steps=steps_done, val_loss=final_val, ms_step=1e3 * _median(times[1:] or times),
@@ -557,13 +567,14 @@ _FORMATS = ("megatron_dsv.video_run.v2", "megatron_dsv.video_run.v3")  # v3: + t
 
 
 def save_run(path: str, arm: dict, model, opt, g, step: int, counters: dict, ema=None, last_val=None,
-             schedule=None) -> None:
+             schedule=None, batch: int = 1) -> None:
     """Model (with its DSV state), optimizer, weight EMA, noise generator and step of a run, written atomically;
-    ``last_val``: (step, loss, counters) of its last validation (what a run stopped by its minutes reports)."""
+    ``last_val``: (step, loss, counters) of its last validation (what a run stopped by its minutes reports);
+    ``batch``: clips a step (a run resumes at its own)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     state = {"format": _FORMATS[-1], "arm": {k: arm[k] for k in _RESUME_KEYS}, "step": step,
              "counters": counters, "model": model.state_dict(), "optimizer": opt.state_dict(), "rng": g.get_state(),
-             "ema": None if ema is None else ema.state_dict(), "schedule": schedule,
+             "ema": None if ema is None else ema.state_dict(), "schedule": schedule, "batch": int(batch),
              "last_val": None if last_val is None else dict(step=int(last_val[0]), val=float(last_val[1]),
                                                             counters=dict(last_val[2]))}
     torch.save(state, path + ".tmp")
@@ -571,9 +582,10 @@ def save_run(path: str, arm: dict, model, opt, g, step: int, counters: dict, ema
     print(f" [{arm['label']}] saved step {step} to {path}", flush=True)
 
 
-def load_run(path: str, arm: dict, model, opt, g, ema=None, schedule=None):
+def load_run(path: str, arm: dict, model, opt, g, ema=None, schedule=None, batch: int | None = None):
     """Restore what :func:`save_run` wrote (tensors only: ``weights_only=True``); returns (step, counters,
-    last validation as a dict of step, val, counters, or None).
+    last validation as a dict of step, val, counters, or None). ``batch``: the run's clips a step, which must be
+    the saved run's (1 for runs saved before it was recorded: every study until run 31 trained at batch 1).
     A run saved without an EMA (format v2, or ``--ema-decay 0``) starts its EMA at the loaded weights."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -596,6 +608,10 @@ def load_run(path: str, arm: dict, model, opt, g, ema=None, schedule=None):
         raise ValueError(f"run checkpoint {path!r} was trained on another learning-rate schedule (saved "
                          f"{schedule_key(saved_schedule)}, now {schedule_key(schedule)}): resume with its --warmup / "
                          "--lr-cooldown / --lr-min-frac, or start afresh")
+    saved_batch = int(state.get("batch", 1))
+    if batch is not None and saved_batch != batch:
+        raise ValueError(f"run checkpoint {path!r} was trained at --batch {saved_batch}, not {batch}: resume it at "
+                         f"--batch {saved_batch}, or start afresh in another --save-dir")
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     g.set_state(state["rng"])
@@ -667,6 +683,9 @@ def add_run_args(ap, preset="0.8b", layers=4, samples=64):
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--val-every", type=int, default=250)
     ap.add_argument("--seed", type=int, default=0, help="initial weights and data order (one draw of a seed)")
+    ap.add_argument("--init-seed", type=int, default=None,
+                    help="the initial weights (default: --seed); a study over seeds that fixes it varies only the "
+                         "data order and the training noise")
     ap.add_argument("--data-seed", type=int, default=None,
                     help="the rendered clips (default: --seed); a study over seeds fixes it so every seed sees the "
                          "same clips and held-out set")

@@ -323,6 +323,21 @@ def test_the_report_refuses_runs_of_different_learning_rate_schedules():
         check_one_schedule({"full": {0: {"schedule": cool}, 1: {"schedule": dict(cool, decay_start=2700)}}})
 
 
+def test_the_report_refuses_runs_of_different_batches_or_initial_weights():
+    """Batch and a fixed init are part of the harness: a study mixing them is refused, naming a run of each; a curve
+    without them trained at batch 1 from its seed's own weights (every study before run 31)."""
+    from benchmarks.quality_report import check_one_harness, harness_of
+
+    assert harness_of({}) == dict(batch=1, init_seed=None)
+    assert check_one_harness({"full": {0: {}, 1: {"batch": 1}}, "dsv": {0: {"batch": 1, "init_seed": None}}}) == \
+        dict(batch=1, init_seed=None)
+    assert check_one_harness({"full": {0: {"batch": 4, "init_seed": 0}}}) == dict(batch=4, init_seed=0)
+    with pytest.raises(ValueError, match=r"different harnesses: full seed 0: .*\"batch\": 1.*dsv seed 0"):
+        check_one_harness({"full": {0: {}}, "dsv": {0: {"batch": 4}}})
+    with pytest.raises(ValueError, match="different harnesses"):
+        check_one_harness({"full": {0: {"batch": 4}, 1: {"batch": 4, "init_seed": 0}}})
+
+
 def test_seeds_for_the_se_target_follow_the_paired_spread():
     """n = ceil((sd / 0.5)^2): run 10's ViZDoom deltas (sd 1.37%) need 8 seeds, run 11's 32K pair (-3.1, -4.5: sd 0.99%) 4."""
     from benchmarks.quality_report import seeds_for_se
@@ -425,6 +440,11 @@ def test_join_seeds_pairs_within_each_file_and_counts_a_seed_once(tmp_path):
         join([old], "window", 100)
     with pytest.raises(ValueError, match="no seed of 'dsv'"):
         join([old], "dsv", 7)
+    batch4 = write("b4.json", [dict(name="full", steps=100, batch=4, val_loss_per_seed={"5": 1.0}),
+                               dict(name="dsv", steps=100, batch=4, val_loss_per_seed={"5": 0.9})], "H200")
+    assert join([batch4], "dsv", 100)["seeds"] == [5]
+    with pytest.raises(ValueError, match="different harnesses"):  # batch 1 and batch 4: not one sample of seeds
+        join([old, batch4], "dsv", 100)
 
 
 def test_the_report_charges_the_logged_seconds_of_the_seeds_that_trained_alone(tmp_path):

@@ -13,7 +13,8 @@ from benchmarks import frontier_summary as fs  # noqa: E402
 def _row(name, seeds, delta, se, steps=3000, data="vizdoom", S=16384, kept=0.23):
     return dict(bench="quality_frontier", kind="arm", name=name, data=data, S=S, steps=steps, seeds=seeds,
                 delta_vs_full_pct=delta, delta_vs_full_se_pct=se, kept_fraction=kept, sparse_layer_fraction=1.0,
-                recall=0.5, time_to_full_loss_ratio=None, schedule="constant")  # schedule: as collect() sets it
+                recall=0.5, time_to_full_loss_ratio=None, schedule="constant", batch=1,
+                init_seed=None)  # schedule, batch, init_seed: as collect() sets them
 
 
 def _study(path, date, rows, gpu="NVIDIA H200"):
@@ -95,3 +96,22 @@ def test_a_cooldown_study_is_its_own_row_and_the_verdict_keeps_the_constant_rate
     assert fs.default_verdict(rows)[0]["delta_vs_full_pct"] == -3.7
     assert fs.schedule_of(dict(lr_schedule={"constant": True})) == "constant"
     assert fs.schedule_of(dict(lr_schedule=dict(cooldown, decay_start=3000))) == "constant"  # no decay: constant
+
+
+def test_a_study_of_another_batch_or_a_fixed_init_is_its_own_row(tmp_path):
+    """Run 31 trains footage 8K at batch 4 (1,500 steps): a row apart from batch 1's, labelled, and the verdict takes
+    the row with the most seeds, then the most clips trained on (steps x batch); a fixed-init study is a row of its
+    own too."""
+    a = _study(tmp_path / "quality-frontier-r29.json", "2026-12-07T15", [_row(fs.DEFAULT_ARM, [0, 1, 2], -3.7, 4.4)])
+    b = _study(tmp_path / "quality-frontier-r31.json", "2026-12-08T10",
+               [dict(_row(fs.DEFAULT_ARM, [0, 1, 2], -2.0, 1.0, steps=1500), batch=4)])
+    c = _study(tmp_path / "quality-frontier-r32.json", "2026-12-08T11",
+               [dict(_row(fs.DEFAULT_ARM, [0, 1], -1.0, 0.5, steps=1500), batch=4, init_seed=0)])
+    rows = fs.collect([a, b, c])
+    assert sorted((r["batch"], str(r["init_seed"])) for r in rows) == [(1, "None"), (4, "0"), (4, "None")]
+    verdict = fs.default_verdict(rows)[0]
+    assert verdict["delta_vs_full_pct"] == -2.0 and verdict["batch"] == 4  # 3 seeds each: 6,000 clips beat 3,000
+    assert "@1500, batch 4:" in fs.why_default(rows)
+    assert fs.main([a, b, c, "--out", str(tmp_path / "summary")]) == 0
+    doc = json.load(open(tmp_path / "summary.json"))
+    assert sorted(r["batch"] for r in doc["rows"]) == [1, 4, 4]

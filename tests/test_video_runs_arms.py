@@ -225,6 +225,33 @@ def test_a_run_resumes_only_on_the_schedule_it_was_trained_on(megatron_cpu, tmp_
     assert all(torch.equal(a[k], b[k]) for k in a if torch.is_tensor(a[k]))
 
 
+@pytest.mark.timeout(300)
+def test_a_run_resumes_only_at_its_batch_and_a_fixed_init_is_shared_by_seeds(megatron_cpu, tmp_path):
+    """The run checkpoint keeps its batch: resuming at another --batch is refused, naming both. --init-seed: two
+    seeds start from the same weights (seed 3's own draw differs), so a study can vary the data order and noise
+    alone."""
+    import torch
+
+    from benchmarks.video_runs import build_model, train_arm
+    from tests.test_benchmarks_smoke import _run_args
+
+    arm = "data=synthetic,frames=4,res=64,stage1=3,steps=4,attn=full"
+    args = _run_args(tmp_path, "--batch", "2", "--save-dir", str(tmp_path / "runs"))
+    train_arm(parse_arm(arm.replace("steps=4", "steps=2")), args)
+    args.batch = 1
+    with pytest.raises(ValueError, match="--batch 2, not 1"):
+        train_arm(parse_arm(arm), args)
+
+    def weights(*extra):
+        model, _ = build_model(parse_arm(arm), _run_args(tmp_path, *extra), torch.device("cpu"), torch.float32)
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    fixed = weights("--seed", "3", "--init-seed", "1")
+    assert torch.equal(fixed, weights("--seed", "5", "--init-seed", "1"))
+    assert torch.equal(fixed, weights("--seed", "1"))
+    assert not torch.equal(fixed, weights("--seed", "3"))
+
+
 def test_val_breakdown_means_per_class_and_timestep():
     """val_breakdown: each class's mean over its own held-out clips (by name), each timestep's over all clips."""
     import torch

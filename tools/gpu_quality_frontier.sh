@@ -40,7 +40,8 @@
 # SAMPLES [256: distinct training clips, kept on the GPU by every worker, 2-4 MB each at 16K], VAL_EVERY [250: steps
 # between validations, each 64 clips x 5 timesteps of forward passes: at 64K run 20's full-attention seed 1 spent ~190
 # of its 693 s outside training steps, on its start and 4 validations],
-# LR_COOLDOWN [none: a constant rate after the warm-up; f: a linear decay over the last f of STEPS], BATCH [1], WIDTH ["--heads 8
+# LR_COOLDOWN [none: a constant rate after the warm-up; f: a linear decay over the last f of STEPS], BATCH [1],
+# INIT_SEED [none: each seed its own initial weights; n: every seed starts from seed n's], WIDTH ["--heads 8
 # --head-dim 64 --layers 4": hidden 512, the attention-dominated regime at 16K tokens], TIME_LENGTHS [32768].
 # Training uses the top-k backend TRAIN_TOPK [naive: exact, backend-independent lists; auto: the library's, as a user
 # runs it, much faster on a GPU]; the timing phase uses the library's auto backends, as a user runs them.
@@ -87,6 +88,7 @@ study() {  # $1: data source -> cmd: the study's bench_quality command (an array
   [ -n "${ARMS:-}" ] && cmd+=(--arms "$ARMS")
   [ -n "${LR_COOLDOWN:-}" ] && cmd+=(--lr-cooldown "$LR_COOLDOWN")
   [ -n "${BATCH:-}" ] && cmd+=(--batch "$BATCH")
+  [ -n "${INIT_SEED:-}" ] && cmd+=(--init-seed "$INIT_SEED")
   return 0
 }
 
