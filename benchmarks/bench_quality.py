@@ -165,7 +165,8 @@ def train_one(name: str, args) -> dict:
         old = {}
     harness = dict(batch=args.batch, init_seed=getattr(args, "init_seed", None))  # what else a curve depends on
     if old and harness_of(old) != harness:
-        print(f"{path}: trained at {harness_of(old)}, not {harness}: started over", flush=True)
+        print(f"{path}: trained at {harness_of(old)}, not {harness}: its curve started over (a run checkpoint of "
+              "that harness under --save-dir is refused when it loads)", flush=True)
         old = {}
     curve = dict(old.get("curve", []))
     # cumulative (sparse layer-steps, stage-2 layer-steps) at each validation: how a stage-2 step is charged

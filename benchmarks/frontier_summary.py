@@ -275,7 +275,8 @@ def main(argv=None) -> int:
     with open(args.out + ".json", "w") as f:
         json.dump(doc, f, indent=1)
     plot(rows, args.out + ".png")
-    print(f"{'data':8s} {'S':>6s} {'arm':22s} {'steps':>5s} {'schedule':>12s} {'batch':>5s} {'n':>2s} {'delta %':>8s} "
+    print(f"{'data':8s} {'S':>6s} {'arm':22s} {'steps':>5s} {'schedule':>12s} {'batch (init)':>5s} {'n':>2s} "
+          f"{'delta %':>8s} "
           f"{'se':>5s} "
           f"{'kept':>5s}")
     for r in rows:

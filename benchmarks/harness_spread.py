@@ -24,24 +24,26 @@ import json
 import math
 import os
 import sys
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.quality_report import (SE_TARGET_PCT, check_one_schedule, load_records, mean_se,  # noqa: E402
-                                      seeds_for_se)
+from benchmarks.quality_report import (SE_TARGET_PCT, check_one_harness, check_one_schedule,  # noqa: E402
+                                      load_records, mean_se, seeds_for_se)
 
 
 def load_study(save_dir: str):
-    """``({arm: {seed: {step: val_loss}}}, schedule, {arm: {seed: {step: breakdown}}})`` of a study's curves (the
-    breakdowns: :func:`benchmarks.video_runs.val_breakdown`, where the run recorded them): refused when its runs
-    mix learning-rate schedules (:func:`benchmarks.quality_report.check_one_schedule`)."""
+    """``({arm: {seed: {step: val_loss}}}, schedule, {arm: {seed: {step: breakdown}}}, harness)`` of a study's curves
+    (the breakdowns: :func:`benchmarks.video_runs.val_breakdown`, where the run recorded them; the harness: batch and
+    fixed init, :func:`benchmarks.quality_report.harness_of`): refused when its runs mix learning-rate schedules,
+    batches or initial weights (:func:`benchmarks.quality_report.check_one_schedule`, ``check_one_harness``)."""
     records = load_records(argparse.Namespace(save_dir=save_dir, at_step=None))
     schedule = check_one_schedule(records)
+    harness = check_one_harness(records)
     curves = {arm: {seed: dict(rec["curve"]) for seed, rec in runs.items()} for arm, runs in records.items()}
     parts = {arm: {seed: {int(k): v for k, v in rec.get("val_breakdown", {}).items()} for seed, rec in runs.items()}
              for arm, runs in records.items()}
-    return curves, schedule, parts
+    return curves, schedule, parts, harness
 
 
 def _flat(breakdown: dict) -> Dict[str, float]:
@@ -76,7 +78,8 @@ def _sd_pct(xs: List[float]) -> float:
     return 100.0 * se * math.sqrt(len(xs)) / mean
 
 
-def spread_rows(name: str, study: Dict[str, Dict[int, Dict[int, float]]], schedule=None) -> List[dict]:
+def spread_rows(name: str, study: Dict[str, Dict[int, Dict[int, float]]], schedule=None,
+                harness: Optional[dict] = None) -> List[dict]:
     """One row per (arm, step) over the seeds that every arm of the study validated at that step."""
     full = study["full"]
     rows = []
@@ -86,7 +89,7 @@ def spread_rows(name: str, study: Dict[str, Dict[int, Dict[int, float]]], schedu
         for step in steps:
             f = [full[s][step] for s in seeds]
             row = dict(study=name, arm=arm, step=step, seeds=seeds, full_loss=sum(f) / len(f),
-                       full_sd_pct=_sd_pct(f) if len(f) > 1 else None, schedule=schedule)
+                       full_sd_pct=_sd_pct(f) if len(f) > 1 else None, schedule=schedule, **(harness or {}))
             if arm != "full":
                 paired = [100.0 * (runs[s][step] / full[s][step] - 1.0) for s in seeds]
                 mean, se = mean_se(paired)
@@ -139,8 +142,8 @@ def main(argv=None):
         if "=" not in spec:
             raise SystemExit(f"harness_spread: --study takes NAME=SAVE_DIR, got {spec!r}")
         name, save_dir = spec.split("=", 1)
-        study, schedule, parts = load_study(save_dir)
-        rows += spread_rows(name, study, schedule=schedule)
+        study, schedule, parts, harness = load_study(save_dir)
+        rows += spread_rows(name, study, schedule=schedule, harness=harness)
         if args.by_class:
             by_class += class_rows(name, parts)
     fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731

@@ -394,7 +394,8 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
     schedule = lr_schedule(args, getattr(args, "schedule_steps", None) or arm["steps"])
     start, counters, last_val = 0, {"sparse_steps": 0, "layer_steps": 0}, None
     if path and os.path.exists(path):
-        start, counters, last_val = load_run(path, arm, model, opt, g, ema, schedule, batch=args.batch)
+        start, counters, last_val = load_run(path, arm, model, opt, g, ema, schedule, batch=args.batch,
+                                             init=getattr(args, "init_seed", None))
         print(f" [{arm['label']}] resumed at step {start} from {path}", flush=True)
     if start == 0 or "train_s" in counters:  # a run saved before the seconds were counted never gets them
         counters.setdefault("train_s", 0.0)
@@ -449,7 +450,7 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
             if align and path and step + 1 < arm["steps"]:
                 aligned = (step + 1, val, dict(counters))
                 save_run(path, arm, model, opt, g, step + 1, counters, ema, last_val=aligned, schedule=schedule,
-                         batch=args.batch)
+                         batch=args.batch, init=getattr(args, "init_seed", None))
         if stop:
             print(f" [{arm['label']}] stopped at step {step + 1} by its {arm['minutes']} min budget", flush=True)
             break
@@ -460,7 +461,7 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
         # counters) is its last validation step's, so every run of a study reports at validated steps
         if aligned[0] != steps_done:  # (stopped right at a validation: saved there already)
             save_run(path, arm, model, opt, g, steps_done, counters, ema, last_val=aligned, schedule=schedule,
-                         batch=args.batch)
+                     batch=args.batch, init=getattr(args, "init_seed", None))
         print(f" [{arm['label']}] saved at step {steps_done}; reports its validation step {aligned[0]} (its DSV "
               f"metrics are of step {steps_done})", flush=True)
         steps_done, final_val, counters = aligned
@@ -468,7 +469,7 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
         final_val, breakdown = validate(model, ema, clips, args, class_names)
         if path:  # with its validation: a run extended later (more steps) and stopped early reports this one
             save_run(path, arm, model, opt, g, steps_done, counters, ema, last_val=(steps_done, final_val, counters),
-                     schedule=schedule, batch=args.batch)
+                     schedule=schedule, batch=args.batch, init=getattr(args, "init_seed", None))
         if on_val is not None and steps_done % args.val_every:
             on_val(steps_done, final_val, dict(counters), breakdown)
     summary = dict(steps=steps_done, val_loss=final_val, ms_step=1e3 * _median(times[1:] or times),
@@ -567,14 +568,16 @@ _FORMATS = ("megatron_dsv.video_run.v2", "megatron_dsv.video_run.v3")  # v3: + t
 
 
 def save_run(path: str, arm: dict, model, opt, g, step: int, counters: dict, ema=None, last_val=None,
-             schedule=None, batch: int = 1) -> None:
+             schedule=None, batch: int = 1, init: int | None = None) -> None:
     """Model (with its DSV state), optimizer, weight EMA, noise generator and step of a run, written atomically;
     ``last_val``: (step, loss, counters) of its last validation (what a run stopped by its minutes reports);
-    ``batch``: clips a step (a run resumes at its own)."""
+    ``batch``: clips a step, ``init``: the fixed initial weights' seed (``--init-seed``; None: the seed's own); a run
+    resumes at its own."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     state = {"format": _FORMATS[-1], "arm": {k: arm[k] for k in _RESUME_KEYS}, "step": step,
              "counters": counters, "model": model.state_dict(), "optimizer": opt.state_dict(), "rng": g.get_state(),
              "ema": None if ema is None else ema.state_dict(), "schedule": schedule, "batch": int(batch),
+             "init_seed": init,
              "last_val": None if last_val is None else dict(step=int(last_val[0]), val=float(last_val[1]),
                                                             counters=dict(last_val[2]))}
     torch.save(state, path + ".tmp")
@@ -582,10 +585,12 @@ def save_run(path: str, arm: dict, model, opt, g, step: int, counters: dict, ema
     print(f" [{arm['label']}] saved step {step} to {path}", flush=True)
 
 
-def load_run(path: str, arm: dict, model, opt, g, ema=None, schedule=None, batch: int | None = None):
+def load_run(path: str, arm: dict, model, opt, g, ema=None, schedule=None, batch: int | None = None,
+             init: int | None = None):
     """Restore what :func:`save_run` wrote (tensors only: ``weights_only=True``); returns (step, counters,
     last validation as a dict of step, val, counters, or None). ``batch``: the run's clips a step, which must be
-    the saved run's (1 for runs saved before it was recorded: every study until run 31 trained at batch 1).
+    the saved run's (1 for runs saved before it was recorded: every study until run 31 trained at batch 1), and
+    ``init`` its fixed initial weights' seed (None: the seed's own, as every run saved before it).
     A run saved without an EMA (format v2, or ``--ema-decay 0``) starts its EMA at the loaded weights."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -612,6 +617,10 @@ def load_run(path: str, arm: dict, model, opt, g, ema=None, schedule=None, batch
     if batch is not None and saved_batch != batch:
         raise ValueError(f"run checkpoint {path!r} was trained at --batch {saved_batch}, not {batch}: resume it at "
                          f"--batch {saved_batch}, or start afresh in another --save-dir")
+    if batch is not None and state.get("init_seed") != init:  # (batch given: a training run's resume)
+        raise ValueError(f"run checkpoint {path!r} started from --init-seed {state.get('init_seed')}, not {init} "
+                         "(None: the seed's own weights): resume it with its own, or start afresh in another "
+                         "--save-dir")
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     g.set_state(state["rng"])

@@ -380,6 +380,13 @@ def test_harness_spread_reads_studies_and_refuses_mixed_schedules(tmp_path, caps
     write("b", "full", 1, [[500, 1.0]])
     with pytest.raises(ValueError, match="different learning-rate schedules"):
         harness_spread.load_study(str(tmp_path / "b"))
+    assert harness_spread.load_study(str(tmp_path / "a"))[3] == dict(batch=1, init_seed=None)
+    (tmp_path / "c" / "curves").mkdir(parents=True)
+    for seed, batch in ((0, 1), (1, 4)):
+        (tmp_path / "c" / "curves" / f"full-s{seed}.json").write_text(
+            _json.dumps(dict(name="full", seed=seed, curve=[[500, 1.0]], batch=batch)))
+    with pytest.raises(ValueError, match="different harnesses"):  # batch 1 and batch 4 are not one sample
+        harness_spread.load_study(str(tmp_path / "c"))
 
 
 def test_harness_spread_traces_the_paired_delta_to_classes_and_timesteps(tmp_path, capsys):

@@ -227,7 +227,8 @@ def test_a_run_resumes_only_on_the_schedule_it_was_trained_on(megatron_cpu, tmp_
 
 @pytest.mark.timeout(300)
 def test_a_run_resumes_only_at_its_batch_and_a_fixed_init_is_shared_by_seeds(megatron_cpu, tmp_path):
-    """The run checkpoint keeps its batch: resuming at another --batch is refused, naming both. --init-seed: two
+    """The run checkpoint keeps its batch and fixed init: resuming at another --batch or --init-seed is refused,
+    naming both, at its own it trains on. --init-seed: two
     seeds start from the same weights (seed 3's own draw differs), so a study can vary the data order and noise
     alone."""
     import torch
@@ -241,6 +242,11 @@ def test_a_run_resumes_only_at_its_batch_and_a_fixed_init_is_shared_by_seeds(meg
     args.batch = 1
     with pytest.raises(ValueError, match="--batch 2, not 1"):
         train_arm(parse_arm(arm), args)
+    args.batch, args.init_seed = 2, 7
+    with pytest.raises(ValueError, match="--init-seed None, not 7"):  # saved from the seed's own weights
+        train_arm(parse_arm(arm), args)
+    args.init_seed = None
+    assert train_arm(parse_arm(arm), args)[2]["steps"] == 4  # its own harness: resumed to the end
 
     def weights(*extra):
         model, _ = build_model(parse_arm(arm), _run_args(tmp_path, *extra), torch.device("cpu"), torch.float32)

@@ -397,6 +397,29 @@ def test_dot_scoring_rejects_what_it_cannot_score():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the waits of concurrent programs: needs a CUDA GPU (the "
+                    "interpreter runs one program after another, so its first program takes every ticket)")
+def test_sliced_fallback_waits_across_more_work_than_programs_on_the_gpu():
+    """The fallback's one launch with more work than programs: 16 heads x 2 flagged 32-group tiles x 64 slices is
+    2,048 work items a pass (18,432 in all) for the 1,024 programs, far more than an H100 / H200 holds at once (one
+    program an SM), so programs of pass p + 1 wait on tiles that programs not yet started narrow in pass p: naive's
+    lists exactly (exact fp16 integer scores)."""
+    from megatron_dsv.ops.topk_estimation import triton_impl
+
+    q, k = _ints((1, 16, 2048, 16), torch.float16, 43), _ints((1, 16, 4096, 16), torch.float16, 44)
+    budgets = torch.arange(16) * 37 + 200
+    ref = estimate_topk_naive(q, k, budgets, 32)
+    st = {}
+    got = estimate_topk_triton(q, k, budgets, 32, method="sample", sample_size=64, capacity=64, stats=st,
+                               slice_items=64)
+    assert st["fallback_slices"] == 64 and st["fallback_tiles"] == 32, st  # every group overflows its buffer
+    assert st["fallback_tiles"] * st["fallback_slices"] > triton_impl._FALLBACK_PROGRAMS
+    assert torch.equal(ref[1], got[1])
+    bad = (ref[0] != got[0]).nonzero()
+    assert bad.numel() == 0, f"{bad.shape[0]} entries differ, first at {bad[:3].tolist()}"
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compares compiled kernels: needs a CUDA GPU")
 def test_dot_scoring_keeps_the_loops_order_on_the_gpu():
     """On continuous bf16 inputs the tl.dot scoring gives the same lists as the column loop (and so as the CUDA

@@ -331,10 +331,19 @@ def _narrow_flagged(Counts, bh, mask_g, rows, Lo, Hi, Chi, Cnt, Tout, GTout, BG:
 _FALLBACK_PROGRAMS = 1024
 
 
-def _sliced_fallback(P, proxies, k, counts, flags, thr, above, n_slices: int, meta: dict) -> None:
+def _slice_plan(n_items: int, slice_items: int, BN: int):
+    """``(length, n_slices)`` of the fallback's slices: about ``slice_items`` items each, rounded up to whole tiles of
+    BN items (a slice of the last tile may be partial)."""
+    n = triton.cdiv(n_items, slice_items)
+    length = triton.cdiv(triton.cdiv(n_items, n), BN) * BN
+    return length, triton.cdiv(n_items, length)
+
+
+def _sliced_fallback(P, proxies, k, counts, flags, thr, above, length: int, n_slices: int,
+                     meta: dict) -> None:
     """:func:`_tk_threshold`'s search on the groups "sample" flagged, each pass's counts spread over ``n_slices``
-    slices of the items and each tile narrowed by its last slice's program, every pass in one launch
-    (:func:`_tk_sliced_search`), on the tiles listed on the device by :func:`_flagged_tiles` (no host sync), which
+    slices of ``length`` items (:func:`_slice_plan`) and each tile narrowed by its last slice's program, every pass
+    in one launch (:func:`_tk_sliced_search`), on the tiles listed on the device by :func:`_flagged_tiles` (no host sync), which
     also sets up their search: one fill (the counters) and two launches, the second of at most
     ``_FALLBACK_PROGRAMS`` programs. Run 21 (H100): 1-4 flagged groups of 32K-64K took 12-25 ms in one program each,
     so the slices; run 28: with every tile of every head in the grids of 18 launches (counts, then narrowing), the
@@ -357,8 +366,6 @@ def _sliced_fallback(P, proxies, k, counts, flags, thr, above, n_slices: int, me
     tile_done, pass_done, n_flagged, ticket = ctr[:tiles], ctr[tiles:2 * tiles], ctr[-2:-1], ctr[-1:]
     _flagged_tiles[(n_tiles, P.B * P.H)](flags, tile_ids, n_flagged, lo, hi, c_hi, cnt, P.num_groups, BG=meta["BG"],
                                          NPROBE=_NPROBE)
-    length = triton.cdiv(triton.cdiv(P.num_items, n_slices), meta["BN"]) * meta["BN"]
-    n_slices = triton.cdiv(P.num_items, length)
     grid = (min(_FALLBACK_PROGRAMS, tiles * n_slices),)
     _tk_sliced_search[grid](proxies, k, counts, flags, tile_ids, n_flagged, ticket, tile_done, pass_done, lo, hi, c_hi,
                             cnt, thr, above, P.Sk, P.num_items, P.num_groups, n_tiles, length, n_slices,
@@ -735,12 +742,12 @@ def estimate_topk_triton(q_lr, k_lr, budgets, group_size, block_size=0, proxy="m
                          fallback_tiles=int(padded.view(P.B * P.H, -1, pBG).amax(dim=2).sum()))
     elif stats is not None:  # "search" scans every tile
         stats.update(fallback_groups=stats["groups"], fallback_tiles=stats["tiles"])
-    n_slices = triton.cdiv(P.num_items, slice_items) if fb else 1
+    length, n_slices = _slice_plan(P.num_items, slice_items, pass_meta["BN"]) if fb else (P.num_items, 1)
     if stats is not None:
         stats["fallback_slices"] = n_slices
     with _phase(stats, "threshold", q_lr.device):
         if n_slices > 1:
-            _sliced_fallback(P, proxies, k, counts, flags, thr, above, n_slices, pass_meta)
+            _sliced_fallback(P, proxies, k, counts, flags, thr, above, length, n_slices, pass_meta)
         else:
             _tk_threshold[grid](proxies, k, counts, thr, above, flags, P.Sk, P.num_items, P.num_groups,
                                 NPROBE=_NPROBE, NPASS=_NPASS, HAS_FLAGS=fb, **pass_meta)
