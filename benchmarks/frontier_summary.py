@@ -7,7 +7,7 @@ length, arm and step count, the comparison with the most seeds (ties: the newest
 full attention *of its own study* (same seeds, same harness), so rows from harnesses that changed between sessions
 (validation set, clips, EMA) stay comparable as differences, not as losses.
 
-    PYTHONPATH=. python benchmarks/frontier_summary.py --out benchmarks/results/quality-frontier-summary-20261207
+    PYTHONPATH=. python benchmarks/frontier_summary.py --out benchmarks/results/quality-frontier-summary-20261208
 
 writes ``<out>.json`` (the rows, the library default's rows and why it is the default) and ``<out>.png``: per data
 source, validation loss against full attention (%, mean +- se over seeds) against the kept fraction of keys; colour
