@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import collect_meta, init_dist, write_results  # noqa: E402
 from benchmarks.frontier_launch import launch  # noqa: E402
 from benchmarks.quality_report import harness_of, plot, report, study_seeds  # noqa: E402
-from benchmarks.video_runs import add_run_args, parse_arm, tokens_of  # noqa: E402
+from benchmarks.video_runs import add_run_args, parse_arm, run_harness, tokens_of  # noqa: E402
 from megatron_dsv.config import DSVConfig  # noqa: E402
 
 # name -> arm keys over the data arm. "control" is DSV that never leaves stage 1 (dense attention through
@@ -163,7 +163,7 @@ def train_one(name: str, args) -> dict:
     if old and schedule_key(old.get("schedule")) != schedule_key(schedule):  # another learning-rate schedule
         print(f"{path}: trained on schedule {old.get('schedule')}, not {schedule}: started over", flush=True)
         old = {}
-    harness = dict(batch=args.batch, init_seed=getattr(args, "init_seed", None))  # what else a curve depends on
+    harness = run_harness(args)  # what else a curve depends on
     if old and harness_of(old) != harness:
         print(f"{path}: trained at {harness_of(old)}, not {harness}: its curve started over (a run checkpoint of "
               "that harness under --save-dir is refused when it loads)", flush=True)

@@ -38,8 +38,8 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DEFAULT_ARM = "s1win_cap25_s400"  # the default's design, by name, in every study since run 11
 SETTING_KEYS = ("attn", "budget_rule", "recall_target", "granularity", "local_radius", "local_mode", "stage1",
                 "query_group_shape", "stage1_local", "sparsity_threshold", "max_density", "window_frac")
-COLUMNS = ("data", "S", "name", "steps", "schedule", "batch", "init_seed", "seeds", "gpu", "delta_vs_full_pct",
-           "delta_vs_full_se_pct", "kept_fraction", "sparse_layer_fraction", "recall", "time_to_full_loss_ratio",
+COLUMNS = ("data", "S", "name", "steps", "schedule", "batch", "init_seed", "order_seed", "seeds", "gpu",
+           "delta_vs_full_pct", "delta_vs_full_se_pct", "kept_fraction", "sparse_layer_fraction", "recall", "time_to_full_loss_ratio",
            "time_to_full_loss_ratio_logged", "library_default", "settings", "source", "note")
 
 
@@ -116,7 +116,7 @@ def joined_row(path: str, studies: Dict[str, List[dict]]) -> Optional[dict]:
     files = sorted({p["file"] for p in per_seed})
     src = [r for f in files for r in studies.get(f, [])  # the rows that hold a joined seed of this file
            if r["name"] == res.get("arm") and any(p["file"] == f and p["seed"] in r["seeds"] for p in per_seed)]
-    if not src or len({(r["data"], r["S"], r["schedule"], r["batch"], r["init_seed"]) for r in src}) != 1:
+    if not src or len({(r["data"], r["S"]) + harness_key(r)[1:] for r in src}) != 1:
         return None  # sources not committed, or an arm joined across data, lengths or harnesses: not one point
 
     def mean_of(key):
@@ -126,7 +126,7 @@ def joined_row(path: str, studies: Dict[str, List[dict]]) -> Optional[dict]:
     gpus = sorted({p.get("gpu") for p in res["per_seed"] if p.get("gpu")})
     return dict(
         data=src[0]["data"], S=src[0]["S"], name=res["arm"], steps=res["step"], schedule=src[0]["schedule"],
-        batch=src[0]["batch"], init_seed=src[0]["init_seed"],
+        batch=src[0]["batch"], init_seed=src[0]["init_seed"], order_seed=src[0]["order_seed"],
         seeds=list(res["seeds"]),
         gpu=" + ".join(gpus), delta_vs_full_pct=res["delta_vs_full_pct"],
         delta_vs_full_se_pct=res.get("delta_vs_full_se_pct"),
@@ -138,9 +138,9 @@ def joined_row(path: str, studies: Dict[str, List[dict]]) -> Optional[dict]:
 
 
 def harness_key(row: dict) -> tuple:
-    """What a row's comparison depends on besides its data, length and arm: steps, learning-rate schedule, batch and
-    fixed initial weights (None: the seed's own)."""
-    return row["steps"], row["schedule"], row["batch"], row["init_seed"]
+    """What a row's comparison depends on besides its data, length and arm: steps, learning-rate schedule, batch,
+    fixed initial weights and fixed clip order (None: the seed's own)."""
+    return row["steps"], row["schedule"], row["batch"], row["init_seed"], row["order_seed"]
 
 
 def best_rows(rows: List[dict]) -> List[dict]:
@@ -152,7 +152,8 @@ def best_rows(rows: List[dict]) -> List[dict]:
         if key not in best or rank > (len(best[key]["seeds"]), best[key]["date"]):
             best[key] = row
     return sorted(best.values(), key=lambda r: (r["data"], r["S"], r["name"], r["steps"] or 0, r["schedule"],
-                                                r["batch"], -1 if r["init_seed"] is None else r["init_seed"]))
+                                                r["batch"], -1 if r["init_seed"] is None else r["init_seed"],
+                                                -1 if r["order_seed"] is None else r["order_seed"]))
 
 
 def collect(paths: List[str]) -> List[dict]:
@@ -165,11 +166,11 @@ def collect(paths: List[str]) -> List[dict]:
 def default_rows(rows: List[dict]) -> List[dict]:
     """The library default's row per data source and length: most seeds, then the most clips trained on (steps x
     batch), then the constant rate every study but the cooldown checks (run 30) trained at, then each seed's own
-    initial weights."""
+    initial weights and clip order."""
     keys = sorted({(r["data"], r["S"]) for r in rows if r["library_default"]})
     return [max((r for r in rows if r["library_default"] and (r["data"], r["S"]) == key),
                 key=lambda c: (len(c["seeds"]), (c["steps"] or 0) * c["batch"], c["schedule"] == "constant",
-                               c["init_seed"] is None)) for key in keys]
+                               c["init_seed"] is None and c["order_seed"] is None)) for key in keys]
 
 
 def default_verdict(rows: List[dict]) -> List[dict]:
@@ -193,10 +194,12 @@ def _point(r: dict) -> str:
 
 
 def _harness_label(r: dict) -> str:
-    """What sets a row apart from the usual harness (constant rate, batch 1, each seed's own init), for labels."""
+    """What sets a row apart from the usual harness (constant rate, batch 1, each seed's own init and order), for
+    labels."""
     parts = [p for p in (r["schedule"] if r["schedule"] != "constant" else "",
                          f"batch {r['batch']}" if r["batch"] != 1 else "",
-                         f"init {r['init_seed']}" if r["init_seed"] is not None else "") if p]
+                         f"init {r['init_seed']}" if r["init_seed"] is not None else "",
+                         f"order {r['order_seed']}" if r["order_seed"] is not None else "") if p]
     return "".join(f", {p}" for p in parts)
 
 
@@ -282,7 +285,8 @@ def main(argv=None) -> int:
     for r in rows:
         se = r["delta_vs_full_se_pct"]
         kept = r["kept_fraction"]
-        init = "" if r["init_seed"] is None else f" init {r['init_seed']}"
+        init = ("" if r["init_seed"] is None else f" init {r['init_seed']}") + \
+            ("" if r["order_seed"] is None else f" order {r['order_seed']}")
         print(f"{r['data']:8s} {r['S']:6d} {r['name'][:22]:22s} {r['steps'] or 0:5d} {r['schedule']:>12s} "
               f"{r['batch']:5d}{init} "
               f"{len(r['seeds']):2d} "

@@ -34,9 +34,10 @@ from benchmarks.quality_report import (SE_TARGET_PCT, check_one_harness, check_o
 
 def load_study(save_dir: str):
     """``({arm: {seed: {step: val_loss}}}, schedule, {arm: {seed: {step: breakdown}}}, harness)`` of a study's curves
-    (the breakdowns: :func:`benchmarks.video_runs.val_breakdown`, where the run recorded them; the harness: batch and
-    fixed init, :func:`benchmarks.quality_report.harness_of`): refused when its runs mix learning-rate schedules,
-    batches or initial weights (:func:`benchmarks.quality_report.check_one_schedule`, ``check_one_harness``)."""
+    (the breakdowns: :func:`benchmarks.video_runs.val_breakdown`, where the run recorded them; the harness: batch,
+    fixed init and order, :func:`benchmarks.quality_report.harness_of`): refused when its runs mix learning-rate
+    schedules, batches, initial weights or clip orders (:func:`benchmarks.quality_report.check_one_schedule`,
+    ``check_one_harness``)."""
     records = load_records(argparse.Namespace(save_dir=save_dir, at_step=None))
     schedule = check_one_schedule(records)
     harness = check_one_harness(records)

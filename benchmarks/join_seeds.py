@@ -6,7 +6,7 @@ each seed's loss of the arm and of full attention at ``--step`` (from the row's 
 report kept it, else its ``val_loss_per_seed`` when the row was compared at that step), pairs them within the file,
 and reports the joined paired delta ``100 (arm / full - 1)``: per seed, mean +- se, sd and the seeds the 0.5% se
 target takes at that sd. A seed found in two files is refused (the same seed trained twice is not two seeds), and
-so are files of different harnesses (learning-rate schedule, batch, fixed initial weights).
+so are files of different harnesses (learning-rate schedule, batch, fixed initial weights or clip order).
 
     PYTHONPATH=. python benchmarks/join_seeds.py --arm s1win_cap25_s400 --step 3000 \\
         benchmarks/results/quality-frontier-run10-vizdoom-h200-20261203.json \\
@@ -55,7 +55,7 @@ def join(paths: List[str], arm: str, step: int) -> dict:
                                           sort_keys=True), path)
         if len(harness) > 1:
             raise ValueError("the files trained in different harnesses (learning-rate schedule, batch, initial "
-                             "weights): " + "; ".join(f"{p}: {h}" for h, p in harness.items()))
+                             "weights, clip order): " + "; ".join(f"{p}: {h}" for h, p in harness.items()))
         got, full = losses_at(rows[arm], step), losses_at(rows["full"], step)
         for seed in sorted(set(got) & set(full)):
             if seed in where:

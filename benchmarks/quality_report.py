@@ -88,14 +88,15 @@ def check_one_schedule(records: Dict[str, Dict[int, dict]]) -> dict:
 
 def harness_of(rec: dict) -> dict:
     """What a run's curve depends on besides its arm and schedule: ``batch`` (clips a step; 1 where a curve does not
-    record it: every study until run 31 trained at the --batch default, 1) and ``init_seed`` (the initial weights'
-    seed where a study fixed it apart from the seed, else None)."""
-    return dict(batch=int(rec.get("batch") or 1), init_seed=rec.get("init_seed"))
+    record it: every study until run 31 trained at the --batch default, 1), ``init_seed`` and ``order_seed`` (the
+    initial weights' and the clip order's seeds where a study fixed them apart from the seed, else None), as
+    :func:`benchmarks.video_runs.run_harness` wrote them."""
+    return dict(batch=int(rec.get("batch") or 1), init_seed=rec.get("init_seed"), order_seed=rec.get("order_seed"))
 
 
 def check_one_harness(records: Dict[str, Dict[int, dict]]) -> dict:
-    """The :func:`harness_of` every run of a study shares; runs of different batches or init seeds are not compared
-    (raises ValueError naming a run of each)."""
+    """The :func:`harness_of` every run of a study shares; runs of different batches, init or order seeds are not
+    compared (raises ValueError naming a run of each)."""
     seen: Dict[str, str] = {}
     for name, runs in records.items():
         for seed, rec in runs.items():
@@ -321,7 +322,7 @@ def report(args, names: List[str]) -> List[dict]:
                    # --at-step: curves cut there; kept_fraction, recall, sparsity and budget density are the runs'
                    # ends (their summaries), the sparse share is counted up to the cut
                    cut_at_step=getattr(args, "at_step", None),
-                   lr_schedule=schedule, batch=harness["batch"], init_seed=harness["init_seed"])
+                   lr_schedule=schedule, **harness)
         rows.append(row)
     full_by_S = next((r["time_to_full_loss_s_by_S"] for r in rows if r["name"] == "full"), {})
     for row in rows:

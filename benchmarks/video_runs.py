@@ -24,8 +24,8 @@ where it stopped and reports its last validation step), ``stage1`` (DSV's stage-
 half of ``steps``), ``window_frac`` (the window baseline's kept fraction of keys), ``label`` (a
 name for the plots; default built from the keys that differ from the defaults).
 Every arm with the same data keys trains on the same clips (``--data-seed``), in the same order and from the
-same initial weights (``--seed``: a seed is one draw of init, data order and training noise; ``--init-seed`` fixes
-the init apart from it), and is validated on the same
+same initial weights (``--seed``: a seed is one draw of init, data order and training noise; ``--init-seed`` and
+``--order-seed`` fix the init and the clip order apart from it), and is validated on the same
 held-out clips, noise and timesteps; with ``--ema-decay`` > 0 (default 0.999) validation evaluates the
 exponential moving average of the weights (:class:`megatron_dsv.training.ema.ModelEMA`), as diffusion
 trainers evaluate and sample.
@@ -157,7 +157,7 @@ class Clips:
             cls._cache.clear()  # one data set on the device at a time
             cls._cache[key] = cls._load_or_render(key, arm, args, channels, device, dtype)
         clips = cls._cache[key]
-        clips.order_seed = args.seed
+        clips.order_seed = order_seed(args)
         return clips
 
     @classmethod
@@ -256,6 +256,21 @@ def init_seed(args) -> int:
     and training noise; a study that fixes the init varies only the other two)."""
     fixed = getattr(args, "init_seed", None)
     return args.seed if fixed is None else fixed
+
+
+def order_seed(args) -> int:
+    """The seed of the clip order: ``--order-seed``, else ``--seed`` (0: the clips in their rendered order, as runs
+    before seeds did); a study that fixes it (and the init) varies only the training noise."""
+    fixed = getattr(args, "order_seed", None)
+    return args.seed if fixed is None else fixed
+
+
+def run_harness(args) -> dict:
+    """What a run's curve depends on besides its arm, seed and schedule: ``batch`` (clips a step) and the fixed
+    ``init_seed`` / ``order_seed`` (None: the seed's own). A run checkpoint resumes only in its own harness, and a
+    report compares only runs of one (:func:`benchmarks.quality_report.harness_of` reads it back from a curve)."""
+    return dict(batch=int(args.batch), init_seed=getattr(args, "init_seed", None),
+                order_seed=getattr(args, "order_seed", None))
 
 
 def _data_seed(args) -> int:
@@ -394,8 +409,7 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
     schedule = lr_schedule(args, getattr(args, "schedule_steps", None) or arm["steps"])
     start, counters, last_val = 0, {"sparse_steps": 0, "layer_steps": 0}, None
     if path and os.path.exists(path):
-        start, counters, last_val = load_run(path, arm, model, opt, g, ema, schedule, batch=args.batch,
-                                             init=getattr(args, "init_seed", None))
+        start, counters, last_val = load_run(path, arm, model, opt, g, ema, schedule, harness=run_harness(args))
         print(f" [{arm['label']}] resumed at step {start} from {path}", flush=True)
     if start == 0 or "train_s" in counters:  # a run saved before the seconds were counted never gets them
         counters.setdefault("train_s", 0.0)
@@ -450,7 +464,7 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
             if align and path and step + 1 < arm["steps"]:
                 aligned = (step + 1, val, dict(counters))
                 save_run(path, arm, model, opt, g, step + 1, counters, ema, last_val=aligned, schedule=schedule,
-                         batch=args.batch, init=getattr(args, "init_seed", None))
+                         harness=run_harness(args))
         if stop:
             print(f" [{arm['label']}] stopped at step {step + 1} by its {arm['minutes']} min budget", flush=True)
             break
@@ -461,7 +475,7 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
         # counters) is its last validation step's, so every run of a study reports at validated steps
         if aligned[0] != steps_done:  # (stopped right at a validation: saved there already)
             save_run(path, arm, model, opt, g, steps_done, counters, ema, last_val=aligned, schedule=schedule,
-                     batch=args.batch, init=getattr(args, "init_seed", None))
+                     harness=run_harness(args))
         print(f" [{arm['label']}] saved at step {steps_done}; reports its validation step {aligned[0]} (its DSV "
               f"metrics are of step {steps_done})", flush=True)
         steps_done, final_val, counters = aligned
@@ -469,7 +483,7 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
         final_val, breakdown = validate(model, ema, clips, args, class_names)
         if path:  # with its validation: a run extended later (more steps) and stopped early reports this one
             save_run(path, arm, model, opt, g, steps_done, counters, ema, last_val=(steps_done, final_val, counters),
-                     schedule=schedule, batch=args.batch, init=getattr(args, "init_seed", None))
+                     schedule=schedule, harness=run_harness(args))
         if on_val is not None and steps_done % args.val_every:
             on_val(steps_done, final_val, dict(counters), breakdown)
     summary = dict(steps=steps_done, val_loss=final_val, ms_step=1e3 * _median(times[1:] or times),
@@ -565,19 +579,22 @@ def _optimizer(model, arm: dict) -> MainWeightsAdamW:
 _RESUME_KEYS = ("data", "frames", "res", "attn", "lr", "qk_norm", "qk_lr", "rope", "gran", "rule", "recall", "local",
                 "lmode", "thr", "stage1", "window_frac")
 _FORMATS = ("megatron_dsv.video_run.v2", "megatron_dsv.video_run.v3")  # v3: + the weight EMA
+# the harness of a run saved before each field was recorded: every study until run 31 trained at batch 1 from each
+# seed's own weights, and until run 32 in each seed's own clip order
+_HARNESS_BEFORE = dict(batch=1, init_seed=None, order_seed=None)
 
 
 def save_run(path: str, arm: dict, model, opt, g, step: int, counters: dict, ema=None, last_val=None,
-             schedule=None, batch: int = 1, init: int | None = None) -> None:
+             schedule=None, harness: dict | None = None) -> None:
     """Model (with its DSV state), optimizer, weight EMA, noise generator and step of a run, written atomically;
     ``last_val``: (step, loss, counters) of its last validation (what a run stopped by its minutes reports);
-    ``batch``: clips a step, ``init``: the fixed initial weights' seed (``--init-seed``; None: the seed's own); a run
-    resumes at its own."""
+    ``harness``: :func:`run_harness` (batch, fixed init and clip order; None: batch 1, the seed's own), in which
+    alone it resumes."""
+    harness = dict(_HARNESS_BEFORE, **(harness or {}))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     state = {"format": _FORMATS[-1], "arm": {k: arm[k] for k in _RESUME_KEYS}, "step": step,
              "counters": counters, "model": model.state_dict(), "optimizer": opt.state_dict(), "rng": g.get_state(),
-             "ema": None if ema is None else ema.state_dict(), "schedule": schedule, "batch": int(batch),
-             "init_seed": init,
+             "ema": None if ema is None else ema.state_dict(), "schedule": schedule, **harness,
              "last_val": None if last_val is None else dict(step=int(last_val[0]), val=float(last_val[1]),
                                                             counters=dict(last_val[2]))}
     torch.save(state, path + ".tmp")
@@ -585,12 +602,11 @@ def save_run(path: str, arm: dict, model, opt, g, step: int, counters: dict, ema
     print(f" [{arm['label']}] saved step {step} to {path}", flush=True)
 
 
-def load_run(path: str, arm: dict, model, opt, g, ema=None, schedule=None, batch: int | None = None,
-             init: int | None = None):
+def load_run(path: str, arm: dict, model, opt, g, ema=None, schedule=None, harness: dict | None = None):
     """Restore what :func:`save_run` wrote (tensors only: ``weights_only=True``); returns (step, counters,
-    last validation as a dict of step, val, counters, or None). ``batch``: the run's clips a step, which must be
-    the saved run's (1 for runs saved before it was recorded: every study until run 31 trained at batch 1), and
-    ``init`` its fixed initial weights' seed (None: the seed's own, as every run saved before it).
+    last validation as a dict of step, val, counters, or None). ``harness``: the resuming run's
+    :func:`run_harness`, which must be the saved run's (a run saved before a field was recorded has its value then:
+    batch 1, the seed's own init and order, :data:`_HARNESS_BEFORE`); None: not checked.
     A run saved without an EMA (format v2, or ``--ema-decay 0``) starts its EMA at the loaded weights."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -613,14 +629,12 @@ def load_run(path: str, arm: dict, model, opt, g, ema=None, schedule=None, batch
         raise ValueError(f"run checkpoint {path!r} was trained on another learning-rate schedule (saved "
                          f"{schedule_key(saved_schedule)}, now {schedule_key(schedule)}): resume with its --warmup / "
                          "--lr-cooldown / --lr-min-frac, or start afresh")
-    saved_batch = int(state.get("batch", 1))
-    if batch is not None and saved_batch != batch:
-        raise ValueError(f"run checkpoint {path!r} was trained at --batch {saved_batch}, not {batch}: resume it at "
-                         f"--batch {saved_batch}, or start afresh in another --save-dir")
-    if batch is not None and state.get("init_seed") != init:  # (batch given: a training run's resume)
-        raise ValueError(f"run checkpoint {path!r} started from --init-seed {state.get('init_seed')}, not {init} "
-                         "(None: the seed's own weights): resume it with its own, or start afresh in another "
-                         "--save-dir")
+    for key, was in _HARNESS_BEFORE.items():
+        saved_value, now = state.get(key, was), None if harness is None else harness.get(key, was)
+        if harness is not None and saved_value != now:
+            flag = "--" + key.replace("_", "-")
+            raise ValueError(f"run checkpoint {path!r} was trained with {flag} {saved_value}, not {now} (None: the "
+                             f"seed's own): resume it with {flag} {saved_value}, or start afresh in another --save-dir")
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     g.set_state(state["rng"])
@@ -695,6 +709,9 @@ def add_run_args(ap, preset="0.8b", layers=4, samples=64):
     ap.add_argument("--init-seed", type=int, default=None,
                     help="the initial weights (default: --seed); a study over seeds that fixes it varies only the "
                          "data order and the training noise")
+    ap.add_argument("--order-seed", type=int, default=None,
+                    help="the clip order (default: --seed; 0: the rendered order); a study over seeds that fixes it "
+                         "and --init-seed varies only the training noise")
     ap.add_argument("--data-seed", type=int, default=None,
                     help="the rendered clips (default: --seed); a study over seeds fixes it so every seed sees the "
                          "same clips and held-out set")

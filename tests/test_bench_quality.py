@@ -324,14 +324,18 @@ def test_the_report_refuses_runs_of_different_learning_rate_schedules():
 
 
 def test_the_report_refuses_runs_of_different_batches_or_initial_weights():
-    """Batch and a fixed init are part of the harness: a study mixing them is refused, naming a run of each; a curve
-    without them trained at batch 1 from its seed's own weights (every study before run 31)."""
+    """Batch, a fixed init and a fixed clip order are part of the harness: a study mixing them is refused, naming a
+    run of each; a curve without them trained at batch 1 from its seed's own weights, in its own order (every study
+    before run 31)."""
     from benchmarks.quality_report import check_one_harness, harness_of
 
-    assert harness_of({}) == dict(batch=1, init_seed=None)
-    assert check_one_harness({"full": {0: {}, 1: {"batch": 1}}, "dsv": {0: {"batch": 1, "init_seed": None}}}) == \
-        dict(batch=1, init_seed=None)
-    assert check_one_harness({"full": {0: {"batch": 4, "init_seed": 0}}}) == dict(batch=4, init_seed=0)
+    usual = dict(batch=1, init_seed=None, order_seed=None)
+    assert harness_of({}) == usual
+    assert check_one_harness({"full": {0: {}, 1: {"batch": 1}}, "dsv": {0: {"batch": 1, "init_seed": None}}}) == usual
+    assert check_one_harness({"full": {0: {"batch": 4, "init_seed": 0}}}) == dict(batch=4, init_seed=0, order_seed=None)
+    assert check_one_harness({"full": {0: {"batch": 4, "init_seed": 0, "order_seed": 0}}})["order_seed"] == 0
+    with pytest.raises(ValueError, match="different harnesses"):
+        check_one_harness({"full": {0: {"batch": 4, "init_seed": 0}, 1: {"batch": 4, "init_seed": 0, "order_seed": 1}}})
     with pytest.raises(ValueError, match=r"different harnesses: full seed 0: .*\"batch\": 1.*dsv seed 0"):
         check_one_harness({"full": {0: {}}, "dsv": {0: {"batch": 4}}})
     with pytest.raises(ValueError, match="different harnesses"):
@@ -380,7 +384,7 @@ def test_harness_spread_reads_studies_and_refuses_mixed_schedules(tmp_path, caps
     write("b", "full", 1, [[500, 1.0]])
     with pytest.raises(ValueError, match="different learning-rate schedules"):
         harness_spread.load_study(str(tmp_path / "b"))
-    assert harness_spread.load_study(str(tmp_path / "a"))[3] == dict(batch=1, init_seed=None)
+    assert harness_spread.load_study(str(tmp_path / "a"))[3] == dict(batch=1, init_seed=None, order_seed=None)
     (tmp_path / "c" / "curves").mkdir(parents=True)
     for seed, batch in ((0, 1), (1, 4)):
         (tmp_path / "c" / "curves" / f"full-s{seed}.json").write_text(

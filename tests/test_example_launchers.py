@@ -2,6 +2,7 @@
 module of $PYTHON, and say what to set when that interpreter lacks megatron_dsv. Every script parses."""
 
 import glob
+import json
 import os
 import re
 import shlex
@@ -271,13 +272,15 @@ def test_frontier_start_runs_its_workers_from_a_copy_of_the_code(tmp_path):
     re-copies the working tree under running workers, and in run 20 a worker that started then died of
     ModuleNotFoundError. Here the repository's code is removed as soon as the start returns; the study still trains.
     The arm is DSV's default, whose worker reads video_runs.py's --speedup-table default, a JSON under
-    benchmarks/results: run 21's default worker died of a copy without it."""
+    benchmarks/results: run 21's default worker died of a copy without it. BATCH, INIT_SEED and ORDER_SEED reach the
+    worker: its curve records the harness it trained in."""
     repo = tmp_path / "repo"
     for part in ("tools", "benchmarks", "megatron_dsv"):
         shutil.copytree(os.path.join(ROOT, part), repo / part, ignore=shutil.ignore_patterns("__pycache__"))
     (tmp_path / "wheels").mkdir()
     env = _bare_env(PATH=_python3_on_path(tmp_path), GPU_WHEEL_DIRS=str(tmp_path / "wheels"), DATA="synthetic",
                     ARMS="default", SEEDS="0", STEPS="2", MAX_WORKERS="1", SKIP_GPU_TESTS="1",
+                    BATCH="2", INIT_SEED="3", ORDER_SEED="1",
                     ARM_KEYS="frames=2,res=32,stage1=700,qk_lr=10,lr=3e-4", SAMPLES="8",
                     WIDTH="--heads 2 --head-dim 16 --layers 1", OMP_NUM_THREADS="1")
     proc = subprocess.run(["bash", str(repo / "tools" / "gpu_quality_frontier.sh"), str(tmp_path / "out"), "start"],
@@ -302,3 +305,5 @@ def test_frontier_start_runs_its_workers_from_a_copy_of_the_code(tmp_path):
     log = log_path.read_text() if log_path.exists() else ""
     launch_log = next((repo / "runs").glob("launch-synthetic-*.log")).read_text()
     assert "== default seed 0: 2 steps" in log, launch_log[-3000:] + log[-3000:]
+    curve = json.loads((repo / "runs" / "frontier-synthetic" / "curves" / "default-s0.json").read_text())
+    assert (curve["batch"], curve["init_seed"], curve["order_seed"]) == (2, 3, 1)

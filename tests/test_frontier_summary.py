@@ -14,7 +14,7 @@ def _row(name, seeds, delta, se, steps=3000, data="vizdoom", S=16384, kept=0.23)
     return dict(bench="quality_frontier", kind="arm", name=name, data=data, S=S, steps=steps, seeds=seeds,
                 delta_vs_full_pct=delta, delta_vs_full_se_pct=se, kept_fraction=kept, sparse_layer_fraction=1.0,
                 recall=0.5, time_to_full_loss_ratio=None, schedule="constant", batch=1,
-                init_seed=None)  # schedule, batch, init_seed: as collect() sets them
+                init_seed=None, order_seed=None)  # schedule, batch, init_seed, order_seed: as collect() sets them
 
 
 def _study(path, date, rows, gpu="NVIDIA H200"):
@@ -100,15 +100,19 @@ def test_a_cooldown_study_is_its_own_row_and_the_verdict_keeps_the_constant_rate
 
 def test_a_study_of_another_batch_or_a_fixed_init_is_its_own_row(tmp_path):
     """Run 31 trains footage 8K at batch 4 (1,500 steps): a row apart from batch 1's, labelled, and the verdict takes
-    the row with the most seeds, then the most clips trained on (steps x batch); a fixed-init study is a row of its
-    own too."""
+    the row with the most seeds, then the most clips trained on (steps x batch); a fixed-init study, and one that also
+    fixes the clip order, are rows of their own too."""
     a = _study(tmp_path / "quality-frontier-r29.json", "2026-12-07T15", [_row(fs.DEFAULT_ARM, [0, 1, 2], -3.7, 4.4)])
     b = _study(tmp_path / "quality-frontier-r31.json", "2026-12-08T10",
                [dict(_row(fs.DEFAULT_ARM, [0, 1, 2], -2.0, 1.0, steps=1500), batch=4)])
     c = _study(tmp_path / "quality-frontier-r32.json", "2026-12-08T11",
                [dict(_row(fs.DEFAULT_ARM, [0, 1], -1.0, 0.5, steps=1500), batch=4, init_seed=0)])
-    rows = fs.collect([a, b, c])
-    assert sorted((r["batch"], str(r["init_seed"])) for r in rows) == [(1, "None"), (4, "0"), (4, "None")]
+    d = _study(tmp_path / "quality-frontier-r33.json", "2026-12-08T12",
+               [dict(_row(fs.DEFAULT_ARM, [0, 1], -0.5, 0.4, steps=1500), batch=4, init_seed=0, order_seed=0)])
+    rows = fs.collect([a, b, c, d])
+    assert sorted((r["batch"], str(r["init_seed"]), str(r["order_seed"])) for r in rows) == \
+        [(1, "None", "None"), (4, "0", "0"), (4, "0", "None"), (4, "None", "None")]
+    assert any("init 0, order 0" in fs._harness_label(r) for r in rows)
     verdict = fs.default_verdict(rows)[0]
     assert verdict["delta_vs_full_pct"] == -2.0 and verdict["batch"] == 4  # 3 seeds each: 6,000 clips beat 3,000
     assert "@1500, batch 4:" in fs.why_default(rows)

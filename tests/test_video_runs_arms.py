@@ -132,6 +132,16 @@ def test_align_stops_save_where_they_stop_report_the_last_validation_and_resume_
                            torch.device("cpu"), torch.float32)
     assert clips1 is clips0 and not torch.equal(clips1.batch_at(0, 3)[0], first0)  # same clips, other order
     assert sorted(clips1._epoch_order(0).tolist()) == [0, 1, 2]
+    # --order-seed fixes the clip order apart from the seed: seed 1 with order 0 trains in seed 0's order, and seed
+    # 0 with order 1 in seed 1's (epochs 0-2: each epoch its own permutation)
+    def orders(*extra):
+        clips = Clips.for_arm(parse_arm(arm), _run_args(tmp_path, "--data-seed", "0", *extra), 4, torch.device("cpu"),
+                              torch.float32)
+        return [clips._epoch_order(e).tolist() for e in range(3)]
+
+    assert orders("--seed", "1", "--order-seed", "0") == orders() == [[0, 1, 2]] * 3
+    assert orders("--order-seed", "1") == orders("--seed", "1") == orders("--seed", "5", "--order-seed", "1")
+    assert orders("--seed", "1") != orders()
 
 
 def test_s1local_key_reaches_the_config_and_the_label():
@@ -227,8 +237,8 @@ def test_a_run_resumes_only_on_the_schedule_it_was_trained_on(megatron_cpu, tmp_
 
 @pytest.mark.timeout(300)
 def test_a_run_resumes_only_at_its_batch_and_a_fixed_init_is_shared_by_seeds(megatron_cpu, tmp_path):
-    """The run checkpoint keeps its batch and fixed init: resuming at another --batch or --init-seed is refused,
-    naming both, at its own it trains on. --init-seed: two
+    """The run checkpoint keeps its batch, fixed init and fixed clip order: resuming at another --batch,
+    --init-seed or --order-seed is refused, naming both, at its own it trains on. --init-seed: two
     seeds start from the same weights (seed 3's own draw differs), so a study can vary the data order and noise
     alone."""
     import torch
@@ -245,8 +255,13 @@ def test_a_run_resumes_only_at_its_batch_and_a_fixed_init_is_shared_by_seeds(meg
     args.batch, args.init_seed = 2, 7
     with pytest.raises(ValueError, match="--init-seed None, not 7"):  # saved from the seed's own weights
         train_arm(parse_arm(arm), args)
-    args.init_seed = None
+    args.init_seed, args.order_seed = None, 0
+    with pytest.raises(ValueError, match="--order-seed None, not 0"):  # saved in the seed's own clip order
+        train_arm(parse_arm(arm), args)
+    args.order_seed = None
     assert train_arm(parse_arm(arm), args)[2]["steps"] == 4  # its own harness: resumed to the end
+    saved = torch.load(tmp_path / "runs" / f"{parse_arm(arm)['label']}.pt", map_location="cpu", weights_only=True)
+    assert (saved["batch"], saved["init_seed"], saved["order_seed"]) == (2, None, None)
 
     def weights(*extra):
         model, _ = build_model(parse_arm(arm), _run_args(tmp_path, *extra), torch.device("cpu"), torch.float32)

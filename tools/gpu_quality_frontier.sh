@@ -41,7 +41,8 @@
 # between validations, each 64 clips x 5 timesteps of forward passes: at 64K run 20's full-attention seed 1 spent ~190
 # of its 693 s outside training steps, on its start and 4 validations],
 # LR_COOLDOWN [none: a constant rate after the warm-up; f: a linear decay over the last f of STEPS], BATCH [1],
-# INIT_SEED [none: each seed its own initial weights; n: every seed starts from seed n's], WIDTH ["--heads 8
+# INIT_SEED [none: each seed its own initial weights; n: every seed starts from seed n's], ORDER_SEED [none: each
+# seed its own clip order; n: every seed trains in seed n's order (0: the rendered order)], WIDTH ["--heads 8
 # --head-dim 64 --layers 4": hidden 512, the attention-dominated regime at 16K tokens], TIME_LENGTHS [32768].
 # Training uses the top-k backend TRAIN_TOPK [naive: exact, backend-independent lists; auto: the library's, as a user
 # runs it, much faster on a GPU]; the timing phase uses the library's auto backends, as a user runs them.
@@ -89,6 +90,7 @@ study() {  # $1: data source -> cmd: the study's bench_quality command (an array
   [ -n "${LR_COOLDOWN:-}" ] && cmd+=(--lr-cooldown "$LR_COOLDOWN")
   [ -n "${BATCH:-}" ] && cmd+=(--batch "$BATCH")
   [ -n "${INIT_SEED:-}" ] && cmd+=(--init-seed "$INIT_SEED")
+  [ -n "${ORDER_SEED:-}" ] && cmd+=(--order-seed "$ORDER_SEED")
   return 0
 }
 
