@@ -39,8 +39,8 @@ DEFAULT_ARM = "s1win_cap25_s400"  # the default's design, by name, in every stud
 SETTING_KEYS = ("attn", "budget_rule", "recall_target", "granularity", "local_radius", "local_mode", "stage1",
                 "query_group_shape", "stage1_local", "sparsity_threshold", "max_density", "window_frac")
 COLUMNS = ("data", "S", "name", "steps", "schedule", "batch", "init_seed", "order_seed", "seeds", "gpu",
-           "delta_vs_full_pct", "delta_vs_full_se_pct", "kept_fraction", "sparse_layer_fraction", "recall", "time_to_full_loss_ratio",
-           "time_to_full_loss_ratio_logged", "library_default", "settings", "source", "note")
+           "delta_vs_full_pct", "delta_vs_full_se_pct", "kept_fraction", "sparse_layer_fraction", "recall",
+           "time_to_full_loss_ratio", "time_to_full_loss_ratio_logged", "library_default", "settings", "source", "note")
 
 
 def _finite(x) -> Optional[float]:
@@ -285,10 +285,10 @@ def main(argv=None) -> int:
     for r in rows:
         se = r["delta_vs_full_se_pct"]
         kept = r["kept_fraction"]
-        init = ("" if r["init_seed"] is None else f" init {r['init_seed']}") + \
+        fixed = ("" if r["init_seed"] is None else f" init {r['init_seed']}") + \
             ("" if r["order_seed"] is None else f" order {r['order_seed']}")
         print(f"{r['data']:8s} {r['S']:6d} {r['name'][:22]:22s} {r['steps'] or 0:5d} {r['schedule']:>12s} "
-              f"{r['batch']:5d}{init} "
+              f"{r['batch']:5d}{fixed} "
               f"{len(r['seeds']):2d} "
               f"{r['delta_vs_full_pct']:+8.2f} {'' if se is None else f'{se:.2f}':>5s} "
               f"{'' if kept is None else f'{kept:.2f}':>5s}")

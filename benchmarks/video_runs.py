@@ -251,18 +251,21 @@ def _readable_file(path: str):
     return path
 
 
+def _fixed_or_seed(args, name: str) -> int:
+    fixed = getattr(args, name, None)
+    return args.seed if fixed is None else fixed
+
+
 def init_seed(args) -> int:
     """The seed of the initial weights: ``--init-seed``, else ``--seed`` (a seed is one draw of init, data order
     and training noise; a study that fixes the init varies only the other two)."""
-    fixed = getattr(args, "init_seed", None)
-    return args.seed if fixed is None else fixed
+    return _fixed_or_seed(args, "init_seed")
 
 
 def order_seed(args) -> int:
     """The seed of the clip order: ``--order-seed``, else ``--seed`` (0: the clips in their rendered order, as runs
     before seeds did); a study that fixes it (and the init) varies only the training noise."""
-    fixed = getattr(args, "order_seed", None)
-    return args.seed if fixed is None else fixed
+    return _fixed_or_seed(args, "order_seed")
 
 
 def run_harness(args) -> dict:
@@ -407,9 +410,10 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
     ema = _ema(model, args)
     path = run_path(arm, args)
     schedule = lr_schedule(args, getattr(args, "schedule_steps", None) or arm["steps"])
+    harness = run_harness(args)
     start, counters, last_val = 0, {"sparse_steps": 0, "layer_steps": 0}, None
     if path and os.path.exists(path):
-        start, counters, last_val = load_run(path, arm, model, opt, g, ema, schedule, harness=run_harness(args))
+        start, counters, last_val = load_run(path, arm, model, opt, g, ema, schedule, harness=harness)
         print(f" [{arm['label']}] resumed at step {start} from {path}", flush=True)
     if start == 0 or "train_s" in counters:  # a run saved before the seconds were counted never gets them
         counters.setdefault("train_s", 0.0)
@@ -464,7 +468,7 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
             if align and path and step + 1 < arm["steps"]:
                 aligned = (step + 1, val, dict(counters))
                 save_run(path, arm, model, opt, g, step + 1, counters, ema, last_val=aligned, schedule=schedule,
-                         harness=run_harness(args))
+                         harness=harness)
         if stop:
             print(f" [{arm['label']}] stopped at step {step + 1} by its {arm['minutes']} min budget", flush=True)
             break
@@ -475,7 +479,7 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
         # counters) is its last validation step's, so every run of a study reports at validated steps
         if aligned[0] != steps_done:  # (stopped right at a validation: saved there already)
             save_run(path, arm, model, opt, g, steps_done, counters, ema, last_val=aligned, schedule=schedule,
-                     harness=run_harness(args))
+                     harness=harness)
         print(f" [{arm['label']}] saved at step {steps_done}; reports its validation step {aligned[0]} (its DSV "
               f"metrics are of step {steps_done})", flush=True)
         steps_done, final_val, counters = aligned
@@ -483,7 +487,7 @@ def train_arm(arm: dict, args, on_profile=None, on_val=None):
         final_val, breakdown = validate(model, ema, clips, args, class_names)
         if path:  # with its validation: a run extended later (more steps) and stopped early reports this one
             save_run(path, arm, model, opt, g, steps_done, counters, ema, last_val=(steps_done, final_val, counters),
-                     schedule=schedule, harness=run_harness(args))
+                     schedule=schedule, harness=harness)
         if on_val is not None and steps_done % args.val_every:
             on_val(steps_done, final_val, dict(counters), breakdown)
     summary = dict(steps=steps_done, val_loss=final_val, ms_step=1e3 * _median(times[1:] or times),
@@ -629,9 +633,9 @@ def load_run(path: str, arm: dict, model, opt, g, ema=None, schedule=None, harne
         raise ValueError(f"run checkpoint {path!r} was trained on another learning-rate schedule (saved "
                          f"{schedule_key(saved_schedule)}, now {schedule_key(schedule)}): resume with its --warmup / "
                          "--lr-cooldown / --lr-min-frac, or start afresh")
-    for key, was in _HARNESS_BEFORE.items():
-        saved_value, now = state.get(key, was), None if harness is None else harness.get(key, was)
-        if harness is not None and saved_value != now:
+    for key, was in _HARNESS_BEFORE.items() if harness is not None else ():
+        saved_value, now = state.get(key, was), harness.get(key, was)
+        if saved_value != now:
             flag = "--" + key.replace("_", "-")
             raise ValueError(f"run checkpoint {path!r} was trained with {flag} {saved_value}, not {now} (None: the "
                              f"seed's own): resume it with {flag} {saved_value}, or start afresh in another --save-dir")
